@@ -1,0 +1,1 @@
+"""rrfp.exec: torch.distributed executor driving the shared rrfp policies."""

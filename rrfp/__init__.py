@@ -1,0 +1,50 @@
+"""rrfp: a readiness-driven runtime for pipeline-parallel training -- the shared policy core.
+
+The schedule (1F1B, interleaved, zero-bubble, ...) is a non-binding *hint*: each rank dispatches
+the highest-ranked task that is ready now, within an activation-memory budget. This package holds
+everything both interpreters share (tasks, specs, hints, policies, budget, TP agreement, workload and
+jitter models, trace schema, metrics) and imports neither simpy nor torch.
+
+    >>> import rrfp
+    >>> rrfp.hint_orders("1f1b", pp=2, microbatches=3)[1]
+    ['1F0', '1B0', '1F1', '1B1', '1F2', '1B2']
+"""
+
+from rrfp.budget import BudgetError, hint_peaks, order_peak, resolve_budget
+from rrfp.driver import DeadlockError, Run, run_reference
+from rrfp.hints import Hint, HintError, hint_names, hint_orders, make_hint
+from rrfp.policies import Policy, PolicyError, get_policy, policy_names, register_policy
+from rrfp.scheduler import RankScheduler, SchedulerError
+from rrfp.spec import PipelineSpec, SpecError
+from rrfp.task import Op, Task, TaskFormatError
+from rrfp.tp import agree
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BudgetError",
+    "DeadlockError",
+    "Hint",
+    "HintError",
+    "Op",
+    "PipelineSpec",
+    "Policy",
+    "PolicyError",
+    "RankScheduler",
+    "Run",
+    "SchedulerError",
+    "SpecError",
+    "Task",
+    "TaskFormatError",
+    "agree",
+    "get_policy",
+    "hint_names",
+    "hint_orders",
+    "hint_peaks",
+    "make_hint",
+    "order_peak",
+    "policy_names",
+    "register_policy",
+    "resolve_budget",
+    "run_reference",
+]

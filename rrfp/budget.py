@@ -1,0 +1,73 @@
+"""Activation-memory budget per rank.
+
+A forward takes one activation slot when it starts; the op that finishes with those activations
+(B, or W when the backward is split) gives it back when it completes. The default budget is the peak
+the hint itself reaches when followed exactly, so rrfp never holds more than the schedule it was given.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+from rrfp.hints import Hint
+from rrfp.spec import PipelineSpec
+from rrfp.task import Task
+
+
+class BudgetError(ValueError):
+    """A budget that cannot be parsed, or that is below what the hint itself needs."""
+
+
+def deltas(spec: PipelineSpec, order: Sequence[Task]) -> list[int]:
+    """Activation slots each task of ``order`` takes (+1), gives back (-1) or leaves alone (0)."""
+    return [1 if spec.acquires(t) else -1 if spec.releases(t) else 0 for t in order]
+
+
+def order_peak(spec: PipelineSpec, order: Sequence[Task]) -> int:
+    """Most activation slots held at once when ``order`` is followed one task at a time."""
+    held = peak = 0
+    for d in deltas(spec, order):
+        held += d
+        peak = max(peak, held)
+    return peak
+
+
+def hint_peaks(hint: Hint) -> dict[int, int]:
+    """Per-rank peak of the hint's (reference) order."""
+    return {r: order_peak(hint.spec, order) for r, order in hint.orders.items()}
+
+
+_FACTOR = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*x\s*$", re.IGNORECASE)
+
+
+def resolve_budget(budget: str | int | float | None, hint: Hint) -> dict[int, int]:
+    """Per-rank budget in activation slots from ``None``/"1x", "2x", "1.5x" or an absolute count.
+
+    A factor scales each rank's own peak (rounded down, never below the peak); an absolute count
+    applies to every rank and is refused if any rank's hint peak exceeds it.
+    """
+    peaks = hint_peaks(hint)
+    if budget is None:
+        return dict(peaks)
+    text = str(budget).strip()
+    match = _FACTOR.match(text)
+    if match:
+        factor = float(match.group(1))
+        if factor < 1.0:
+            raise BudgetError(f"memory budget {text!r} is below 1x: the hint needs its own peak")
+        return {r: max(p, math.floor(factor * p + 1e-9)) for r, p in peaks.items()}
+    try:
+        count = int(text)
+    except ValueError as e:
+        raise BudgetError(
+            f"memory budget {text!r} is neither a factor like 2x nor a whole number of activations"
+        ) from e
+    for rank, peak in peaks.items():
+        if count < peak:
+            raise BudgetError(
+                f"memory budget {count} is below the peak of hint {hint.name!r} on rank {rank} "
+                f"({peak} activations); following the hint would exceed it"
+            )
+    return dict.fromkeys(peaks, count)

@@ -1,0 +1,1 @@
+"""rrfp.sim: SimPy cluster model driving the shared rrfp policies."""
