@@ -55,8 +55,7 @@ def run_reference(
     dur = duration.__getitem__ if isinstance(duration, Mapping) else duration
     lat = (lambda _p, _c: float(latency)) if not callable(latency) else latency
     scheds = {
-        r: RankScheduler(hint, r, policy, None if budget is None else budget[r])
-        for r in range(spec.pp)
+        r: RankScheduler(hint, r, policy, None if budget is None else budget[r]) for r in range(spec.pp)
     }
     run = Run(log={r: [] for r in range(spec.pp)})
     events: list[tuple[float, int, int, int, Task]] = []  # (time, kind, seq, rank, task)

@@ -58,9 +58,7 @@ def _one(v: int) -> bool:
 SEQUENCE_HINTS: dict[str, _SequenceDef] = {
     "gpipe": _SequenceDef(_lazy("gpipe"), "loop", False, 1, _one, "exactly 1"),
     "1f1b": _SequenceDef(_lazy("one_f_one_b"), "loop", False, 1, _one, "exactly 1"),
-    "interleaved-1f1b": _SequenceDef(
-        _lazy("interleaved_1f1b"), "loop", False, 2, lambda v: v >= 2, ">= 2"
-    ),
+    "interleaved-1f1b": _SequenceDef(_lazy("interleaved_1f1b"), "loop", False, 2, lambda v: v >= 2, ">= 2"),
     "zb-h1": _SequenceDef(_lazy("zb_h1"), "loop", True, 1, _one, "exactly 1"),
     "zb-h2": _SequenceDef(_lazy("zb_h2"), "loop", True, 1, _one, "exactly 1"),
     "zbv": _SequenceDef(_lazy("zbv"), "v", True, 2, lambda v: v == 2, "exactly 2"),

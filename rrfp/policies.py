@@ -52,9 +52,7 @@ def get_policy(name: str) -> Policy:
     try:
         return _REGISTRY[name]()
     except KeyError:
-        raise PolicyError(
-            f"unknown policy {name!r}: choose one of {', '.join(_REGISTRY)}"
-        ) from None
+        raise PolicyError(f"unknown policy {name!r}: choose one of {', '.join(_REGISTRY)}") from None
 
 
 @register_policy

@@ -54,15 +54,11 @@ class RankScheduler:
         self.is_forward = [t.op is Op.F for t in order]
         self._releases = [spec.releases(t) for t in order]
         self._need0 = [len(spec.deps(t)) for t in order]
-        self._local_consumers = [
-            [self.index[c] for c in spec.consumers(t) if c in self.index] for t in order
-        ]
+        self._local_consumers = [[self.index[c] for c in spec.consumers(t) if c in self.index] for t in order]
         peak = _peak(self._delta)
         self.budget = peak if budget is None else budget
         if self.budget < peak:
-            raise SchedulerError(
-                f"rank {rank}: budget {self.budget} is below the hint's own peak {peak}"
-            )
+            raise SchedulerError(f"rank {rank}: budget {self.budget} is below the hint's own peak {peak}")
         self.reset()
 
     def reset(self) -> None:

@@ -94,19 +94,12 @@ class PipelineSpec:
 
     # -- tasks and the DAG ------------------------------------------------------------------
     def has_task(self, task: Task) -> bool:
-        return (
-            0 <= task.stage < self.num_stages
-            and 0 <= task.mb < self.microbatches
-            and task.op in self.ops
-        )
+        return 0 <= task.stage < self.num_stages and 0 <= task.mb < self.microbatches and task.op in self.ops
 
     def rank_tasks(self, rank: int) -> list[Task]:
         """All of ``rank``'s tasks, in a canonical (stage, op, mb) order."""
         return [
-            Task(s, op, m)
-            for s in self.stages_of(rank)
-            for op in self.ops
-            for m in range(self.microbatches)
+            Task(s, op, m) for s in self.stages_of(rank) for op in self.ops for m in range(self.microbatches)
         ]
 
     def all_tasks(self) -> list[Task]:
@@ -131,7 +124,7 @@ class PipelineSpec:
         bwd = self.backward_op
         if op is Op.F:
             nxt = (Task(s + 1, Op.F, m),) if s < last else ()
-            return nxt + (Task(s, bwd, m),)
+            return (*nxt, Task(s, bwd, m))
         if op is Op.W:
             return ()
         own_w = (Task(s, Op.W, m),) if op is Op.I else ()
@@ -144,9 +137,7 @@ class PipelineSpec:
 
     def remote_consumers(self, task: Task) -> list[tuple[int, Task]]:
         """(destination rank, consumer task) for each message that completing ``task`` sends."""
-        return [
-            (self._stage_rank[c.stage], c) for c in self.consumers(task) if self.is_remote(task, c)
-        ]
+        return [(self._stage_rank[c.stage], c) for c in self.consumers(task) if self.is_remote(task, c)]
 
     def remote_deps(self, task: Task) -> int:
         """How many of ``task``'s inputs arrive as messages from other ranks."""

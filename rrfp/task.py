@@ -16,7 +16,7 @@ class Op(str, Enum):
 
     F = "F"  # forward
     B = "B"  # full backward (input grads and weight grads together)
-    I = "I"  # noqa: E741 -- backward w.r.t. inputs only (torch: BACKWARD_INPUT)
+    I = "I"  # backward w.r.t. inputs only (torch: BACKWARD_INPUT)
     W = "W"  # backward w.r.t. weights only (torch: BACKWARD_WEIGHT)
 
     def __str__(self) -> str:
@@ -48,9 +48,7 @@ class Task(NamedTuple):
         """Parse ``2F0`` / ``1I3`` / ``0W5`` (torch's notation) into a Task."""
         match = _TASK_RE.match(text)
         if match is None:
-            raise TaskFormatError(
-                f"not a task: {text!r} (expected <stage><F|B|I|W><microbatch>, e.g. 2F0)"
-            )
+            raise TaskFormatError(f"not a task: {text!r} (expected <stage><F|B|I|W><microbatch>, e.g. 2F0)")
         return Task(int(match.group(1)), Op(match.group(2)), int(match.group(3)))
 
 
