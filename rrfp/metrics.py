@@ -1,0 +1,231 @@
+"""Metrics, defined once for the simulator, the executor and the notebooks (DESIGN.md §7).
+
+* iteration time: makespan of one iteration, flush to flush; throughput = samples / s.
+* bubble fraction of a rank = idle time / iteration time; the pipeline bubble is the mean over ranks;
+  utilisation = 1 - bubble fraction.
+* lower bound from realised durations (:func:`lower_bound`): per rank head + work + tail, at least every
+  task's longest dependency path; report policy / LB.
+* speedup = baseline / candidate iteration time, paired per replication (common random numbers), with a
+  Student-t interval (:func:`paired_speedup`).
+
+Only numpy at import time; scipy.special is imported inside :func:`t_interval`.
+
+    >>> import rrfp
+    >>> from rrfp.metrics import lower_bound
+    >>> hint = rrfp.make_hint("1f1b", pp=2, microbatches=2)
+    >>> lower_bound(hint.spec, lambda t: 1.0 if t.op.value == "F" else 2.0)
+    9.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+
+from rrfp.spec import PipelineSpec
+from rrfp.task import Op, Task
+
+Log = Mapping[int, Iterable[tuple[Task, float, float]]]
+Duration = Callable[[Task], float]
+Latency = Callable[[Task, Task], float]
+Arrays = dict[Op, np.ndarray]
+
+
+class MetricsError(ValueError):
+    """Inputs a metric cannot be computed from (empty, mismatched lengths, non-positive times)."""
+
+
+# -- per-iteration metrics -------------------------------------------------------------------------
+
+
+def iteration_time(log: Log, start: float = 0.0) -> float:
+    """Makespan of one iteration: the last task end in ``log`` minus ``start`` (the previous flush).
+
+    ``log`` is rank -> [(task, start, end), ...], e.g. :attr:`rrfp.Run.log`.
+    """
+    ends = [end for events in log.values() for _, _, end in events]
+    if not ends:
+        raise MetricsError("iteration_time needs at least one task in the log")
+    return max(ends) - start
+
+
+def busy_time(log: Log) -> dict[int, float]:
+    """Seconds each rank spent computing (sum of its task durations in ``log``)."""
+    return {rank: float(sum(end - begin for _, begin, end in events)) for rank, events in log.items()}
+
+
+def bubble_fraction(busy: Mapping[int, float], iteration_time: float) -> dict[int, float]:
+    """Idle time / iteration time per rank."""
+    if not iteration_time > 0:
+        raise MetricsError(f"iteration_time must be > 0, got {iteration_time!r}")
+    return {rank: 1.0 - b / iteration_time for rank, b in busy.items()}
+
+
+def pipeline_bubble(busy: Mapping[int, float], iteration_time: float) -> float:
+    """The pipeline bubble: mean over ranks of the bubble fraction."""
+    fractions = bubble_fraction(busy, iteration_time)
+    return float(np.mean(list(fractions.values())))
+
+
+def utilisation(busy: Mapping[int, float], iteration_time: float) -> dict[int, float]:
+    """Busy time / iteration time per rank (1 - bubble fraction)."""
+    return {rank: 1.0 - f for rank, f in bubble_fraction(busy, iteration_time).items()}
+
+
+def throughput(samples: float, iteration_time: float) -> float:
+    """Samples per second for one iteration of ``samples`` samples (global batch)."""
+    if not iteration_time > 0:
+        raise MetricsError(f"iteration_time must be > 0, got {iteration_time!r}")
+    return samples / iteration_time
+
+
+# -- lower bound ---------------------------------------------------------------------------------
+
+
+def _op_arrays(spec: PipelineSpec, duration: Duration | object) -> dict[Op, np.ndarray]:
+    """Durations as (num_stages, microbatches) arrays for F, the backward op, and W when split."""
+    S, M = spec.num_stages, spec.microbatches
+    tables = {op: getattr(duration, op.value, None) for op in (Op.F, Op.I, Op.W)}
+    if all(isinstance(a, np.ndarray) and a.shape == (S, M) for a in tables.values()):
+        # An IterationSample (or anything with F/I/W arrays): no per-task calls.
+        out = {Op.F: tables[Op.F], Op.I: tables[Op.I], Op.W: tables[Op.W]}
+        out[Op.B] = out[Op.I] + out[Op.W]
+        return {op: np.asarray(out[op], dtype=np.float64) for op in spec.ops}
+    dur = duration.__getitem__ if isinstance(duration, Mapping) else duration
+    assert callable(dur)
+    return {
+        op: np.array([[dur(Task(s, op, m)) for m in range(M)] for s in range(S)], dtype=np.float64)
+        for op in spec.ops
+    }
+
+
+def _latency_arrays(spec: PipelineSpec, latency: Latency | float) -> tuple[np.ndarray, np.ndarray]:
+    """(fwd, bwd), each (num_stages - 1, microbatches): fwd[s] is F(s)->F(s+1), bwd[s] is bwd(s+1)->bwd(s).
+
+    Only edges that cross ranks pay latency (local edges are free), as in :func:`rrfp.run_reference`.
+    """
+    S, M = spec.num_stages, spec.microbatches
+    bop = spec.backward_op
+    remote = np.array([spec.is_remote(Task(s, Op.F, 0), Task(s + 1, Op.F, 0)) for s in range(S - 1)])
+    if not callable(latency):
+        fwd = np.full((S - 1, M), float(latency)) * remote[:, None]
+        return fwd, fwd.copy()
+    fwd, bwd = np.zeros((S - 1, M)), np.zeros((S - 1, M))
+    for s in np.flatnonzero(remote):
+        for m in range(M):
+            fwd[s, m] = latency(Task(s, Op.F, m), Task(s + 1, Op.F, m))
+            bwd[s, m] = latency(Task(s + 1, bop, m), Task(s, bop, m))
+    return fwd, bwd
+
+
+def _heads(spec: PipelineSpec, d: Arrays, fwd: np.ndarray, bwd: np.ndarray) -> Arrays:
+    """Longest dependency path into each task (its earliest start), per op, (S, M) arrays."""
+    S = spec.num_stages
+    bop = spec.backward_op
+    head = {op: np.zeros_like(d[Op.F]) for op in spec.ops}
+    for s in range(1, S):
+        head[Op.F][s] = head[Op.F][s - 1] + d[Op.F][s - 1] + fwd[s - 1]
+    head[bop][S - 1] = head[Op.F][S - 1] + d[Op.F][S - 1]
+    for s in range(S - 2, -1, -1):
+        head[bop][s] = np.maximum(head[Op.F][s] + d[Op.F][s], head[bop][s + 1] + d[bop][s + 1] + bwd[s])
+    if spec.split:
+        head[Op.W] = head[Op.I] + d[Op.I]
+    return head
+
+
+def _tails(spec: PipelineSpec, d: Arrays, fwd: np.ndarray, bwd: np.ndarray) -> Arrays:
+    """Longest path from each task's end to the end of the iteration, per op, (S, M) arrays."""
+    S = spec.num_stages
+    bop = spec.backward_op
+    tail = {op: np.zeros_like(d[Op.F]) for op in spec.ops}
+    own_w = d[Op.W] if spec.split else np.zeros_like(d[Op.F])  # I(s) -> W(s) is a local edge
+    tail[bop][0] = own_w[0]
+    for s in range(1, S):
+        tail[bop][s] = np.maximum(own_w[s], bwd[s - 1] + d[bop][s - 1] + tail[bop][s - 1])
+    tail[Op.F][S - 1] = d[bop][S - 1] + tail[bop][S - 1]
+    for s in range(S - 2, -1, -1):
+        via_next = fwd[s] + d[Op.F][s + 1] + tail[Op.F][s + 1]
+        tail[Op.F][s] = np.maximum(via_next, d[bop][s] + tail[bop][s])
+    return tail
+
+
+def longest_paths(
+    spec: PipelineSpec, duration: Duration | Mapping[Task, float] | object, latency: Latency | float = 0.0
+) -> tuple[Arrays, Arrays, Arrays]:
+    """(durations, heads, tails), each op -> (num_stages, microbatches) array for the ops of ``spec``.
+
+    head = longest dependency path into a task (its earliest possible start); tail = longest path from
+    its end to the end of the iteration. head + duration + tail is the longest path through the task.
+    Arguments as for :func:`lower_bound`.
+    """
+    d = _op_arrays(spec, duration)
+    fwd, bwd = _latency_arrays(spec, latency)
+    return d, _heads(spec, d, fwd, bwd), _tails(spec, d, fwd, bwd)
+
+
+def lower_bound(
+    spec: PipelineSpec, duration: Duration | Mapping[Task, float] | object, latency: Latency | float = 0.0
+) -> float:
+    """A lower bound on the iteration time of ANY schedule of ``spec`` with these realised durations.
+
+    Per rank r: head_r + work_r + tail_r, where head_r = min over r's tasks of the longest dependency
+    path into the task, work_r = sum of r's durations, tail_r = min over r's tasks of the longest path from
+    the task's end to the end of the iteration (r runs its tasks one at a time, so its first start is
+    >= head_r and its last end is followed by >= tail_r). LB = max over ranks, and at least the longest
+    dependency path through any task (every microbatch's critical path).
+
+    ``duration``: a callable Task -> seconds, a mapping, or an :class:`rrfp.workload.IterationSample`
+    (read as arrays, fast). ``latency``: seconds per cross-rank message, constant or (producer, consumer)
+    -> seconds; edges within a rank are free. Vectorised over microbatches, iterative over stages:
+    O(tasks), no recursion.
+    """
+    d, head, tail = longest_paths(spec, duration, latency)
+    critical = max(float((head[op] + d[op] + tail[op]).max()) for op in spec.ops)
+    best = critical
+    for rank in range(spec.pp):
+        stages = list(spec.stages_of(rank))
+        rank_head = min(float(head[op][stages].min()) for op in spec.ops)
+        rank_tail = min(float(tail[op][stages].min()) for op in spec.ops)
+        work = sum(float(d[op][stages].sum()) for op in spec.ops)
+        best = max(best, rank_head + work + rank_tail)
+    return best
+
+
+# -- statistics over replications ----------------------------------------------------------------
+
+
+def t_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high): a two-sided Student-t confidence interval for the mean of ``values``.
+
+    With a single value the interval is undefined: (value, nan, nan).
+    """
+    if not 0 < confidence < 1:
+        raise MetricsError(f"confidence must be in (0, 1), got {confidence!r}")
+    x = np.asarray(values, dtype=np.float64).ravel()
+    if x.size == 0 or not np.all(np.isfinite(x)):
+        raise MetricsError(f"t_interval needs at least one finite value, got {list(x)!r}")
+    mean = float(x.mean())
+    if x.size == 1:
+        return mean, math.nan, math.nan
+    from scipy import special  # stdtrit is scipy.stats.t.ppf's kernel, without scipy.stats' 1-3 s import
+
+    half = float(special.stdtrit(x.size - 1, 0.5 + confidence / 2)) * float(x.std(ddof=1)) / math.sqrt(x.size)
+    return mean, mean - half, mean + half
+
+
+def paired_speedup(
+    baseline: Sequence[float], candidate: Sequence[float], confidence: float = 0.95
+) -> tuple[float, float, float]:
+    """Speedup of ``candidate`` over ``baseline``: per-replication ratios baseline/candidate, t-interval.
+
+    Replication i of both must share its random numbers (common random numbers), so the ratios are paired.
+    """
+    b = np.asarray(baseline, dtype=np.float64).ravel()
+    c = np.asarray(candidate, dtype=np.float64).ravel()
+    if b.size != c.size:
+        raise MetricsError(f"paired_speedup needs equal-length samples, got {b.size} and {c.size}")
+    if b.size and (b.min() <= 0 or c.min() <= 0):
+        raise MetricsError("paired_speedup needs iteration times > 0")
+    return t_interval(b / c, confidence)
