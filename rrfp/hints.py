@@ -158,8 +158,7 @@ def make_hint(
     if name.startswith("torch:"):
         from rrfp.torch_schedules import torch_orders  # lazy: imports torch
 
-        v = 1 if virtual_stages is None else virtual_stages
-        spec, orders = torch_orders(name.removeprefix("torch:"), pp, microbatches, v)
+        spec, orders = torch_orders(name.removeprefix("torch:"), pp, microbatches, virtual_stages)
         return hint_from_orders(name, spec, orders)
     if name.endswith(".csv"):
         from rrfp.csvio import load_orders_csv
