@@ -1,1 +1,28 @@
-"""rrfp.sim: SimPy cluster model driving the shared rrfp policies."""
+"""rrfp.sim: a SimPy cluster model that drives the shared rrfp policies, and the ``rrfp-sim`` CLI.
+
+    rrfp-sim --stages 16 --jitter lognormal       # fixed/1f1b vs rrfp/1f1b and rrfp/bf, 10 seeds
+    rrfp-sim --help ; rrfp-sim sweep --help
+
+Python::
+
+    from rrfp.sim import ExperimentConfig, run_experiment
+    result = run_experiment(ExperimentConfig(stages=8, seeds=5))
+
+Modules: ``config`` (validated settings), ``engine`` (SimPy environment with the same-instant hook),
+``model`` (the PP x TP x DP cluster), ``rendezvous`` (Megatron-style blocking sends), ``experiment``
+(hints x policies x seeds on common random numbers), ``report`` (table, JSON), ``sweep``, ``cli``.
+"""
+
+from .config import ClusterConfig, ConfigError, ExperimentConfig
+from .experiment import ExperimentResult, run_experiment
+from .model import ClusterModel, ModelRun
+
+__all__ = [
+    "ClusterConfig",
+    "ClusterModel",
+    "ConfigError",
+    "ExperimentConfig",
+    "ExperimentResult",
+    "ModelRun",
+    "run_experiment",
+]

@@ -1,0 +1,6 @@
+"""``python -m rrfp.sim`` is ``rrfp-sim``."""
+
+from .cli import main
+
+if __name__ == "__main__":
+    main()

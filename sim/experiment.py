@@ -1,0 +1,305 @@
+"""Experiments: every (hint, policy) x replication on common random numbers, with paired speedups.
+
+What runs: each hint in ``cfg.hints`` under each policy in ``cfg.policies``. ``fixed`` on a
+class-priority hint (bf, bfw, fb: no order of its own) runs the hint's reference order instead, so
+hints ``1f1b,bf`` x policies ``fixed,rrfp`` is three runs: fixed/1f1b, rrfp/1f1b, rrfp/bf.
+
+Pairing: each policy is compared with ``fixed`` on the same hint; a class-priority hint with ``fixed``
+on its reference hint (``hint.reference``: bf, fb -> 1f1b; bfw -> 1f1b too, lowered to the split for
+rrfp; realised durations agree because B = I + W). speedup = baseline / candidate iteration time per
+replication, mean and 95% t-interval over replications (rrfp.metrics.paired_speedup).
+
+Common random numbers: replication i, iteration k, DP replica d, TP member t draws from
+``SeedSequence(seed, spawn_key=(i, k, crc32(component)))`` (rrfp.rng) with component names suffixed by
+``/dp{d}`` (data: sequence lengths, images, stragglers) and ``/dp{d}/tp{t}`` (compute and comm jitter);
+d = t = 0 uses the plain names. A sample depends only on the pipeline shape, never on the hint or
+policy, and is drawn once per replication and shared by every run.
+
+Per run and replication: iteration time (mean over the iterations after the first when there are
+several), throughput (microbatches x dp per second), bubble fraction per pipeline rank, utilisation,
+peak held activations per rank, the lower bound (rrfp.metrics.lower_bound on the realised durations)
+and policy / LB.
+
+    from .experiment import run_experiment
+    from .config import ExperimentConfig
+    result = run_experiment(ExperimentConfig(stages=8, seeds=5))
+    print(result.to_json())
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import rrfp
+from rrfp import metrics
+from rrfp import rng as rngs
+from rrfp.hints import Hint
+from rrfp.metrics import lower_bound, paired_speedup, t_interval
+from rrfp.trace import TraceRecorder
+from rrfp.workload import IterationSample, sample_iteration
+
+from .config import BASELINE_POLICY, ExperimentConfig
+from .model import ClusterModel, ModelRun
+
+_SHARED = ("seq", "images", "straggler")  # one draw per DP replica, shared by its TP members (same data)
+_PER_MEMBER = ("compute", "comm")  # independent per TP member
+
+
+@dataclass(frozen=True)
+class RunKey:
+    """A (policy, hint) pair as it runs (fixed on a class hint appears under the reference hint)."""
+
+    policy: str
+    hint: str
+
+    def label(self) -> str:
+        return f"{self.policy}/{self.hint}"
+
+
+@dataclass
+class PlannedRun:
+    """One (policy, hint) to simulate, its budget and the baseline it is compared with."""
+
+    key: RunKey
+    hint: Hint
+    budget: dict[int, int]
+    baseline: RunKey | None
+    model: ClusterModel | None = None
+
+
+@dataclass
+class RunStats:
+    """Per-replication measurements of one run (lists indexed by replication)."""
+
+    key: RunKey
+    budget: dict[int, int]
+    """Activation budget per pipeline rank the run used."""
+    iteration_time: list[float] = field(default_factory=list)
+    throughput: list[float] = field(default_factory=list)
+    bubble: list[np.ndarray] = field(default_factory=list)  # (pp,) per replication
+    lower_bound: list[float] = field(default_factory=list)
+    lb_ratio: list[float] = field(default_factory=list)
+    peaks: list[int] = field(default_factory=list)  # max over replications, per pipeline rank
+
+
+@dataclass
+class Speedup:
+    """A paired comparison of one run with its fixed baseline."""
+
+    key: RunKey
+    baseline: RunKey
+    mean: float
+    ci_low: float
+    ci_high: float
+
+
+@dataclass
+class ExperimentResult:
+    """Everything an experiment measured, in run order."""
+
+    config: ExperimentConfig
+    stats: list[RunStats]
+    speedups: list[Speedup]
+    traces: list[TraceRecorder] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` object: ``config``, ``results`` and ``speedups``; NaN becomes null."""
+        from .report import result_dict
+
+        return result_dict(self)
+
+
+# -- planning --------------------------------------------------------------------------------------
+def plan_runs(cfg: ExperimentConfig) -> list[PlannedRun]:
+    """Resolve hints, budgets and pairings; raises HintError/BudgetError before anything runs."""
+    hints: dict[str, Hint] = {}
+
+    def get(name: str, v: int | None) -> Hint:
+        if name not in hints:
+            hints[name] = rrfp.make_hint(name, cfg.stages, cfg.m, v)
+        return hints[name]
+
+    planned: dict[RunKey, PlannedRun] = {}
+    for name in cfg.hints:
+        hint = get(name, cfg.virtual_stages)
+        base_hint = hint if hint.classes is None else get(hint.reference, hint.spec.virtual_stages)
+        for policy in cfg.policies:
+            run_hint = base_hint if policy == BASELINE_POLICY else hint
+            key = RunKey(policy, run_hint.name)
+            if key in planned:
+                continue
+            baseline = None if policy == BASELINE_POLICY else RunKey(BASELINE_POLICY, base_hint.name)
+            if baseline is not None and BASELINE_POLICY not in cfg.policies:
+                baseline = None
+            budget = rrfp.resolve_budget(cfg.memory_budget, run_hint)
+            planned[key] = PlannedRun(key, run_hint, budget, baseline)
+    return list(planned.values())
+
+
+def build_models(cfg: ExperimentConfig, plans: list[PlannedRun]) -> None:
+    """Build each run's ClusterModel once (schedulers are reset per replication)."""
+    for p in plans:
+        send = cfg.cluster.send_mode(p.key.policy)
+        p.model = ClusterModel(
+            p.hint, p.key.policy, cfg.cluster, p.budget, msg_bytes=cfg.workload.msg_bytes, send=send
+        )
+
+
+# -- sampling ----------------------------------------------------------------------------------------
+def member_streams(
+    seed: int, replication: int, iteration: int, d: int, t: int
+) -> dict[str, np.random.Generator]:
+    """The generators of DP replica ``d``'s TP member ``t`` (see the module docstring)."""
+    out = {}
+    for c in _SHARED:
+        out[c] = rngs.stream(seed, replication, c if d == 0 else f"{c}/dp{d}", iteration)
+    for c in _PER_MEMBER:
+        name = c if d == 0 and t == 0 else f"{c}/dp{d}/tp{t}"
+        out[c] = rngs.stream(seed, replication, name, iteration)
+    return out
+
+
+def draw_samples(cfg: ExperimentConfig, hint: Hint, replication: int) -> list[list[list[IterationSample]]]:
+    """samples[iteration][dp][tp] for ``hint``'s pipeline shape in one replication."""
+    spec = hint.spec
+
+    def one(k: int, d: int, t: int) -> IterationSample:
+        gens = member_streams(cfg.seed, replication, k, d, t)
+        shape = (spec.pp, spec.num_stages, spec.microbatches)
+        return sample_iteration(cfg.workload, *shape, gens, placement=spec.placement)
+
+    tp, dp = cfg.cluster.tp, cfg.cluster.dp
+    return [[[one(k, d, t) for t in range(tp)] for d in range(dp)] for k in range(cfg.iterations)]
+
+
+# -- measuring ---------------------------------------------------------------------------------------
+def _used(n: int) -> slice:
+    """Iterations that count: all but the first when there are several (the first is a warm-up)."""
+    return slice(1, None) if n > 1 else slice(0, None)
+
+
+def iteration_lower_bound(
+    cfg: ExperimentConfig, hint: Hint, per_dp: list[list[IterationSample]], base_tx: float
+) -> float:
+    """LB of one iteration: a TP task lasts its slowest member; the slowest replica, plus the
+    all-reduce. Comm latency counts; contention, rendezvous and TP agreement do not (still a bound)."""
+    best = 0.0
+    for members in per_dp:
+        eff = members[0] if len(members) == 1 else _slowest(members, hint.spec.split)
+        latency: Any = 0.0
+        if base_tx:
+            comm = np.max([m.comm for m in members], axis=0)
+            latency = _latency_fn(comm, base_tx)
+        best = max(best, lower_bound(hint.spec, eff, latency))
+    return best + cfg.cluster.allreduce_time()
+
+
+def _slowest(members: list[IterationSample], split: bool) -> IterationSample:
+    """Per task, the slowest TP member. Unsplit, a member's B is its I + W: the max goes into I."""
+    f, i, w = (np.max([getattr(m, op) for m in members], axis=0) for op in ("F", "I", "W"))
+    if not split:
+        i, w = np.max([m.I + m.W for m in members], axis=0), np.zeros_like(w)
+    return IterationSample(f, i, w, comm=np.max([m.comm for m in members], axis=0))
+
+
+def _latency_fn(comm: np.ndarray, base_tx: float) -> Callable[[rrfp.Task, rrfp.Task], float]:
+    def latency(producer: rrfp.Task, _consumer: rrfp.Task) -> float:
+        return base_tx * float(comm[producer.stage, producer.mb, 0 if producer.op is rrfp.Op.F else 1])
+
+    return latency
+
+
+def measure(
+    cfg: ExperimentConfig,
+    p: PlannedRun,
+    out: ModelRun,
+    samples: list[list[list[IterationSample]]],
+    stats: RunStats,
+) -> None:
+    """Append one replication's metrics of run ``p`` to ``stats``."""
+    used = _used(len(out.iteration_times))
+    times = np.asarray(out.iteration_times)[used]
+    busy = out.busy[used]  # (iterations, dp, pp)
+    assert p.model is not None
+    lbs = np.array([iteration_lower_bound(cfg, p.hint, s, p.model.base_tx) for s in samples[used]])
+    mean_time = float(times.mean())
+    stats.iteration_time.append(mean_time)
+    stats.throughput.append(metrics.throughput(cfg.m * cfg.cluster.dp, mean_time))
+    fractions = [  # rrfp.metrics' definition, per iteration and DP replica: (iterations * dp, pp)
+        list(metrics.bubble_fraction(dict(enumerate(row)), float(t)).values())
+        for t, per_dp in zip(times, busy, strict=True)
+        for row in per_dp
+    ]
+    stats.bubble.append(np.mean(fractions, axis=0))
+    stats.lower_bound.append(float(lbs.mean()))
+    stats.lb_ratio.append(float((times / lbs).mean()))
+    stats.peaks = [max(a, b) for a, b in zip(stats.peaks or [0] * len(out.peaks), out.peaks, strict=True)]
+
+
+# -- the experiment ----------------------------------------------------------------------------------
+def run_experiment(
+    cfg: ExperimentConfig, *, progress: bool | None = None, trace: bool = False
+) -> ExperimentResult:
+    """Run every planned (hint, policy) for ``cfg.seeds`` replications on common random numbers.
+
+    ``progress``: a tqdm bar on stderr (None: only when stderr is a terminal and the run takes > 1 s).
+    ``trace``: record replication 0 of every run (all iterations) as trace rows.
+    """
+    plans = plan_runs(cfg)
+    build_models(cfg, plans)
+    stats = {p.key: RunStats(p.key, p.budget) for p in plans}
+    traces: list[TraceRecorder] = []
+    for rep, p, samples in _progress(cfg, plans, progress):
+        assert p.model is not None
+        recorder = _recorder(cfg, p, rep) if trace and rep == 0 else None
+        out = p.model.run(samples, recorder)
+        if recorder is not None:
+            traces.append(recorder)
+        measure(cfg, p, out, samples, stats[p.key])
+    speedups = [
+        Speedup(
+            p.key, p.baseline, *paired_speedup(stats[p.baseline].iteration_time, stats[p.key].iteration_time)
+        )
+        for p in plans
+        if p.baseline is not None and p.baseline in stats
+    ]
+    return ExperimentResult(cfg, [stats[p.key] for p in plans], speedups, traces)
+
+
+def _recorder(cfg: ExperimentConfig, p: PlannedRun, rep: int) -> TraceRecorder:
+    assert p.model is not None
+    return TraceRecorder(
+        run="rrfp-sim", policy=p.key.policy, hint=p.key.hint, seed=cfg.seed + rep, coords=p.model.coords
+    )
+
+
+def _progress(
+    cfg: ExperimentConfig, plans: list[PlannedRun], progress: bool | None
+) -> Iterator[tuple[int, PlannedRun, list[list[list[IterationSample]]]]]:
+    """Yield (replication, run, its samples); samples are drawn once per replication and shape."""
+    from tqdm import tqdm
+
+    total = cfg.seeds * len(plans)
+    enabled = sys.stderr.isatty() if progress is None else progress
+    with tqdm(total=total, disable=not enabled, delay=0.0 if progress else 1.0, file=sys.stderr,
+              desc="rrfp-sim", unit="run", leave=False) as bar:  # fmt: skip
+        for rep in range(cfg.seeds):
+            cache: dict[tuple[int, int, str], list[list[list[IterationSample]]]] = {}
+            for p in plans:
+                spec = p.hint.spec
+                shape = (spec.num_stages, spec.microbatches, spec.placement)
+                if shape not in cache:
+                    cache[shape] = draw_samples(cfg, p.hint, rep)
+                yield rep, p, cache[shape]
+                bar.update(1)
+
+
+def interval(values: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high) of a 95% t-interval; (x, nan, nan) for one value."""
+    return t_interval(values) if len(values) else (math.nan, math.nan, math.nan)

@@ -1,0 +1,451 @@
+"""The SimPy cluster model: PP x TP x DP ranks driving :class:`rrfp.RankScheduler` through its interface.
+
+One *worker* per (pipeline rank, DP replica) owns the schedulers of its TP group's members (one when
+tp = 1). Workers are SimPy callbacks rather than processes, and messages are plain timeouts with a
+callback (no process per message): that keeps the event count at about one per task and one per message.
+Durations are looked up, per iteration, from numpy arrays turned into Python lists once per rank. The
+common case (tp = 1, eager, no contention, no trace) completes tasks through a pre-wired fast path
+(``on_done_fast``); the tests hold it to the general path's results.
+
+Per iteration (:meth:`ClusterModel.run` runs several back to back):
+
+* **Compute.** At the end of an instant (:class:`~rrfp.sim.engine.InstantEnvironment`), every worker
+  whose state changed asks its scheduler(s) for the next task: ``next()`` when tp = 1, otherwise each
+  member's ``ready()`` view goes through :func:`rrfp.agree` (the TP rule), which costs a small all-gather
+  ((tp - 1) x latency) for dynamic policies -- ``fixed`` knows its order in advance and pays nothing. The
+  task lasts the slowest member's sampled duration (a TP task ends when its slowest member ends).
+* **P2P messages.** Completing a task sends its output to each consumer on another rank, member t to
+  member t: transfer time = (latency + bytes / bandwidth) x the sampled comm multiplier. With
+  ``contention`` a link direction carries one transfer at a time (FIFO).
+* **Send semantics.** ``eager``: a send never blocks compute. ``rendezvous`` (fixed only): Megatron's
+  batched blocking P2P (:mod:`rrfp.sim.rendezvous`): a transfer starts only once the receiver has
+  posted the matching receive, which it does at its communication points (after a task, one receive
+  per source and direction at a time), and the sender's stream blocks until its sends are delivered.
+* **Flush.** When a pipeline rank is done in every DP replica its gradients are all-reduced across the
+  replicas (ring cost model, :meth:`ClusterConfig.allreduce_time`). The iteration ends when every rank's
+  all-reduce has ended; the next one starts there (a barrier: Megatron's optimizer step needs the global
+  grad norm), with every scheduler ``reset()``. Iteration time = flush to flush.
+
+Global rank of member (pp rank r, tp rank t, dp rank d): ``(d * pp + r) * tp + t``.
+
+    model = ClusterModel(hint, "rrfp", ClusterConfig(), budget={r: 4 for r in range(pp)})
+    out = model.run([[[sample]]])    # samples[iteration][dp][tp] -> ModelRun
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+from simpy.events import Event, Timeout
+
+import rrfp
+from rrfp.hints import Hint
+from rrfp.scheduler import RankScheduler
+from rrfp.task import Op, Task
+from rrfp.trace import TraceRecorder
+from rrfp.workload import IterationSample
+
+from .config import BASELINE_POLICY, ClusterConfig, ConfigError
+from .engine import InstantEnvironment
+from .rendezvous import Rendezvous, receive_orders
+
+Samples = Sequence[Sequence[Sequence[IterationSample]]]  # [iteration][dp][tp]
+_OP_CODE = {Op.F: 0, Op.B: 1, Op.I: 2, Op.W: 3}
+
+
+@dataclass
+class ModelRun:
+    """What one :meth:`ClusterModel.run` measured."""
+
+    iteration_times: list[float]
+    """Flush-to-flush seconds of each iteration."""
+    busy: np.ndarray
+    """Compute seconds per (iteration, dp replica, pipeline rank); every TP member is busy as long as
+    its group's task."""
+    peaks: list[int]
+    """Most activations any member of each pipeline rank held at once, over all iterations."""
+    finish: np.ndarray
+    """Seconds from the iteration's start to the end of each (iteration, dp, pipeline rank)'s last task."""
+
+
+class _RankPlan:
+    """Static, per pipeline rank: its order and where each task's outputs go (shared by replicas)."""
+
+    def __init__(self, hint: Hint, rank: int) -> None:
+        spec = hint.spec
+        self.order: tuple[Task, ...] = hint.orders[rank]
+        self.pos: dict[Task, int] = {t: p for p, t in enumerate(self.order)}
+        self.stage = np.array([t.stage for t in self.order], dtype=np.intp)
+        self.mb = np.array([t.mb for t in self.order], dtype=np.intp)
+        self.opcode = np.array([_OP_CODE[t.op] for t in self.order], dtype=np.intp)
+        self.direction = (self.opcode != 0).astype(np.intp)  # comm multiplier index: 0 fwd, 1 gradient
+        # The DAG is the same for every microbatch, so ask the spec once per (stage, op), at microbatch 0.
+        out: dict[tuple[int, Op], list[tuple[int, Task]]] = {}
+        into: dict[tuple[int, Op], tuple[int, ...]] = {}
+        for s, op in {(t.stage, t.op) for t in self.order}:
+            task = Task(s, op, 0)
+            out[s, op] = spec.remote_consumers(task)
+            into[s, op] = tuple(spec.rank_of(d.stage) for d in spec.deps(task) if spec.is_remote(d, task))
+        # (destination pipeline rank, (member 0, consumer task)) per message out of each position: the
+        # payload is what the destination's on_arrive reads. () for a task with no remote output.
+        none: tuple[tuple[int, tuple[int, Task]], ...] = ()
+        self.remote = [none] * len(self.order)
+        for p, t in enumerate(self.order):
+            if outs := out[t.stage, t.op]:
+                self.remote[p] = tuple((dest, (0, Task(c.stage, c.op, t.mb))) for dest, c in outs)
+        self._into = into
+
+    @cached_property
+    def receives(self) -> dict[tuple[int, int], list[Task]]:
+        """Rendezvous only: the tasks that receive from each (source rank, direction), in order."""
+        return receive_orders(self.order, [self._into[t.stage, t.op] for t in self.order])
+
+
+class _Worker:
+    """One pipeline rank in one DP replica: its TP group's schedulers and its compute stream."""
+
+    __slots__ = (
+        "agree_cost", "arrive", "blocked", "busy", "busy_time", "d", "dirty", "dispatch", "done_cb", "dur",
+        "env", "finish", "gids", "model", "plan", "r", "scheds", "started_at", "tx",
+    )  # fmt: skip
+
+    def __init__(self, model: ClusterModel, r: int, d: int, scheds: list[RankScheduler]) -> None:
+        self.model, self.env, self.r, self.d = model, model.env, r, d
+        self.plan: _RankPlan = model.plans[r]
+        self.scheds = scheds
+        tp = len(scheds)
+        self.gids = [(d * model.pp + r) * tp + t for t in range(tp)]
+        self.agree_cost = model.agree_cost
+        self.dur: list[float] = []  # group duration (slowest member) by position, this iteration
+        self.tx: list[list[float]] = []  # per member: transfer time of the message out of each position
+        self.arrive: list[Callable[[Event], None]] = []  # on_arrive of each pipeline rank of the replica
+        # Bound once: the hot path neither branches on tp nor creates a bound method per event.
+        self.dispatch = self.dispatch_one if tp == 1 else self.dispatch_group
+        self.done_cb = self.on_done
+        self.reset()
+
+    def reset(self) -> None:
+        for s in self.scheds:
+            s.reset()
+        self.busy = False
+        self.blocked = 0  # rendezvous sends not yet delivered
+        self.dirty = False
+        self.busy_time = 0.0
+        self.finish = -1.0
+        self.started_at = 0.0
+
+    def mark(self) -> None:
+        """Something changed: dispatch at the end of this instant."""
+        if not self.dirty:
+            self.dirty = True
+            self.model.dirty.append(self)
+            self.env.armed = True
+
+    def dispatch_one(self) -> None:
+        """tp = 1: start the policy's pick if the stream is free (the hot path: keep it lean)."""
+        if self.busy or self.blocked:
+            return
+        sched = self.scheds[0]
+        task = sched.next()
+        if task is None:
+            return
+        sched.start(task)
+        pos = self.plan.pos[task]
+        d = self.dur[pos]
+        self.busy = True
+        self.busy_time += d
+        self.started_at = self.env._now
+        Timeout(self.env, d, pos).callbacks.append(self.done_cb)
+
+    def dispatch_group(self) -> None:
+        """tp > 1: the members' ready views go through the TP agreement rule; the task lasts the
+        slowest member's duration, after the agreement's all-gather."""
+        if self.busy or self.blocked:
+            return
+        task = rrfp.agree([s.ready() for s in self.scheds])
+        if task is None:
+            return
+        for s in self.scheds:
+            s.start(task)
+        pos = self.plan.pos[task]
+        d = self.dur[pos]
+        self.busy = True
+        self.busy_time += d
+        self.started_at = self.env._now + self.agree_cost
+        Timeout(self.env, self.agree_cost + d, pos).callbacks.append(self.done_cb)
+
+    def on_done(self, event: Event) -> None:
+        """The running task ended on every member: complete it, send its outputs, post the next recv."""
+        pos: int = event._value
+        plan = self.plan
+        task = plan.order[pos]
+        for s in self.scheds:
+            s.complete(task)
+        self.busy = False
+        model = self.model
+        if model.recorder is not None:
+            model.record_compute(self, task, self.started_at, self.env._now)
+        if plan.remote[pos]:
+            model.send(self, pos)
+        if model.rendezvous is not None:
+            model.rendezvous.post_receives(self)
+        if self.scheds[0].done:
+            self.finish = self.env._now
+        else:
+            self.mark()
+
+    def on_done_fast(self, event: Event) -> None:
+        """:meth:`on_done` for the common case -- tp = 1, eager sends, no contention, no trace -- with
+        the messages pre-wired (:meth:`wire`); the tests hold both paths to the same results."""
+        pos: int = event._value
+        sched = self.scheds[0]
+        sched.complete(self.plan.order[pos])
+        self.busy = False
+        env = self.env
+        outs = self.plan.remote[pos]
+        if outs:
+            tx = self.tx[0][pos]
+            arrive = self.arrive
+            for dest, payload in outs:
+                Timeout(env, tx, payload).callbacks.append(arrive[dest])
+        if sched.done:
+            self.finish = env._now
+        elif not self.dirty:
+            self.dirty = True
+            self.model.dirty.append(self)
+            env.armed = True
+
+    def wire(self, replica: list[_Worker]) -> None:
+        """Pre-bind the arrival callback of every pipeline rank of this replica."""
+        self.arrive = [w.on_arrive for w in replica]
+
+    def on_arrive(self, event: Event) -> None:
+        """A message for member ``t``'s ``task`` arrived. A busy (or blocked) stream needs no dispatch
+        now: its completion (or unblocking) marks it."""
+        t, task = event._value
+        self.scheds[t].deliver(task)
+        if not (self.busy or self.blocked or self.dirty):
+            self.dirty = True
+            self.model.dirty.append(self)
+            self.env.armed = True
+
+
+class ClusterModel:
+    """One (hint, policy) on a PP x TP x DP cluster. Build once; :meth:`run` resets and simulates."""
+
+    def __init__(
+        self,
+        hint: Hint,
+        policy: str,
+        cluster: ClusterConfig,
+        budget: Mapping[int, int] | None = None,
+        *,
+        msg_bytes: float = 0.0,
+        send: str | None = None,
+    ) -> None:
+        """``send`` defaults to ``cluster.send_mode(policy)``; rendezvous needs the fixed policy."""
+        send = cluster.send_mode(policy) if send is None else send
+        if send == "rendezvous" and policy != BASELINE_POLICY:
+            raise ConfigError(f"send 'rendezvous' needs the fixed policy; {policy!r} is always eager")
+        self.hint, self.policy, self.cluster = hint, policy, cluster
+        self.pp, self.tp, self.dp = hint.spec.pp, cluster.tp, cluster.dp
+        self.rendezvous = Rendezvous(self) if send == "rendezvous" else None
+        self.contention = cluster.contention
+        self.base_tx = cluster.transfer_time(msg_bytes)
+        self.msg_bytes = msg_bytes
+        self.agree_cost = 0.0 if policy == BASELINE_POLICY else cluster.agreement_time()
+        self.env = InstantEnvironment()
+        self.env.on_instant_end = self._dispatch_dirty
+        self.plans = [_RankPlan(hint, r) for r in range(self.pp)]
+        self.workers: list[list[_Worker]] = [
+            [
+                _Worker(self, r, d, [RankScheduler(hint, r, policy, _get(budget, r)) for _ in range(self.tp)])
+                for r in range(self.pp)
+            ]
+            for d in range(self.dp)
+        ]
+        for row in self.workers:
+            for w in row:
+                w.wire(row)
+        self.dirty: list[_Worker] = []
+        self.recorder: TraceRecorder | None = None
+        self.iteration = 0
+        self._link_free: dict[tuple[int, int], float] = {}
+        self._msg_id = 0
+
+    # -- coordinates -----------------------------------------------------------------------------
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """Global rank -> (pp rank, tp rank, dp rank)."""
+        group, t = divmod(rank, self.tp)
+        d, r = divmod(group, self.pp)
+        return r, t, d
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    # -- running ---------------------------------------------------------------------------------
+    def run(self, samples: Samples, recorder: TraceRecorder | None = None) -> ModelRun:
+        """Simulate ``len(samples)`` iterations back to back; ``samples[i][d][t]`` feeds member t of
+        replica d in iteration i. Raises :class:`rrfp.DeadlockError` if a rank can never finish."""
+        self._check_samples(samples)
+        self.recorder = recorder
+        self._msg_id = 0
+        self.env = InstantEnvironment()  # every run starts at t = 0 (same floats, run after run)
+        self.env.on_instant_end = self._dispatch_dirty
+        fast = self.tp == 1 and self.rendezvous is None and not self.contention and recorder is None
+        for row in self.workers:
+            for w in row:
+                w.env = self.env
+                w.done_cb = w.on_done_fast if fast else w.on_done
+        n = len(samples)
+        busy = np.zeros((n, self.dp, self.pp))
+        finish = np.zeros((n, self.dp, self.pp))
+        peaks = [0] * self.pp
+        times: list[float] = []
+        for it, sample in enumerate(samples):
+            self.iteration = it
+            start = self.env.now
+            self._begin(sample)
+            self.env.drain()
+            self._check_done()
+            barrier = self._flush(start)
+            times.append(barrier - start)
+            for d, row in enumerate(self.workers):
+                for r, w in enumerate(row):
+                    busy[it, d, r] = w.busy_time
+                    finish[it, d, r] = w.finish - start
+                    peaks[r] = max(peaks[r], *(s.peak for s in w.scheds))
+            self._advance_to(barrier)
+        self.recorder = None
+        return ModelRun(times, busy, peaks, finish)
+
+    def _check_samples(self, samples: Samples) -> None:
+        spec = self.hint.spec
+        if not samples:
+            raise ConfigError("run needs at least one iteration of samples")
+        for it, per_dp in enumerate(samples):
+            if len(per_dp) != self.dp or any(len(per_tp) != self.tp for per_tp in per_dp):
+                raise ConfigError(f"samples[{it}] must be [dp={self.dp}][tp={self.tp}] IterationSamples")
+            for per_tp in per_dp:
+                for s in per_tp:
+                    if s.F.shape != (spec.num_stages, spec.microbatches):
+                        raise ConfigError(
+                            f"sample shape {s.F.shape} does not match the hint's "
+                            f"({spec.num_stages} stages, {spec.microbatches} microbatches)"
+                        )
+
+    def _begin(self, sample: Sequence[Sequence[IterationSample]]) -> None:
+        """Reset every scheduler, load this iteration's durations, dispatch everyone at now."""
+        self._link_free.clear()
+        if self.rendezvous is not None:
+            self.rendezvous.reset()
+        for d, row in enumerate(self.workers):
+            tables = [np.stack([s.F, s.I + s.W, s.I, s.W]) for s in sample[d]]  # (4, S, M) per member
+            for w in row:
+                w.reset()
+                self._load(w, sample[d], tables)
+                if self.rendezvous is not None:
+                    self.rendezvous.post_receives(w)
+                w.mark()
+        self.env.arm()
+
+    def _load(self, w: _Worker, sample: Sequence[IterationSample], tables: list[np.ndarray]) -> None:
+        plan = w.plan
+        durs = [table[plan.opcode, plan.stage, plan.mb] for table in tables]
+        w.dur = (durs[0] if len(durs) == 1 else np.max(durs, axis=0)).tolist()
+        w.tx = [(self.base_tx * s.comm[plan.stage, plan.mb, plan.direction]).tolist() for s in sample]
+
+    def _dispatch_dirty(self) -> None:
+        dirty, self.dirty = self.dirty, []
+        for w in dirty:
+            w.dirty = False
+            w.dispatch()
+
+    def _check_done(self) -> None:
+        for row in self.workers:
+            for w in row:
+                for t, s in enumerate(w.scheds):
+                    if not s.done:
+                        waits = ", ".join(str(task) for task, _ in s.waiting()[:4]) or "nothing"
+                        why = f"blocked on {w.blocked} rendezvous send(s)" if w.blocked else "idle"
+                        raise rrfp.DeadlockError(
+                            f"deadlock at t={self.env.now:g} ({self.hint.name}/{self.policy}): rank "
+                            f"{w.gids[t]} (pp {w.r}, tp {t}, dp {w.d}) is {why}; its next task "
+                            f"{_head(s)} waits for {waits}"
+                        )
+
+    def _flush(self, start: float) -> float:
+        """DP all-reduce per pipeline rank once every replica of it is done; return the barrier time."""
+        cost = self.cluster.allreduce_time()
+        barrier = start
+        for r in range(self.pp):
+            ready = max(row[r].finish for row in self.workers)
+            end = ready + cost
+            barrier = max(barrier, end)
+            if self.recorder is not None and self.dp > 1:
+                nbytes = 2 * (self.dp - 1) / self.dp * self.cluster.grad_bytes
+                for row in self.workers:
+                    for gid in row[r].gids:
+                        self.recorder.add("allreduce", self.iteration, gid, None, ready, end, nbytes=nbytes)
+        return barrier
+
+    def _advance_to(self, when: float) -> None:
+        if when > self.env.now:
+            tick = Event(self.env)
+            tick._ok, tick._value = True, None
+            self.env.schedule_at(tick, when)
+            self.env.drain()
+
+    # -- messages --------------------------------------------------------------------------------
+    def send(self, w: _Worker, pos: int) -> None:
+        """Send the outputs of ``w``'s task at ``pos`` to their consumers, member t to member t."""
+        now = self.env._now
+        replica = self.workers[w.d]
+        for dest_r, (_, consumer) in w.plan.remote[pos]:
+            dest = replica[dest_r]
+            for t in range(len(w.scheds)):
+                if self.rendezvous is not None:
+                    self.rendezvous.send(w, pos, dest, t, consumer, now)
+                else:
+                    self.transfer(w, dest, t, consumer, w.tx[t][pos], now)
+
+    def transfer(self, src: _Worker, dest: _Worker, t: int, consumer: Task, tx: float, posted: float) -> None:
+        """Move one message now (or when its link direction frees up); deliver it at the end."""
+        now = self.env._now
+        start = now
+        if self.contention:
+            link = (src.gids[t], dest.gids[t])
+            start = max(now, self._link_free.get(link, now))
+            self._link_free[link] = start + tx
+        arrival = start + tx
+        event = Event(self.env)
+        event._ok, event._value = True, (t, consumer)
+        event.callbacks.append(dest.on_arrive)
+        if self.rendezvous is not None:
+            rv = self.rendezvous
+            event.callbacks.append(lambda _e: rv.delivered(src, dest, t, consumer))
+        self.env.schedule_at(event, arrival)
+        if self.recorder is not None:
+            self._msg_id += 1
+            src_gid, dst_gid = src.gids[t], dest.gids[t]
+            rec, it, nb, mid = self.recorder, self.iteration, self.msg_bytes, self._msg_id
+            rec.add("send", it, src_gid, consumer, posted, start, nbytes=nb, peer=dst_gid, msg=mid)
+            rec.add("recv", it, dst_gid, consumer, start, arrival, nbytes=nb, peer=src_gid, msg=mid)
+
+    # -- tracing ---------------------------------------------------------------------------------
+    def record_compute(self, w: _Worker, task: Task, start: float, end: float) -> None:
+        assert self.recorder is not None
+        for gid, s in zip(w.gids, w.scheds, strict=True):
+            self.recorder.add("compute", self.iteration, gid, task, start, end, held=s.held)
+
+
+def _get(budget: Mapping[int, int] | None, rank: int) -> int | None:
+    return None if budget is None else budget[rank]
+
+
+def _head(s: RankScheduler) -> str:
+    return str(s.tasks[s.head]) if s.head < len(s.tasks) else "none"

@@ -1,0 +1,138 @@
+"""rrfp-sim: the table, --json (byte-identical for identical seeds), trace and plot outputs, sweep, and
+one-line errors with exit status 2 for bad options."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from rrfp.sim.cli import main
+
+from rrfp.trace import read_trace
+
+SMALL = ["--stages", "3", "-m", "6", "--seeds", "2"]
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out, err
+
+
+def test_table_shows_fixed_1f1b_against_rrfp(capsys):
+    code, out, err = run_cli(SMALL, capsys)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].startswith("pp=3 m=6 tp=1 dp=1 | language, lognormal CV 0.3")
+    runs = [line.split()[0] for line in lines if line.startswith(("fixed/", "rrfp/"))]
+    assert runs == ["fixed/1f1b", "rrfp/1f1b", "rrfp/bf"]
+    assert sum("vs fixed/1f1b" in line for line in lines) == 2
+
+
+def test_json_is_byte_identical_for_identical_seeds(capsys):
+    args = [*SMALL, "--json", "--hint", "1f1b,bfw", "--comm-latency", "0.05", "--tp", "2"]
+    first = run_cli(args, capsys)
+    second = run_cli(args, capsys)
+    assert first == second and first[0] == 0
+    other = run_cli([*args, "--seed", "1"], capsys)
+    assert other[1] != first[1]
+    data = json.loads(first[1])
+    assert [(r["policy"], r["hint"]) for r in data["results"]] == [
+        ("fixed", "1f1b"),
+        ("rrfp", "1f1b"),
+        ("rrfp", "bfw"),
+    ]
+    r = data["results"][1]
+    assert set(r["iteration_time"]) == {"mean", "ci_low", "ci_high"}
+    assert {"bubble_fraction", "lower_bound_ratio", "peak_activations"} <= set(r)
+    assert len(r["peak_activations"]) == 3
+    sp = data["speedups"][1]
+    assert (sp["hint"], sp["policy"], sp["baseline"]) == ("bfw", "rrfp", {"policy": "fixed", "hint": "1f1b"})
+    assert sp["ci_low"] <= sp["mean"] <= sp["ci_high"]
+
+
+def test_one_seed_gives_null_intervals(capsys):
+    code, out, _ = run_cli(["--stages", "2", "-m", "2", "--seeds", "1", "--json"], capsys)
+    data = json.loads(out)
+    assert code == 0 and data["results"][0]["iteration_time"]["ci_low"] is None
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--hint", "nope"], "unknown hint 'nope'"),
+        (["--policy", "fastest"], "unknown policy 'fastest'"),
+        (["--jitter", "cauchy"], "unknown jitter distribution 'cauchy'"),
+        (["--cv", "-0.5"], "cv must be"),
+        (["--memory-budget", "1"], "below the peak"),
+        (["--memory-budget", "0.5x"], "below 1x"),
+        (["--tp", "0"], "tp must be an integer >= 1"),
+        (["--dp", "-1"], "dp must be an integer >= 1"),
+        (["--send", "rendezvous", "--policy", "rrfp"], "always eager"),
+        (["--send", "pigeon"], "send must be one of"),
+        (["--stages", "0"], "stages must be an integer >= 1"),
+        (["--seeds", "0"], "seeds must be an integer >= 1"),
+        (["--virtual-stages", "2"], "needs virtual stages"),
+        (["--costs", "F=1"], "costs need"),
+        (["--workload", "video"], "unknown workload preset"),
+        (["--bandwidth", "0"], "bandwidth must be"),
+        (["--stages", "many"], "'many' is not a valid integer"),
+        (["--no-such-option"], "No such option"),
+        (["--trace-out", "t.txt"], "--trace-out"),
+        (["--plot", "g.jpg"], "--plot"),
+        (["sweep", "--grid", "hint=1f1b", "--out", "s.csv"], "not a sweepable option"),
+        (["sweep", "--grid", "cv=x", "--out", "s.csv"], "not a valid float"),
+        (["sweep", "--grid", "cv", "--out", "s.csv"], "KEY=V1,V2"),
+    ],
+)
+def test_bad_options_print_one_line_and_exit_2(args, needle, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli([*SMALL, *args] if args[0] != "sweep" else [args[0], *SMALL, *args[1:]], capsys)
+    assert code == 2
+    assert out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("rrfp-sim: error: ")
+    assert needle in err
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_trace_and_plot_outputs(capsys, tmp_path):
+    for suffix in (".parquet", ".csv", ".json"):
+        target = tmp_path / f"run{suffix}"
+        args = [*SMALL, "--seeds", "1", "--trace-out", str(target)]
+        if suffix == ".parquet":
+            args += ["--plot", str(tmp_path / "gantt.png")]
+        code, _, err = run_cli(args, capsys)
+        assert code == 0 and err == "" and target.stat().st_size > 0
+    frame = read_trace(tmp_path / "run.parquet")
+    assert set(frame["policy"]) == {"fixed", "rrfp"} and set(frame["hint"]) == {"1f1b", "bf"}
+    assert read_trace(tmp_path / "run.csv").equals(frame)
+    perfetto = json.loads((tmp_path / "run.json").read_text())
+    assert perfetto["traceEvents"] if isinstance(perfetto, dict) else perfetto
+    assert (tmp_path / "gantt.png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gantt.png", "run.csv", "run.json", "run.parquet"]
+
+
+def test_sweep_writes_csv_and_plot(capsys, tmp_path):
+    out_csv, out_png = tmp_path / "s.csv", tmp_path / "s.png"
+    args = ["sweep", *SMALL, "--grid", "cv=0.1,0.5", "--grid", "memory-budget=1x,2x", "--out", str(out_csv)]
+    code, out, err = run_cli([*args, "--plot", str(out_png)], capsys)
+    assert code == 0 and err == "" and "12 rows over 4 grid points" in out
+    frame = pd.read_csv(out_csv)
+    assert list(frame.columns[:4]) == ["cv", "memory_budget", "policy", "hint"]
+    assert len(frame) == 4 * 3 and frame["speedup"].notna().sum() == 4 * 2
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_console_script_and_module_entry_points():
+    exe = Path(sys.executable).with_name("rrfp-sim")
+    for cmd in ([str(exe)], [sys.executable, "-m", "rrfp.sim"]):
+        done = subprocess.run([*cmd, "--stages", "0"], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and done.stdout == ""
+        assert done.stderr == "rrfp-sim: error: stages must be an integer >= 1, got 0\n"
+    help_text = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
+    assert help_text.returncode == 0 and "--memory-budget" in help_text.stdout
