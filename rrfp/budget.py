@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from rrfp.hints import Hint
 from rrfp.spec import PipelineSpec
-from rrfp.task import Task
+from rrfp.task import Op, Task
 
 
 class BudgetError(ValueError):
@@ -22,7 +22,8 @@ class BudgetError(ValueError):
 
 def deltas(spec: PipelineSpec, order: Sequence[Task]) -> list[int]:
     """Activation slots each task of ``order`` takes (+1), gives back (-1) or leaves alone (0)."""
-    return [1 if spec.acquires(t) else -1 if spec.releases(t) else 0 for t in order]
+    rel = spec.release_op  # inlined: this runs once per task when schedulers are built
+    return [1 if t.op is Op.F else -1 if t.op is rel else 0 for t in order]
 
 
 def order_peak(spec: PipelineSpec, order: Sequence[Task]) -> int:

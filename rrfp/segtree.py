@@ -29,7 +29,8 @@ class MaxPrefixTree:
         for node in range(size - 1, 0, -1):
             left, right = 2 * node, 2 * node + 1
             sm[node] = sm[left] + sm[right]
-            mx[node] = max(mx[left], sm[left] + mx[right])
+            a, b = mx[left], sm[left] + mx[right]
+            mx[node] = a if a > b else b
 
     def set(self, pos: int, value: int) -> None:
         """Replace the delta at ``pos``."""
