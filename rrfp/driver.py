@@ -1,5 +1,9 @@
 """A tiny reference driver: an event loop over given durations, without simpy or torch.
 
+It ticks each scheduler's clock before asking ``next()`` and announces every cross-rank message when
+its producer starts (the optional timing hooks of :class:`rrfp.RankScheduler`), as a message-driven
+runtime whose headers precede their payloads would.
+
 It exists so the core scheduler is exercised (and its dispatch logs pinned) in plain tests, and as
 the independent ground truth the SimPy model is checked against. It obeys the same-instant rule:
 every completion and arrival at time t is applied before any rank is asked ``next()`` at t.
@@ -64,13 +68,18 @@ def run_reference(
     now = 0.0
     while True:
         for rank, s in scheds.items():  # dispatch every idle rank at `now`
-            if not busy[rank] and (task := s.next()) is not None:
+            if busy[rank]:
+                continue
+            s.tick(now)
+            if (task := s.next()) is not None:
                 s.start(task)
                 busy[rank] = True
                 end = now + dur(task)
                 run.log[rank].append((task, now, end))
                 heapq.heappush(events, (end, 0, seq, rank, task))
                 seq += 1
+                for dest, consumer in spec.remote_consumers(task):  # the header goes out at the start
+                    scheds[dest].announce(consumer, now)
         if not events:
             break
         now = events[0][0]

@@ -14,12 +14,19 @@ through these calls only::
 Same-instant rule: a driver applies every completion and arrival of one instant before it asks
 ``next()``, so results depend on the policy, never on event order.
 
+Optional timing hooks, for policies that plan around inputs still on their way (rrfp.policies_plus):
+a message-driven driver may call ``sched.tick(now)`` before ``next()`` (its clock, seconds) and
+``sched.announce(task, since)`` when the producer of a cross-rank input of ``task`` starts computing
+(the sender's header goes out before its payload). A driver that ticks must announce every such start;
+one that does neither loses nothing but that information.
+
 Ready tasks sit in two heaps keyed by priority (forwards, everything else) with lazy invalidation.
 Only forwards take memory, so only forwards can be refused by hint-safe admission (see segtree.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from heapq import heappop, heappush
 
 from rrfp.budget import deltas
@@ -39,7 +46,6 @@ class RankScheduler:
     def __init__(
         self, hint: Hint, rank: int, policy: str | Policy = "rrfp", budget: int | None = None
     ) -> None:
-        spec = hint.spec
         order = hint.orders[rank]
         self.hint = hint
         self.rank = rank
@@ -50,11 +56,15 @@ class RankScheduler:
         self._pos_of_prio = [0] * len(order)
         for pos, pr in enumerate(self.prio):
             self._pos_of_prio[pr] = pos
-        self._delta = deltas(spec, order)
-        self.is_forward = [t.op is Op.F for t in order]
-        self._releases = [spec.releases(t) for t in order]
-        self._need0 = [len(spec.deps(t)) for t in order]
-        self._local_consumers = [[self.index[c] for c in spec.consumers(t) if c in self.index] for t in order]
+        plan = _rank_plan(hint, rank)
+        self._delta = plan.delta
+        self.is_forward = plan.is_forward
+        self._releases = plan.releases
+        self._need0 = plan.need
+        self._remote0 = plan.remote  # how many of those inputs are messages
+        self._local_consumers = plan.local_consumers
+        self.now: float | None = None
+        """Driver clock (s) at the latest :meth:`tick`; None if the driver never ticks."""
         peak = _peak(self._delta)
         self.budget = peak if budget is None else budget
         if self.budget < peak:
@@ -65,6 +75,7 @@ class RankScheduler:
         """Start a new iteration: nothing delivered, started or completed."""
         n = len(self.tasks)
         self._need = list(self._need0)
+        self._remote = list(self._remote0)
         self._started = bytearray(n)
         self._finished = bytearray(n)
         self._completed = 0
@@ -72,6 +83,7 @@ class RankScheduler:
         self.held = 0  # activation slots held now (in-flight forwards included)
         self.peak = 0
         self._tree = MaxPrefixTree(self._delta)
+        self._since: dict[int, float] = {}  # position -> announced start of its cross-rank producer
         self._fheap: list[int] = []
         self._oheap: list[int] = []
         for pos in range(n):
@@ -82,8 +94,9 @@ class RankScheduler:
     def deliver(self, task: Task) -> None:
         """One cross-rank input of ``task`` arrived."""
         pos = self._pos(task)
-        if self._need[pos] <= 0:
-            raise SchedulerError(f"rank {self.rank}: {task} got more inputs than it needs")
+        if self._remote[pos] <= 0:
+            raise SchedulerError(f"rank {self.rank}: {task} got more cross-rank inputs than it needs")
+        self._remote[pos] -= 1
         self._need[pos] -= 1
         if self._need[pos] == 0:
             self._push(pos)
@@ -126,6 +139,14 @@ class RankScheduler:
             # Out of hint order: take its delta out of the remaining-order tree.
             self._tree.set(pos, 0)
 
+    def tick(self, now: float) -> None:
+        """Optional: the driver's clock (s) now; call before :meth:`next` (see the module docstring)."""
+        self.now = now
+
+    def announce(self, task: Task, since: float) -> None:
+        """Optional: the producer of a cross-rank input of ``task`` started computing at ``since`` (s)."""
+        self._since[self._pos(task)] = since
+
     # -- questions --------------------------------------------------------------------------
     def next(self) -> Task | None:
         """The policy's pick now, or None; commits nothing."""
@@ -150,6 +171,17 @@ class RankScheduler:
 
     def is_ready(self, pos: int) -> bool:
         return not self._started[pos] and self._need[pos] == 0
+
+    def started(self, pos: int) -> bool:
+        return bool(self._started[pos])
+
+    def awaiting(self, pos: int) -> bool:
+        """Is a cross-rank input of the task at ``pos`` still to be delivered?"""
+        return self._remote[pos] > 0
+
+    def since(self, pos: int) -> float | None:
+        """When the producer of ``pos``'s cross-rank input was announced to start; None if never."""
+        return self._since.get(pos)
 
     def waiting(self) -> list[tuple[Task, int]]:
         """Unstarted tasks still missing inputs, with how many (for fault dumps)."""
@@ -181,6 +213,60 @@ class RankScheduler:
             return self.index[task]
         except KeyError:
             raise SchedulerError(f"rank {self.rank}: {task} is not one of this rank's tasks") from None
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """Static wiring of one rank's tasks, shared by every scheduler built on the same hint."""
+
+    delta: list[int]  # activation slots each position takes (+1) or gives back (-1)
+    is_forward: list[bool]
+    releases: list[bool]
+    need: list[int]  # inputs per position (local + cross-rank)
+    remote: list[int]  # of which cross-rank
+    local_consumers: list[list[int]]  # positions on this rank that each position feeds
+
+
+def _rank_plan(hint: Hint, rank: int) -> _RankPlan:
+    """Build (once per hint and rank) the wiring from the DAG rules in rrfp.spec, without Task objects
+    in the loop: schedulers for 128 ranks x 1024 microbatches must build in well under a second."""
+    memo: dict[int, _RankPlan] = hint.memo.setdefault("rank_plans", {})
+    if rank in memo:
+        return memo[rank]
+    spec, order = hint.spec, hint.orders[rank]
+    last, rank_of = spec.num_stages - 1, [spec.rank_of(s) for s in range(spec.num_stages)]
+    index = {t: p for p, t in enumerate(order)}
+    bwd, split = spec.backward_op, spec.split
+    need, remote, consumers = [], [], []
+    for t in order:
+        s, op, m = t
+        if op is Op.F:
+            need.append(1 if s > 0 else 0)
+            remote.append(1 if s > 0 and rank_of[s - 1] != rank else 0)
+            out = [index[Task(s, bwd, m)]]
+            if s < last and rank_of[s + 1] == rank:
+                out.append(index[Task(s + 1, Op.F, m)])
+        elif op is Op.W:
+            need.append(1)
+            remote.append(0)
+            out = []
+        else:
+            need.append(1 if s == last else 2)
+            remote.append(1 if s < last and rank_of[s + 1] != rank else 0)
+            out = [index[Task(s, Op.W, m)]] if split else []
+            if s > 0 and rank_of[s - 1] == rank:
+                out.append(index[Task(s - 1, op, m)])
+        consumers.append(out)
+    plan = _RankPlan(
+        delta=deltas(spec, order),
+        is_forward=[t.op is Op.F for t in order],
+        releases=[t.op is spec.release_op for t in order],
+        need=need,
+        remote=remote,
+        local_consumers=consumers,
+    )
+    memo[rank] = plan
+    return plan
 
 
 def _peak(ds: list[int]) -> int:
