@@ -14,6 +14,7 @@ from rrfp.budget import BudgetError, hint_peaks, order_peak, resolve_budget
 from rrfp.driver import DeadlockError, Run, run_reference
 from rrfp.hints import Hint, HintError, hint_names, hint_orders, make_hint
 from rrfp.policies import Policy, PolicyError, get_policy, policy_names, register_policy
+from rrfp.policies_plus import Backfill, BackfillError, expected_costs, unit_costs
 from rrfp.scheduler import RankScheduler, SchedulerError
 from rrfp.spec import PipelineSpec, SpecError
 from rrfp.task import Op, Task, TaskFormatError
@@ -22,6 +23,8 @@ from rrfp.tp import agree
 __version__ = "0.1.0"
 
 __all__ = [
+    "Backfill",
+    "BackfillError",
     "BudgetError",
     "DeadlockError",
     "Hint",
@@ -37,6 +40,7 @@ __all__ = [
     "Task",
     "TaskFormatError",
     "agree",
+    "expected_costs",
     "get_policy",
     "hint_names",
     "hint_orders",
@@ -47,4 +51,5 @@ __all__ = [
     "register_policy",
     "resolve_budget",
     "run_reference",
+    "unit_costs",
 ]

@@ -1,0 +1,250 @@
+"""Dispatch policies beyond greedy readiness: ``backfill`` runs a task out of hint order only when that
+is expected to delay nothing that matters.
+
+Why: greedy readiness (``rrfp``) can lose to the fixed order at the same memory. It starts a forward just
+before the backward it skipped arrives, so that backward -- on the critical path -- waits a whole forward;
+or it fills a gap the schedule left on purpose. ``backfill`` is conservative backfilling (the batch-job
+scheduling rule) applied to one rank's hint order.
+
+The rule. The rank's hint order is a reservation list. At each decision the policy lays out the
+*expected fixed timeline* from now -- the unstarted hint positions in order, each starting at
+``max(previous end, eta)`` and lasting its expected cost -- where ``eta`` is now for a ready task and, for
+a task whose cross-rank input is still on its way, the expected arrival:
+
+* announced (the producer started at ``since``): ``since + E[producer] + latency``, at least now;
+* not announced (the producer has not started): ``now + E[producer] + latency`` -- a lower bound;
+* no clock (a driver that never ticks nor announces): now -- the input may land any moment.
+
+A ready, admissible task X within ``window`` positions of the head may run now, ahead of the head, only
+if in that timeline with X moved to now no *non-filler* position before X starts later than it would
+have, and the positions up to X end no later (so nothing after X moves either). A *filler* is a task none
+of whose outputs cross ranks (W; stage 0's B or I; the last stage's F): delaying it delays no other rank,
+and the timeline accounts for its local consumers. Among the head (when ready) and the tasks that pass,
+critical work (outputs cross ranks) goes before fillers, then the hint's priority decides. So a ready
+critical head always runs at once, and a ready filler head (a W, say) yields to a ready critical task
+that fits before the next critical position -- the gradient or activation leaves sooner, the filler
+still ends in time.
+
+Why it is safe:
+
+* memory and deadlock: every forward passes hint-safe admission (:meth:`RankScheduler.admissible`), so
+  following the hint stays feasible from every state; a ready head always passes, and a rank only idles
+  while its head waits for a cross-rank input, so the argument for ``fixed`` carries over -- the first
+  unfinished task of the hint's dry run is some rank's head, and its inputs are done.
+* time: with exact costs, a moved task never delays a protected position of the fixed timeline from the
+  current state (conservative backfilling; the arrival bounds are exact or low, and a low bound only makes
+  the rule stricter, see :meth:`Backfill._room`). tests/test_policies_plus.py checks "never slower than
+  ``fixed``" with an exact cost model on random pipelines. With expected costs, jitter can make a moved
+  task overrun; the unannounced bound and the no-clock fallback both err towards waiting, and ``margin``
+  inflates the moved task's cost (x ``1 + margin``) for more caution.
+* stable refusals: while a rank's state is unchanged, the passage of time and new announcements only
+  bring expected arrivals closer, so a refusal stays a refusal -- drivers need to re-ask ``next()`` only
+  after a deliver or complete, as for ``rrfp``.
+* cheap: a ready critical head returns at once; otherwise one pass over the window finds the ready,
+  admissible tasks, and only if there is one does a second pass, up to the furthest, give each its
+  *room* (the longest task that may move from there to now): O(window).
+
+Cost model: ``expected(task) -> seconds``, mean costs from the workload (:func:`expected_costs`), never
+realised durations; the registry's default instance uses :func:`unit_costs` and zero latency.
+
+    >>> import rrfp
+    >>> hint = rrfp.make_hint("1f1b", pp=2, microbatches=3)
+    >>> budget = rrfp.resolve_budget("2x", hint)
+    >>> # 0B0's input lands at t=4; 0F2 (1 s) fits into rank 0's wait from t=2, so it runs at 2:
+    >>> rrfp.run_reference(hint, "backfill", lambda t: 1.0 if t.op.value == "F" else 2.0,
+    ...                    budget=budget).order(0)
+    ['0F0', '0F1', '0F2', '0B0', '0B1', '0B2']
+
+Import it (the registry then knows ``backfill``) with ``import rrfp.policies_plus``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+from weakref import WeakKeyDictionary
+
+from rrfp.policies import Policy, register_policy
+from rrfp.task import Op, Task
+
+if TYPE_CHECKING:
+    from rrfp.scheduler import RankScheduler
+    from rrfp.spec import PipelineSpec
+    from rrfp.workload import WorkloadConfig
+
+CostModel = Callable[[Task], float]
+"""Expected seconds a task computes for."""
+
+_EPS = 1e-9  # seconds: float noise when comparing timeline instants
+_UNIT = {Op.F: 1.0, Op.B: 2.0, Op.I: 1.0, Op.W: 1.0}
+
+
+class BackfillError(ValueError):
+    """A backfill parameter or cost-model value out of range; the message names it and the rule."""
+
+
+def unit_costs(task: Task) -> float:
+    """The workload default's mean costs: F = I = W = 1 s, B = I + W = 2 s, on every stage."""
+    return _UNIT[task.op]
+
+
+def expected_costs(cfg: WorkloadConfig, spec: PipelineSpec) -> CostModel:
+    """Mean cost per (stage, op) of ``cfg`` on ``spec``'s stages (rrfp.workload.mean_costs)."""
+    from rrfp.workload import mean_costs  # lazy: keeps numpy out of `import rrfp`
+
+    means = mean_costs(cfg, spec.pp, spec.num_stages)
+    table = {op: [float(x) for x in means[op.value]] for op in Op}
+    return lambda task: table[task.op][task.stage]
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Static facts about one rank's hint positions, built once per scheduler."""
+
+    cost: list[float]
+    """Expected seconds of each position."""
+    filler: list[bool]
+    """No output of the task crosses ranks."""
+    arrive: list[float]
+    """Expected seconds from the cross-rank producer's start to the input's arrival (0 if none)."""
+
+
+@register_policy
+class Backfill(Policy):
+    """Run a task ahead of the hint order only if the expected timeline says it delays nothing protected."""
+
+    name = "backfill"
+
+    def __init__(
+        self,
+        expected: CostModel | None = None,
+        latency: float = 0.0,
+        window: int = 32,
+        margin: float = 0.0,
+    ) -> None:
+        """``expected``: mean seconds per task (default :func:`unit_costs`); ``latency``: mean seconds a
+        message takes (latency + bytes / bandwidth); ``window``: how many hint positions past the head a
+        task may come from; ``margin``: moved tasks are costed at ``(1 + margin)`` x their mean."""
+        if not (isinstance(latency, (int, float)) and math.isfinite(latency) and latency >= 0):
+            raise BackfillError(f"latency must be a finite number of seconds >= 0, got {latency!r}")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            raise BackfillError(f"window must be an integer >= 1 hint positions, got {window!r}")
+        if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin >= 0):
+            raise BackfillError(f"margin must be a finite number >= 0, got {margin!r}")
+        self.expected = expected or unit_costs
+        self.latency = float(latency)
+        self.window = window
+        self.margin = float(margin)
+        # One plan per scheduler: a policy instance may serve every rank of a run.
+        self._plans: WeakKeyDictionary[RankScheduler, _Plan] = WeakKeyDictionary()
+
+    # -- Policy interface -------------------------------------------------------------------
+    def pick(self, s: RankScheduler) -> Task | None:
+        for pos in self._passing(s, first_only=True):
+            return s.tasks[pos]
+        return None
+
+    def candidates(self, s: RankScheduler) -> list[Task]:
+        return [s.tasks[p] for p in self._passing(s, first_only=False)]
+
+    # -- the rule ---------------------------------------------------------------------------
+    def _passing(self, s: RankScheduler, first_only: bool) -> list[int]:
+        """Runnable positions that pass the rule: critical work (outputs cross ranks) before fillers,
+        then the hint's priority."""
+        head = s.head
+        if head >= len(s.tasks):
+            return []
+        plan = self._plan(s)
+        head_ready = s.is_ready(head)
+        if head_ready and not plan.filler[head]:
+            return [head]  # anything moved before it would delay it: nothing else can pass
+        others = self._runnable(s, head)
+        if not others:
+            return [head] if head_ready else []
+        room = self._room(s, plan, others)
+        runnable = [head, *others] if head_ready else others
+        out: list[int] = []
+        for p in sorted(runnable, key=lambda p: (plan.filler[p], s.prio[p])):
+            if p == head or plan.cost[p] * (1.0 + self.margin) <= room[p] + _EPS:
+                out.append(p)
+                if first_only:
+                    break
+        return out
+
+    def _runnable(self, s: RankScheduler, head: int) -> list[int]:
+        """Ready, admissible positions after the head within the window (most waits have none).
+
+        Once a forward is refused, every later forward is too (its prefix of the hint order contains the
+        refused one's), so at most one failing admission query per call."""
+        out: list[int] = []
+        blocked = False
+        is_forward = s.is_forward
+        for pos in range(head + 1, min(len(s.tasks), head + self.window)):
+            if not s.is_ready(pos) or (is_forward[pos] and blocked):
+                continue
+            if is_forward[pos] and not s.admissible(pos):
+                blocked = True
+                continue
+            out.append(pos)
+        return out
+
+    def _room(self, s: RankScheduler, plan: _Plan, candidates: list[int]) -> dict[int, float]:
+        """For each candidate position j, the longest task (s) that may move from j to now.
+
+        Follow the hint from now: position i (unstarted, in order) starts at ``old_i = max(previous end,
+        eta_i)``. Moving X from j to the front shifts what precedes j by pure work: i then starts at
+        ``max(now + x + work_i, eta_i)``, work_i = expected work of the unstarted positions before i. So X
+        delays no non-filler i < j iff ``x <= old_i - now - work_i``, and nothing after j iff
+        ``x <= end_j - now - work_j`` (the positions up to j end no later). Both bounds grow with every eta,
+        so an underestimated arrival only makes the rule stricter."""
+        timed = s.now is not None
+        now = s.now if timed else 0.0
+        wanted = set(candidates)
+        room: dict[int, float] = {}
+        cursor = now  # end of the previous position when the hint order is followed
+        work = 0.0  # expected work of the unstarted positions passed so far
+        guard = math.inf  # min over the non-fillers passed of (their start - now - work before them)
+        for pos in range(s.head, max(candidates) + 1):
+            if s.started(pos):
+                continue
+            eta = now
+            if timed and s.awaiting(pos):
+                since = s.since(pos)
+                eta = max(now, (now if since is None else since) + plan.arrive[pos])
+            begin = cursor if cursor > eta else eta
+            cursor = begin + plan.cost[pos]
+            if pos in wanted:
+                room[pos] = min(guard, cursor - now - work)
+            if not plan.filler[pos]:
+                guard = min(guard, begin - now - work)
+            work += plan.cost[pos]
+        return room
+
+    # -- per-scheduler plan -----------------------------------------------------------------
+    def _plan(self, s: RankScheduler) -> _Plan:
+        plan = self._plans.get(s)
+        if plan is None:
+            plan = self._plans[s] = self._build_plan(s)
+        return plan
+
+    def _build_plan(self, s: RankScheduler) -> _Plan:
+        spec = s.hint.spec
+        cost = [self._cost(t) for t in s.tasks]
+        filler = [not spec.remote_consumers(t) for t in s.tasks]
+        arrive = []
+        for t in s.tasks:
+            remote = [self._cost(d) for d in spec.deps(t) if spec.is_remote(d, t)]
+            arrive.append(max(remote) + self.latency if remote else 0.0)
+        return _Plan(cost, filler, arrive)
+
+    def _cost(self, task: Task) -> float:
+        value = self.expected(task)
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = math.nan
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise BackfillError(f"expected cost of {task} must be finite seconds >= 0, got {value!r}")
+        return seconds

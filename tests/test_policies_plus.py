@@ -1,0 +1,321 @@
+"""The ``backfill`` policy (rrfp.policies_plus) and the scheduler's optional timing hooks.
+
+* exact decisions on tiny pipelines: it waits for a backward whose input is about to land where ``rrfp``
+  starts a forward; it fills a wait that a forward fits into; it reads announcements, latency, and the
+  no-clock fallback; a ready filler (W) yields to ready critical work only when memory allows;
+* properties through :func:`rrfp.run_reference` (hypothesis): every run completes, is causal and stays
+  within the budget, ``pick`` agrees with ``candidates``, a refusal is stable until a deliver/complete;
+  and with an exact cost model (expected = realised
+  durations, the driver's latency) it is never slower than ``fixed`` and starts no task whose output
+  crosses ranks later than ``fixed`` does -- the conservative-backfilling guarantee that the benchmark
+  (benchmarks/policy_grid_ref.py) then tests under jitter;
+* parameter validation, the workload cost model and the registry.
+
+    .venv/bin/pytest tests/test_policies_plus.py -q
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import pytest
+from conftest import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rrfp
+from rrfp.hints import SEQUENCE_HINTS
+from rrfp.policies_plus import Backfill, BackfillError, expected_costs, unit_costs
+from rrfp.scheduler import RankScheduler, SchedulerError
+from rrfp.spec import PLACEMENTS
+from rrfp.task import Op, Task
+from rrfp.workload import WorkloadConfig, mean_costs
+
+T = Task.parse
+
+
+def logged(run: rrfp.Run) -> dict[int, str]:
+    return {rank: " ".join(f"{t}@{s:g}-{e:g}" for t, s, e in events) for rank, events in run.log.items()}
+
+
+def per_op(**cost: float) -> Callable[[Task], float]:
+    return lambda task: cost[task.op.value]
+
+
+def run_ops(pol: str | Backfill, hint: rrfp.Hint, budget: str, **cost: float) -> rrfp.Run:
+    return rrfp.run_reference(hint, pol, per_op(**cost), budget=rrfp.resolve_budget(budget, hint))
+
+
+# -- exact decisions through the reference driver ------------------------------------------------
+# 1F1B, pp=3, m=3, F=2, B=1, budget 2x (rank 1 may hold 4). At t=6 rank 1 has run 1F0, 1F1; its next task
+# 1B0 waits for 2B0, which rank 2 starts at 6 (announced) and ends at 7. 1F2 is ready and admissible, but
+# it takes 2 s: it would end at 8 and delay 1B0 -- whose gradient rank 0 waits for -- by 1 s. backfill
+# waits (it dispatches exactly like fixed); rrfp starts 1F2 at 6, so 1B0 runs at 8 and 0B0 at 9.
+WAITS = {
+    0: "0F0@0-2 0F1@2-4 0F2@4-6 0B0@8-9 0B1@11-12 0B2@14-15",
+    1: "1F0@2-4 1F1@4-6 1B0@7-8 1F2@8-10 1B1@10-11 1B2@13-14",
+    2: "2F0@4-6 2B0@6-7 2F1@7-9 2B1@9-10 2F2@10-12 2B2@12-13",
+}
+
+
+def test_backfill_waits_for_the_backward_where_rrfp_starts_a_forward() -> None:
+    hint = rrfp.make_hint("1f1b", 3, 3)
+    exact = Backfill(expected=per_op(F=2, B=1))
+    assert logged(run_ops(exact, hint, "2x", F=2, B=1)) == WAITS
+    assert logged(run_ops("fixed", hint, "2x", F=2, B=1)) == WAITS
+    greedy = logged(run_ops("rrfp", hint, "2x", F=2, B=1))
+    assert greedy[1].startswith("1F0@2-4 1F1@4-6 1F2@6-8 1B0@8-9")
+    assert "0B0@9-10" in greedy[0]
+
+
+# Stage 0's backward sends nothing (a filler), so the same wait on rank 0 of a 2-rank pipeline is filled.
+# Same pipeline, F=1, B=2: at t=2 rank 1 starts 1B0 (ends at 4). 0F2 takes 1 s and ends at 3, before 0B0's
+# input lands, so backfill runs it in the wait; later 1F2 already has its input when rank 1 reaches it.
+FILLS = {
+    0: "0F0@0-1 0F1@1-2 0F2@2-3 0B0@4-6 0B1@7-9 0B2@10-12",
+    1: "1F0@1-2 1B0@2-4 1F1@4-5 1B1@5-7 1F2@7-8 1B2@8-10",
+}
+
+
+def test_backfill_fills_a_wait_that_a_forward_fits_into() -> None:
+    hint = rrfp.make_hint("1f1b", 2, 3)
+    run = run_ops(Backfill(expected=per_op(F=1, B=2)), hint, "2x", F=1, B=2)
+    assert logged(run) == FILLS
+    assert run.peak == {0: 3, 1: 1}
+    # At 1x rank 0 holds its budget (2) after 0F1, so nothing may run ahead: exactly fixed.
+    assert logged(run_ops(Backfill(), hint, "1x", F=1, B=2)) == logged(run_ops("fixed", hint, "1x", F=1, B=2))
+
+
+# -- exact decisions of one scheduler, driven by hand ---------------------------------------------
+def rank1_waiting_for_1b0(policy: str | Backfill = "backfill") -> RankScheduler:
+    """1F1B pp=3 m=3, rank 1 (order 1F0 1F1 1B0 1F2 1B1 1B2), budget 4, after 1F0 and 1F1: the head 1B0
+    awaits 2B0's gradient; 1F2's activation has arrived, so 1F2 is ready."""
+    s = RankScheduler(rrfp.make_hint("1f1b", 3, 3), 1, policy, budget=4)
+    for name in ("1F0", "1F1"):
+        s.deliver(T(name))
+        s.start(T(name))
+        s.complete(T(name))
+    s.deliver(T("1F2"))
+    return s
+
+
+def test_without_a_clock_an_awaited_input_counts_as_imminent() -> None:
+    assert rank1_waiting_for_1b0("rrfp").next() == T("1F2")
+    s = rank1_waiting_for_1b0()
+    assert s.next() is None and s.ready() == []
+    s.deliver(T("1B0"))
+    assert s.next() == T("1B0")
+
+
+@pytest.mark.parametrize(
+    ("since", "latency", "expected"),
+    [
+        (None, 0.0, "1F2"),  # 2B0 not started: >= 2 s away (unit costs, B = 2); 1F2 takes 1
+        (0.5, 0.0, None),  # started at 0.5: lands at 2.5, 1F2 would end at 3
+        (1.0, 0.0, "1F2"),  # lands at 3.0, exactly when 1F2 would end
+        (0.5, 0.5, "1F2"),  # 0.5 s of latency: lands at 3.0
+        (-5.0, 0.0, None),  # overdue: it may land any moment
+    ],
+)
+def test_announcements_and_latency_set_the_expected_arrival(
+    since: float | None, latency: float, expected: str | None
+) -> None:
+    s = rank1_waiting_for_1b0(Backfill(latency=latency))
+    s.tick(2.0)
+    if since is not None:
+        s.announce(T("1B0"), since)
+    assert s.since(s.index[T("1B0")]) == since
+    assert s.next() == (None if expected is None else T(expected))
+    assert s.ready() == ([] if expected is None else [T(expected)])
+
+
+def test_a_ready_filler_yields_to_critical_work_only_within_memory() -> None:
+    # bfw pp=3 m=3, rank 1: 1F0 1F1 1I0 1W0 1F2 1I1 ... After 1F0, 1F1, 1I0 the head 1W0 (a filler: W
+    # sends nothing) is ready; 1F2's activation has arrived. With a slot to spare 1F2 goes first (its
+    # output leaves 1 s sooner and 1W0 still ends before 1F2 would have started); at the hint's own
+    # budget (2) 1F2 must wait for 1W0 to free a slot.
+    hint = rrfp.make_hint("bfw", 3, 3)
+    for budget, expected in ((3, "1F2"), (2, "1W0")):
+        s = RankScheduler(hint, 1, "backfill", budget=budget)
+        s.tick(0.0)
+        s.deliver(T("1F0"))
+        s.deliver(T("1F1"))
+        s.deliver(T("1I0"))
+        for name in ("1F0", "1F1", "1I0"):
+            s.start(T(name))
+            s.complete(T(name))
+        s.deliver(T("1F2"))
+        assert s.next() == T(expected)
+        assert s.ready()[0] == T(expected)
+
+
+def test_announce_rejects_a_task_of_another_rank() -> None:
+    s = rank1_waiting_for_1b0()
+    with pytest.raises(SchedulerError, match="not one of this rank's tasks"):
+        s.announce(T("0B0"), 0.0)
+    assert not s.awaiting(s.index[T("1F2")]) and s.awaiting(s.index[T("1B0")])
+
+
+# -- properties through the reference driver ------------------------------------------------------
+@st.composite
+def hints(draw: st.DrawFn) -> rrfp.Hint:
+    name = draw(st.sampled_from(rrfp.hint_names()))
+    pp, m = draw(st.integers(1, 5)), draw(st.integers(1, 10))
+    if name in SEQUENCE_HINTS:
+        d = SEQUENCE_HINTS[name]
+        return rrfp.make_hint(name, pp, m, draw(st.sampled_from([v for v in (1, 2, 3) if d.v_allowed(v)])))
+    placement = draw(st.sampled_from(PLACEMENTS))
+    v = 2 if placement == "v" else draw(st.integers(1, 3))
+    split = True if name == "bfw" else draw(st.booleans())
+    return rrfp.make_hint(name, pp, m, v, placement=placement, split=split)
+
+
+def durations(hint: rrfp.Hint, seed: int, mode: str) -> dict[Task, float]:
+    rng = random.Random(seed)
+    draw = {
+        "integer": lambda: float(rng.randint(1, 4)),
+        "uniform": lambda: rng.uniform(0.05, 2.0),
+        "heavy": lambda: rng.lognormvariate(0.0, 1.0),
+    }[mode]
+    return {t: draw() for t in hint.spec.all_tasks()}
+
+
+class Checked(Backfill):
+    """backfill whose every pick is checked (test-only, unregistered): it is the first of its candidates,
+    and a refusal stays a refusal while the rank's state (inputs, starts, memory) is unchanged, however
+    time passes and announcements come in -- so drivers need not re-ask on those."""
+
+    name = "test-checked-backfill"
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.refused: set[tuple[int, bytes, tuple[int, ...], int]] = set()
+
+    def pick(self, s: RankScheduler) -> Task | None:
+        task = super().pick(s)
+        assert task == next(iter(self.candidates(s)), None)
+        state = (s.rank, bytes(s._started), tuple(s._need), s.held)
+        if task is None:
+            self.refused.add(state)
+        else:
+            assert state not in self.refused, f"rank {s.rank} refused in this state, then picked {task}"
+        return task
+
+
+def check_run(
+    hint: rrfp.Hint, run: rrfp.Run, budget: dict[int, int], dur: dict[Task, float], lat: float
+) -> None:
+    spec = hint.spec
+    where = {t: (s, e) for events in run.log.values() for t, s, e in events}
+    assert sorted(where) == sorted(spec.all_tasks()), "a task is missing or ran twice"
+    for rank, events in run.log.items():
+        free = 0.0
+        for task, start, end in events:
+            assert spec.rank_of(task.stage) == rank and start >= free and end == start + dur[task]
+            free = end
+        assert run.peak[rank] <= budget[rank]
+    for task, (start, _) in where.items():
+        for dep in spec.deps(task):
+            assert start >= where[dep][1] + (lat if spec.is_remote(dep, task) else 0.0) - 1e-12
+
+
+@settings(max_examples=examples(150))
+@given(
+    hint=hints(),
+    seed=st.integers(0, 2**32 - 1),
+    mode=st.sampled_from(["integer", "uniform", "heavy"]),
+    factor=st.sampled_from(["1x", "1.5x", "2x", "3x"]),
+    lat=st.sampled_from([0.0, 0.25, 1.0]),
+    window=st.integers(1, 64),
+)
+def test_backfill_completes_within_budget_with_a_mismatched_cost_model(
+    hint: rrfp.Hint, seed: int, mode: str, factor: str, lat: float, window: int
+) -> None:
+    """Unit costs against random durations: decisions may be poor, never unsafe."""
+    dur = durations(hint, seed, mode)
+    budget = rrfp.resolve_budget(factor, hint)
+    run = rrfp.run_reference(hint, Checked(window=window), dur, budget=budget, latency=lat)
+    check_run(hint, run, budget, dur, lat)
+
+
+@settings(max_examples=examples(150))
+@given(
+    hint=hints(),
+    seed=st.integers(0, 2**32 - 1),
+    mode=st.sampled_from(["integer", "uniform", "heavy"]),
+    factor=st.sampled_from(["1x", "1.5x", "2x", "3x"]),
+    lat=st.sampled_from([0.0, 0.25, 1.0]),
+    window=st.integers(1, 64),
+)
+def test_backfill_with_an_exact_cost_model_is_never_slower_than_fixed(
+    hint: rrfp.Hint, seed: int, mode: str, factor: str, lat: float, window: int
+) -> None:
+    dur = durations(hint, seed, mode)
+    budget = rrfp.resolve_budget(factor, hint)
+    fixed = rrfp.run_reference(hint, "fixed", dur, budget=budget, latency=lat)
+    policy = Checked(expected=dur.__getitem__, latency=lat, window=window)
+    ours = rrfp.run_reference(hint, policy, dur, budget=budget, latency=lat)
+    check_run(hint, ours, budget, dur, lat)
+    assert ours.makespan <= fixed.makespan + 1e-9
+    # Stronger: no task whose output crosses ranks starts later than under fixed (only fillers may).
+    begin = {t: s for events in fixed.log.values() for t, s, _ in events}
+    for events in ours.log.values():
+        for task, start, _ in events:
+            if hint.spec.remote_consumers(task):
+                assert start <= begin[task] + 1e-9, f"{task} starts at {start}, under fixed at {begin[task]}"
+
+
+def test_the_exact_guarantee_is_not_vacuous() -> None:
+    """On these cases backfill dispatches differently from fixed and strictly wins, where rrfp loses."""
+    hint = rrfp.make_hint("zb-h1", 3, 4)
+    cost = {"F": 3.0, "I": 1.0, "W": 1.0}
+    fixed = run_ops("fixed", hint, "1x", **cost)
+    assert run_ops("rrfp", hint, "1x", **cost).makespan > fixed.makespan  # rrfp fills a deliberate gap
+    assert run_ops(Backfill(expected=per_op(**cost)), hint, "1x", **cost).makespan == fixed.makespan
+    hint = rrfp.make_hint("1f1b", 4, 8)
+    dur = {t: 1.0 + 0.5 * (t.mb % 3 == 0) * (t.op is Op.F) for t in hint.spec.all_tasks()}
+    budget = rrfp.resolve_budget("2x", hint)
+    fixed = rrfp.run_reference(hint, "fixed", dur, budget=budget)
+    ours = rrfp.run_reference(hint, Backfill(expected=dur.__getitem__), dur, budget=budget)
+    assert ours.makespan < fixed.makespan
+    assert any(ours.order(r) != fixed.order(r) for r in range(4))
+
+
+# -- parameters, cost model, registry ---------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"latency": -1.0}, "latency"),
+        ({"latency": float("nan")}, "latency"),
+        ({"window": 0}, "window"),
+        ({"window": 2.5}, "window"),
+        ({"margin": -0.1}, "margin"),
+    ],
+)
+def test_bad_parameters_raise_a_typed_error(kwargs: dict[str, float], match: str) -> None:
+    with pytest.raises(BackfillError, match=match):
+        Backfill(**kwargs)  # type: ignore[arg-type]
+
+
+def test_a_bad_cost_model_value_names_the_task() -> None:
+    hint = rrfp.make_hint("1f1b", 2, 2)
+    policy = Backfill(expected=lambda t: -1.0 if t == T("1B1") else 1.0)
+    with pytest.raises(BackfillError, match="1B1"):
+        rrfp.run_reference(hint, policy, per_op(F=1, B=2))
+
+
+def test_expected_costs_are_the_workload_means_per_stage_and_op() -> None:
+    cfg = WorkloadConfig(preset="multimodal", costs="F=1,I=1,W=0.5", imbalance=0.5)
+    spec = rrfp.make_hint("zbv", 4, 8).spec
+    cost, means = expected_costs(cfg, spec), mean_costs(cfg, spec.pp, spec.num_stages)
+    for stage in range(spec.num_stages):
+        for op in Op:
+            assert cost(Task(stage, op, 3)) == pytest.approx(float(means[op.value][stage]))
+    assert cost(Task(7, Op.F, 0)) == pytest.approx(1.5 * cost(Task(1, Op.F, 0)))  # v = 2: 0.5 s per stage
+    assert unit_costs(T("0B0")) == 2.0 and unit_costs(T("0W0")) == 1.0
+
+
+def test_backfill_is_registered() -> None:
+    assert "backfill" in rrfp.policy_names()
+    assert isinstance(rrfp.get_policy("backfill"), Backfill)
