@@ -1,9 +1,12 @@
-"""Trace schema v1: one long table of timed events, shared by the simulator and the executor.
+"""Trace schema v2: one long table of timed events, shared by the simulator and the executor.
 
 One row per event (DESIGN.md §6; every column is documented in ``traces/README.md``)::
 
     run iteration rank pp_rank tp_rank dp_rank stage op microbatch kind start end bytes held peer msg
-    policy hint seed
+    policy hint seed budget
+
+v2 added ``budget`` (the rank's activation budget, so a replay runs at the recorded budget); v1 files
+still load, with ``budget = -1`` (not recorded).
 
 ``kind`` is one of :data:`KINDS`. Times are seconds from the run's time origin. A cross-rank message is
 two rows with the same ``msg`` id: ``send`` on the source rank (start = posted, end = handed to the link)
@@ -26,7 +29,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,7 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from rrfp.driver import Run
     from rrfp.spec import PipelineSpec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 KINDS = ("compute", "send", "recv", "wait", "allreduce")
 OPS = ("F", "B", "I", "W")
 
@@ -65,7 +68,10 @@ COLUMNS: dict[str, str] = {
     "policy": "str",
     "hint": "str",
     "seed": "int",
+    "budget": "int",  # v2: activation budget of the row's pipeline rank in its run; -1 if not recorded
 }
+# Columns added after v1: (version that added it, the value older files get).
+ADDED: dict[str, tuple[int, Any]] = {"budget": (2, -1)}
 # Rows are grouped by run identity first, so a merged frame keeps each run contiguous; within one run
 # this is the (iteration, rank, start) order of the contract.
 SORT_KEYS = ("run", "policy", "hint", "seed", "iteration", "rank", "start")
@@ -85,13 +91,25 @@ class TraceRecorder:
     """Collects trace rows for one run (run name, policy, hint, seed fixed) in column lists.
 
     ``coords`` maps a global rank to its (pp, tp, dp) coordinates; without it a rank is pure pipeline
-    (pp_rank = rank, tp_rank = dp_rank = 0). :meth:`add` only appends, so recording is cheap enough for
-    the simulator's inner loop; typing and sorting happen once in :meth:`frame`.
+    (pp_rank = rank, tp_rank = dp_rank = 0). ``budget`` maps a pipeline rank to its activation budget
+    (the ``budget`` column; -1 for ranks it lacks, or without it). :meth:`add` only appends, so
+    recording is cheap enough for the simulator's inner loop; typing and sorting happen once in
+    :meth:`frame`.
     """
 
-    def __init__(self, *, run: str, policy: str, hint: str, seed: int, coords: Coords | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        run: str,
+        policy: str,
+        hint: str,
+        seed: int,
+        coords: Coords | None = None,
+        budget: Mapping[int, int] | None = None,
+    ) -> None:
         self.run, self.policy, self.hint, self.seed = str(run), str(policy), str(hint), int(seed)
         self.coords = coords
+        self.budget = {int(r): int(b) for r, b in (budget or {}).items()}
         # One tuple per add() -- (kind, iteration, rank, task, start, end, bytes, held, peer, msg) -- is
         # the cheapest thing to append; frame() transposes them into typed columns once.
         self._rows: list[tuple] = []
@@ -152,6 +170,7 @@ class TraceRecorder:
         cols.update(held=ints(held), peer=ints(peer), msg=ints(msg))
         cols.update(run=[self.run] * n, policy=[self.policy] * n, hint=[self.hint] * n, seed=self.seed)
         cols.update(zip(("pp_rank", "tp_rank", "dp_rank"), self._coord_columns(cols["rank"]), strict=True))
+        cols["budget"] = ints(self.budget.get(int(r), -1) for r in cols["pp_rank"])
         return pd.DataFrame({name: cols[name] for name in COLUMNS}, index=pd.RangeIndex(n))
 
     def _coord_columns(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -275,11 +294,11 @@ def _task_field_bad(values: np.ndarray, task_less: np.ndarray) -> np.ndarray:
 
 
 def validate(frame: pd.DataFrame, source: str = "<frame>", line_offset: int | None = None) -> None:
-    """Check the v1 invariants on a typed frame; raise TraceError naming the first bad row and field.
+    """Check the schema's invariants on a typed frame; raise TraceError naming the first bad row and field.
 
     Invariants: kind in KINDS; times finite, start >= 0, end >= start; iteration, rank and coordinates
     >= 0; bytes >= 0; compute rows carry a task (op in F/B/I/W, stage >= 0, microbatch >= 0); op is
-    "" exactly when stage is -1; send/recv rows carry peer >= 0 and msg >= 0; held >= -1.
+    "" exactly when stage is -1; send/recv rows carry peer >= 0 and msg >= 0; held, budget >= -1.
     """
     col = {name: frame[name].to_numpy() for name in COLUMNS if COLUMNS[name] != "str"}
     known_kind = frame["kind"].isin(KINDS).to_numpy()  # hash-based, unlike np.isin on objects
@@ -297,6 +316,7 @@ def validate(frame: pd.DataFrame, source: str = "<frame>", line_offset: int | No
         ("end", col["end"] < col["start"], "end before start"),
         ("bytes", ~(col["bytes"] >= 0), "negative or non-finite byte count"),
         ("held", col["held"] < -1, "must be >= 0, or -1 for n/a"),
+        ("budget", col["budget"] < -1, "must be >= 0, or -1 for n/a"),
         ("op", is_compute & task_less, "compute row without a task"),
         ("stage", _task_field_bad(col["stage"], task_less), "must be >= 0 with a task, -1 without"),
         ("microbatch", _task_field_bad(col["microbatch"], task_less), "must be >= 0 with a task, -1 without"),
@@ -366,12 +386,12 @@ def _write_json(frame: pd.DataFrame, path: Path) -> None:
 # Reading
 # --------------------------------------------------------------------------------------------------
 def read_trace(path: str | Path) -> pd.DataFrame:
-    """Load a ``.parquet`` or ``.csv`` trace, validate it against schema v1, return the typed frame.
+    """Load a ``.parquet`` or ``.csv`` trace (schema v1 or v2), validate it, return the typed frame.
 
     Any problem -- missing file, not Parquet/CSV, newer schema version, missing column, a value of the
     wrong type, an unknown kind, negative or out-of-order times -- raises TraceError with one line
     naming the file and, where it applies, the row and field. ``frame.attrs["schema_version"]`` holds
-    the file's version.
+    the file's version; columns an older file lacks get their defaults (:data:`ADDED`).
     """
     path = Path(path)
     readers = {".parquet": _read_parquet, ".csv": _read_csv}
@@ -382,14 +402,13 @@ def read_trace(path: str | Path) -> pd.DataFrame:
         )
     if not path.is_file():
         raise TraceError(f"{path}: {'not a file' if path.exists() else 'no such trace file'}")
-    frame = reader(path)
-    frame.attrs["schema_version"] = SCHEMA_VERSION
-    return frame
+    return reader(path)
 
 
-def _check_version(path: Path, text: str | None) -> None:
+def _check_version(path: Path, text: str | None) -> int:
+    """The file's schema version (1 without a marker); TraceError if it is not one this rrfp reads."""
     if text is None:  # no marker: files written by hand or by other tools are read as v1
-        return
+        return 1
     try:
         version = int(text)
     except ValueError:
@@ -398,6 +417,23 @@ def _check_version(path: Path, text: str | None) -> None:
         raise TraceError(
             f"{path}: trace schema v{version} is not supported (this rrfp reads v1..v{SCHEMA_VERSION})"
         )
+    return version
+
+
+def _with_defaults(raw: pd.DataFrame, version: int) -> pd.DataFrame:
+    """Fill the columns added after ``version`` with their defaults (only where the file lacks them:
+    a marker-less file read as v1 may still carry them)."""
+    for name, (added, default) in ADDED.items():
+        if version < added and name not in raw.columns:
+            raw[name] = default
+    return raw
+
+
+def _finish(raw: pd.DataFrame, path: Path, version: int, line_offset: int | None = None) -> pd.DataFrame:
+    frame = _typed(_with_defaults(raw, version), str(path), line_offset)
+    validate(frame, str(path), line_offset)
+    frame.attrs["schema_version"] = version
+    return frame
 
 
 def _read_parquet(path: Path) -> pd.DataFrame:
@@ -409,16 +445,14 @@ def _read_parquet(path: Path) -> pd.DataFrame:
     except (pa.ArrowException, OSError) as e:
         raise TraceError(f"{path}: not a readable Parquet file ({_one_line(e)})") from e
     meta = table.schema.metadata or {}
-    _check_version(path, meta[META_KEY].decode() if META_KEY in meta else None)
+    version = _check_version(path, meta[META_KEY].decode() if META_KEY in meta else None)
     for name, logical in COLUMNS.items():  # arrow-level type check gives a clearer message than pandas
         if name in table.column_names and not _arrow_type_ok(table.schema.field(name).type, logical):
             raise TraceError(
                 f"{path}: field {name!r} has Arrow type {table.schema.field(name).type}, "
                 f"expected {_LOGICAL_NAMES[logical]}"
             )
-    frame = _typed(table.to_pandas(), str(path))
-    validate(frame, str(path))
-    return frame
+    return _finish(table.to_pandas(), path, version)
 
 
 _LOGICAL_NAMES = {"str": "text (string)", "int": "an integer type", "float": "a numeric type"}
@@ -449,7 +483,7 @@ def _read_csv(path: Path) -> pd.DataFrame:
         if head.startswith("rrfp-trace"):
             fields = dict(part.split("=", 1) for part in head.split()[1:] if "=" in part)
             version = fields.get("schema_version")
-    _check_version(path, version)
+    number = _check_version(path, version)
     dtypes = {name: {"str": str, "int": "int64", "float": "float64"}[t] for name, t in COLUMNS.items()}
     try:
         try:  # fast path: let the C parser type the columns
@@ -458,10 +492,7 @@ def _read_csv(path: Path) -> pd.DataFrame:
             raw = pd.read_csv(path, skiprows=skip, dtype=str, keep_default_na=False, na_filter=False)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
         raise TraceError(f"{path}: not a readable CSV trace ({_one_line(e)})") from e
-    line_offset = skip + 2  # header line + 1-based lines
-    frame = _typed(raw, str(path), line_offset)
-    validate(frame, str(path), line_offset)
-    return frame
+    return _finish(raw, path, number, skip + 2)  # + 2: the header line, and lines count from 1
 
 
 def _one_line(e: BaseException) -> str:

@@ -5,6 +5,9 @@
     rrfp-sim --stages 4 -m 8 --seeds 1 --trace-out run.json --plot run.png   # Perfetto + Gantt
     rrfp-sim --json > result.json
     rrfp-sim sweep --stages 8 -m 32 --grid cv=0.1,0.3,1.0 --grid memory-budget=1x,2x --out sweep.csv
+    rrfp-sim --replay traces/gpt-fixed-1f1b.parquet                         # fidelity of a recorded run
+    rrfp-sim --replay traces/gpt-fixed-1f1b.parquet --policy rrfp --hint 1f1b,bf --memory-budget 1x,2x
+    rrfp-sim --workload fit:traces/gpt-fixed-1f1b.parquet --stages 8 -m 32  # costs fitted on a trace
 
 Defaults (the paper's set-up): hints ``1f1b,bf`` x policies ``fixed,rrfp`` -- the fixed-order baseline
 on 1F1B against readiness-first dispatch with the bf class hint (and with the 1F1B hint itself); 8
@@ -27,6 +30,7 @@ from typing import Any
 import click
 
 import rrfp
+from rrfp.replay import TIMINGS
 from rrfp.workload import WorkloadConfig
 
 from .config import ClusterConfig, ExperimentConfig
@@ -52,7 +56,8 @@ _OPTIONS: list[Callable[[Any], Any]] = [
                  help=f"Comma list of hints: {', '.join(rrfp.hint_names())}, torch:<Name>, or a CSV path."),
     click.option("--policy", "policies", default="fixed,rrfp", show_default=True,
                  help=f"Comma list of policies ({', '.join(rrfp.policy_names())})."),
-    click.option("--workload", default="language", show_default=True, help="Preset: language or multimodal."),
+    click.option("--workload", default="language", show_default=True,
+                 help="Preset: language or multimodal; or fit:TRACE[@RUN] (costs fitted on a trace)."),
     click.option("--costs", default="F=1,B=2", show_default=True,
                  help="Mean cost per microbatch per rank (s): F=..,B=.. or F=..,I=..,W=.."),
     click.option("--jitter", default="lognormal", show_default=True,
@@ -98,16 +103,25 @@ def shared_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     return fn
 
 
+# Workload options a fitted workload replaces (--workload fit:TRACE).
+_FITTED = ("costs", "jitter", "cv", "seq_cv", "imbalance", "straggler_prob", "straggler_slowdown",
+           "comm_jitter", "comm_cv")  # fmt: skip
+
+
 def build_config(v: dict[str, Any]) -> ExperimentConfig:
     """The one place option values become validated config objects."""
-    workload = WorkloadConfig(
+    fitted = _fitted_workload(v)
+    workload = fitted or WorkloadConfig(
         preset=v["workload"], costs=v["costs"], jitter=v["jitter"], cv=v["cv"], seq_cv=v["seq_cv"],
         imbalance=v["imbalance"], straggler_prob=v["straggler_prob"],
         straggler_slowdown=v["straggler_slowdown"], comm_jitter=v["comm_jitter"], comm_cv=v["comm_cv"],
         msg_bytes=v["msg_bytes"],
     )  # fmt: skip
+    latency = v["comm_latency"]
+    if fitted is not None and latency == 0.0 and not _given("comm_latency"):
+        latency = fitted.latency_mean  # the fitted latencies are multipliers of their mean
     cluster = ClusterConfig(
-        tp=v["tp"], dp=v["dp"], comm_latency=v["comm_latency"], bandwidth=v["bandwidth"],
+        tp=v["tp"], dp=v["dp"], comm_latency=latency, bandwidth=v["bandwidth"],
         contention=v["contention"], send=v["send"], grad_bytes=v["grad_bytes"],
     )  # fmt: skip
     return ExperimentConfig(
@@ -115,6 +129,20 @@ def build_config(v: dict[str, Any]) -> ExperimentConfig:
         hints=_split(v["hints"]), policies=_split(v["policies"]), seeds=v["seeds"], seed=v["seed"],
         iterations=v["iterations"], memory_budget=v["memory_budget"], workload=workload, cluster=cluster,
     )  # fmt: skip
+
+
+def _fitted_workload(v: dict[str, Any]) -> Any:
+    """``--workload fit:TRACE[@RUN]``: per-stage cost fits of a trace (rrfp.fit); None otherwise."""
+    from rrfp.fit import fit_trace, parse_fit_spec
+
+    spec = parse_fit_spec(v["workload"])
+    if spec is None:
+        return None
+    clash = [n for n in _FITTED if _given(n)]
+    if clash:
+        names = ", ".join("--" + n.replace("_", "-") for n in clash)
+        raise CliError(f"{names} cannot be combined with --workload fit:TRACE: the fit replaces it")
+    return fit_trace(*spec)
 
 
 class CliError(ValueError):
@@ -159,8 +187,34 @@ def cli() -> None:
     "--trace-out", type=str, default=None, help="Write replication 0's timeline: .parquet/.csv/.json."
 )
 @click.option("--plot", type=str, default=None, help="Write a Gantt chart of replication 0 (.png).")
+@click.option(
+    "--replay",
+    type=str,
+    default=None,
+    help="Re-simulate a recorded trace (.parquet/.csv): fidelity with its own policy, what-if "
+    "with --policy/--hint/--memory-budget (comma lists).",
+)
+@click.option(
+    "--replay-run",
+    type=str,
+    default=None,
+    help="--replay: the run to replay when the trace holds several (name, policy/hint or name@seed).",
+)
+@click.option(
+    "--replay-timing",
+    type=click.Choice(TIMINGS),
+    default=None,
+    help="--replay: timing model [runtime when the trace records waits, else exact].",
+)
 def compare(
-    as_json: bool, trace_out: str | None, plot: str | None, progress: bool | None, **values: Any
+    as_json: bool,
+    trace_out: str | None,
+    plot: str | None,
+    progress: bool | None,
+    replay: str | None,
+    replay_run: str | None,
+    replay_timing: str | None,
+    **values: Any,
 ) -> None:
     """Compare hints x policies over seeds, paired with the fixed-order baseline (the default
     command: ``rrfp-sim [OPTIONS]``).
@@ -178,9 +232,52 @@ def compare(
 
     check_suffix(trace_out, TRACE_SUFFIXES, "--trace-out")
     check_suffix(plot, PLOT_SUFFIXES, "--plot")
+    if replay is not None:
+        _replay(replay, replay_run, replay_timing, values, as_json, trace_out, plot)
+        return
+    if replay_run is not None or replay_timing is not None:
+        raise CliError("--replay-run and --replay-timing need --replay TRACE")
     cfg = build_config(values)
     result = run_experiment(cfg, progress=progress, trace=bool(trace_out or plot))
     text = to_json(result) if as_json else format_table(result)
+    if not as_json and hasattr(cfg.workload, "report"):  # fitted: show the fit quality first
+        text = cfg.workload.report() + "\n\n" + text
+    if result.traces:
+        _write_trace_outputs(result.traces, trace_out, plot)
+    click.echo(text)
+
+
+# Options a replay reads; every other one is fixed by the trace.
+_REPLAY_OPTIONS = {"hints", "policies", "memory_budget", "send", "contention"}
+
+
+def _given(name: str) -> bool:
+    """Whether option ``name`` was given on the command line (not its default)."""
+    ctx = click.get_current_context(silent=True)
+    source = None if ctx is None else ctx.get_parameter_source(name)
+    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def _replay(
+    path: str, run: str | None, timing: str | None, values: dict[str, Any], as_json: bool,
+    trace_out: str | None, plot: str | None,
+) -> None:  # fmt: skip
+    """``--replay``: the recorded run, then the what-ifs the options ask for."""
+    from rrfp.replay import load_replay
+
+    from .replay import format_replay, replay_json, run_replay
+
+    fixed = sorted(n for n in values if n not in _REPLAY_OPTIONS and _given(n))
+    if fixed:
+        names = ", ".join("--" + n.replace("_", "-") for n in fixed)
+        raise CliError(f"{names} cannot be combined with --replay: the trace fixes it")
+    rep = load_replay(path, run=run, timing=timing)
+    pick = {n: _split(values[n]) if _given(n) else None for n in ("hints", "policies", "memory_budget")}
+    result = run_replay(
+        rep, hints=pick["hints"], policies=pick["policies"], budgets=pick["memory_budget"],
+        send=values["send"], contention=values["contention"], trace=bool(trace_out or plot),
+    )  # fmt: skip
+    text = replay_json(result) if as_json else format_replay(result)
     if result.traces:
         _write_trace_outputs(result.traces, trace_out, plot)
     click.echo(text)

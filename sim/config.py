@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rrfp
+from rrfp.fit import FittedWorkload
 from rrfp.workload import WorkloadConfig
 
 SEND_MODES = ("eager", "rendezvous")
@@ -127,7 +128,8 @@ class ExperimentConfig:
     """Iterations per replication, back to back; with several, the first is dropped from the means."""
     memory_budget: str = "1x"
     """Activation budget per rank: a factor of the hint's own peak (``1x``, ``2x``) or a count."""
-    workload: WorkloadConfig = field(default_factory=_default_workload)
+    workload: WorkloadConfig | FittedWorkload = field(default_factory=_default_workload)
+    """What tasks cost: a workload model, or per-stage fits of a recorded trace (rrfp.fit)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
@@ -142,8 +144,10 @@ class ExperimentConfig:
         _positive_int("seed", self.seed, low=0)
         _positive_int("iterations", self.iterations)
         self._check_names()
-        if not isinstance(self.workload, WorkloadConfig):
-            raise ConfigError(f"workload must be a WorkloadConfig, got {type(self.workload).__name__}")
+        if not isinstance(self.workload, (WorkloadConfig, FittedWorkload)):
+            raise ConfigError(
+                f"workload must be a WorkloadConfig or FittedWorkload, got {type(self.workload).__name__}"
+            )
         if not isinstance(self.cluster, ClusterConfig):
             raise ConfigError(f"cluster must be a ClusterConfig, got {type(self.cluster).__name__}")
         if self.cluster.send != "eager" and BASELINE_POLICY not in self.policies:

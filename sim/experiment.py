@@ -39,6 +39,7 @@ import numpy as np
 import rrfp
 from rrfp import metrics
 from rrfp import rng as rngs
+from rrfp.fit import FittedWorkload
 from rrfp.hints import Hint
 from rrfp.metrics import lower_bound, paired_speedup, t_interval
 from rrfp.trace import TraceRecorder
@@ -172,6 +173,8 @@ def draw_samples(cfg: ExperimentConfig, hint: Hint, replication: int) -> list[li
     def one(k: int, d: int, t: int) -> IterationSample:
         gens = member_streams(cfg.seed, replication, k, d, t)
         shape = (spec.pp, spec.num_stages, spec.microbatches)
+        if isinstance(cfg.workload, FittedWorkload):  # costs fitted on a trace (--workload fit:TRACE)
+            return cfg.workload.sample(*shape, gens, placement=spec.placement)
         return sample_iteration(cfg.workload, *shape, gens, placement=spec.placement)
 
     tp, dp = cfg.cluster.tp, cfg.cluster.dp
@@ -275,8 +278,9 @@ def run_experiment(
 def _recorder(cfg: ExperimentConfig, p: PlannedRun, rep: int) -> TraceRecorder:
     assert p.model is not None
     return TraceRecorder(
-        run="rrfp-sim", policy=p.key.policy, hint=p.key.hint, seed=cfg.seed + rep, coords=p.model.coords
-    )
+        run="rrfp-sim", policy=p.key.policy, hint=p.key.hint, seed=cfg.seed + rep, coords=p.model.coords,
+        budget=p.budget,
+    )  # fmt: skip
 
 
 def _progress(

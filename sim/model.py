@@ -257,6 +257,7 @@ class ClusterModel:
         self.base_tx = cluster.transfer_time(msg_bytes)
         self.msg_bytes = msg_bytes
         self.agree_cost = 0.0 if policy == BASELINE_POLICY else cluster.agreement_time()
+        self.allreduce_cost = cluster.allreduce_time()  # s; a replay sets the recorded one
         self.env = InstantEnvironment()
         self.env.on_instant_end = self._dispatch_dirty
         self.plans = [_RankPlan(hint, r) for r in range(self.pp)]
@@ -380,7 +381,7 @@ class ClusterModel:
 
     def _flush(self, start: float) -> float:
         """DP all-reduce per pipeline rank once every replica of it is done; return the barrier time."""
-        cost = self.cluster.allreduce_time()
+        cost = self.allreduce_cost
         barrier = start
         for r in range(self.pp):
             ready = max(row[r].finish for row in self.workers)

@@ -64,7 +64,9 @@ def config_dict(cfg: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if dataclasses.is_dataclass(value):
+        if hasattr(value, "to_dict"):  # a fitted workload describes itself
+            value = value.to_dict()
+        elif dataclasses.is_dataclass(value):
             value = config_dict(value)
         elif isinstance(value, tuple):
             value = list(value)

@@ -371,9 +371,10 @@ def test_missing_or_unreadable_files(frame: pd.DataFrame, tmp_path: Path) -> Non
     write_csv_raw(frame.drop(columns=["kind", "seed"]), tmp_path / "cols.csv")
     with pytest.raises(TraceError, match=r"missing column\(s\) kind, seed"):
         read_trace(tmp_path / "cols.csv")
-    (tmp_path / "v2.csv").write_text("# rrfp-trace schema_version=2\n" + frame.to_csv(index=False))
-    with pytest.raises(TraceError, match="v2 is not supported"):
-        read_trace(tmp_path / "v2.csv")
+    newer = SCHEMA_VERSION + 1
+    (tmp_path / "newer.csv").write_text(f"# rrfp-trace schema_version={newer}\n" + frame.to_csv(index=False))
+    with pytest.raises(TraceError, match=f"v{newer} is not supported"):
+        read_trace(tmp_path / "newer.csv")
 
 
 def test_csv_without_version_comment_reads_as_v1(frame: pd.DataFrame, tmp_path: Path) -> None:

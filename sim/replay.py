@@ -1,0 +1,275 @@
+"""Replay a recorded trace in the simulator: fidelity with the run's own policy, what-if with others.
+
+The loader (:func:`rrfp.replay.load_replay`) turns one recorded run into per-task durations and
+per-message latencies; this module runs them through :class:`~rrfp.sim.model.ClusterModel` -- the same
+model rrfp-sim uses, with a base transfer time of 1 s so each message's sampled ``comm`` value is its
+latency in seconds, and the recorded DP all-reduce time.
+
+* The **recorded** run -- the trace's own policy, hint and budget -- always runs first. Its mean
+  predicted iteration time (iterations after the first) against the measured one is the fidelity:
+  ``error_pct = 100 x (predicted - measured) / measured``.
+* Every other requested (hint, policy, budget) is a **what-if** on the same durations; its speedup is
+  recorded-replay / what-if iteration time, paired per recorded iteration (mean and 95% t-interval).
+
+    rrfp-sim --replay traces/gpt-fixed-1f1b.parquet                      # fidelity
+    rrfp-sim --replay traces/gpt-fixed-1f1b.parquet --policy rrfp --hint 1f1b,bf --memory-budget 1x,2x
+
+Send semantics: messages are eager by default (a recorded latency already holds whatever queueing the
+run saw). ``--send rendezvous`` / ``--contention`` re-simulate the queueing instead, from each message's
+link time alone (recv start to end): use them to replay a simulator trace recorded with those options.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rrfp.budget import hint_peaks, resolve_budget
+from rrfp.metrics import paired_speedup
+from rrfp.replay import Replay
+from rrfp.trace import TraceRecorder
+
+from .config import BASELINE_POLICY, ClusterConfig, ExperimentConfig
+from .experiment import PlannedRun, RunKey, RunStats, measure
+from .model import ClusterModel
+
+
+@dataclass
+class ReplayRun:
+    """One (policy, hint, budget) re-simulated on the recorded durations."""
+
+    key: RunKey
+    budget_label: str
+    """``recorded`` for the trace's own budget, else the budget text asked for (``2x``, ``6``)."""
+    recorded: bool
+    """True for the run that replays the trace's own policy, hint and budget."""
+    times: list[float]
+    """Predicted iteration times (s), one per recorded iteration."""
+    stats: RunStats
+    speedup: tuple[float, float, float] | None = None
+    """(mean, ci_low, ci_high) of recorded-replay / this run, per iteration; None for the recorded run."""
+
+    @property
+    def predicted(self) -> float:
+        return self.stats.iteration_time[0]
+
+    def label(self) -> str:
+        return f"{self.key.label()}@{self.budget_label}"
+
+
+@dataclass
+class ReplayResult:
+    """The recorded run's replay first, then every what-if."""
+
+    replay: Replay
+    runs: list[ReplayRun]
+    traces: list[TraceRecorder] = field(default_factory=list)
+
+    @property
+    def recorded(self) -> ReplayRun:
+        return self.runs[0]
+
+    def fidelity(self) -> dict[str, float]:
+        """measured vs predicted mean iteration time of the recorded run (s), and the error in %."""
+        measured, predicted = self.replay.measured_mean, self.recorded.predicted
+        return {
+            "measured": measured,
+            "predicted": predicted,
+            "error_pct": 100.0 * (predicted - measured) / measured,
+        }
+
+
+# -- planning and running --------------------------------------------------------------------------
+def plan(
+    rep: Replay,
+    hints: tuple[str, ...] | None,
+    policies: tuple[str, ...] | None,
+    budgets: tuple[str, ...] | None,
+) -> list[tuple[RunKey, Any, dict[int, int], str]]:
+    """(key, hint, budget per rank, budget label) per run: the recorded run, then each requested one
+    that differs from it. None for hints/policies/budgets means the trace's own."""
+    own = rep.own_hint()
+    out = [(RunKey(rep.policy, rep.hint), own, rep.budget, "recorded")]
+    seen = {(rep.policy, rep.hint, tuple(sorted(rep.budget.items())))}
+    for name in hints or (rep.hint,):
+        hint = rep.hint_for(name)
+        for policy in policies or (rep.policy,):
+            for text in budgets or (None,):
+                budget, label = _budget(rep, hint, text)
+                key = (policy, name, tuple(sorted(budget.items())))
+                if key not in seen:
+                    seen.add(key)
+                    out.append((RunKey(policy, name), hint, budget, label))
+    return out
+
+
+def _budget(rep: Replay, hint: Any, text: str | None) -> tuple[dict[int, int], str]:
+    """The budget asked for; without one the recorded budget, or ``1x`` of a what-if hint whose own
+    peak the recorded budget does not cover (a zero-bubble hint holds more than 1F1B)."""
+    if text is not None:
+        return resolve_budget(text, hint), text
+    peaks = hint_peaks(hint)
+    if all(rep.budget[r] >= peaks[r] for r in peaks):
+        return rep.budget, "recorded"
+    return resolve_budget("1x", hint), "1x"
+
+
+def run_replay(
+    rep: Replay,
+    *,
+    hints: tuple[str, ...] | None = None,
+    policies: tuple[str, ...] | None = None,
+    budgets: tuple[str, ...] | None = None,
+    send: str = "eager",
+    contention: bool = False,
+    trace: bool = False,
+) -> ReplayResult:
+    """Replay ``rep`` with its own policy, then each requested (hint, policy, budget) as a what-if."""
+    runs: list[ReplayRun] = []
+    traces = []
+    for index, (key, hint, budget, label) in enumerate(plan(rep, hints, policies, budgets)):
+        cluster = ClusterConfig(tp=rep.tp, dp=rep.dp, send=send if key.policy == BASELINE_POLICY else "eager",
+                                contention=contention)  # fmt: skip
+        model = ClusterModel(hint, key.policy, cluster, budget, msg_bytes=rep.msg_bytes)
+        _calibrate(model, rep)
+        link = contention or cluster.send == "rendezvous"
+        samples = rep.samples(hint.spec.split, link=link)
+        recorder = _recorder(rep, key, budget, model) if trace else None
+        out = model.run(samples, recorder)
+        if recorder is not None:
+            traces.append(recorder)
+        cfg = _config(rep, key, label, cluster)
+        stats = RunStats(key, budget)
+        measure(cfg, PlannedRun(key, hint, budget, None, model), out, samples, stats)
+        runs.append(ReplayRun(key, label, index == 0, list(out.iteration_times), stats))
+    base = _used(runs[0].times)
+    for r in runs[1:]:
+        r.speedup = paired_speedup(base, _used(r.times))
+    return ReplayResult(rep, runs, traces)
+
+
+def _calibrate(model: ClusterModel, rep: Replay) -> None:
+    """Recorded costs instead of the cluster's formulas: comm samples hold each message's latency in
+    seconds (base transfer time 1), the TP agreement and the DP all-reduce take their recorded time."""
+    model.base_tx = 1.0
+    model.agree_cost = 0.0 if model.policy == BASELINE_POLICY else rep.agree
+    model.allreduce_cost = rep.allreduce
+    for row in model.workers:
+        for w in row:
+            w.agree_cost = model.agree_cost  # workers copy it at construction
+
+
+def _used(times: list[float]) -> list[float]:
+    return times[1:] if len(times) > 1 else times
+
+
+def _config(rep: Replay, key: RunKey, label: str, cluster: ClusterConfig) -> ExperimentConfig:
+    """The ExperimentConfig :func:`measure` reads (pipeline shape, microbatches, DP degree)."""
+    spec = rep.spec
+    return ExperimentConfig(
+        stages=spec.pp, microbatches=spec.microbatches, virtual_stages=spec.virtual_stages, hints=(key.hint,),
+        policies=(key.policy,), seeds=1, iterations=len(rep.iterations), cluster=cluster,
+        memory_budget="1x" if label == "recorded" else label,
+    )  # fmt: skip
+
+
+def _recorder(rep: Replay, key: RunKey, budget: dict[int, int], model: ClusterModel) -> TraceRecorder:
+    return TraceRecorder(run=f"replay/{rep.run}", policy=key.policy, hint=key.hint, seed=rep.seed,
+                         coords=model.coords, budget=budget)  # fmt: skip
+
+
+# -- presenting ----------------------------------------------------------------------------------
+SPEEDUP_KEYS = ("mean", "ci_low", "ci_high")
+
+
+def _speedup(sp: tuple[float, float, float]) -> dict[str, float | None]:
+    return dict(zip(SPEEDUP_KEYS, map(_num, sp), strict=True))
+
+
+def _num(x: float) -> float | None:
+    return float(x) if math.isfinite(x) else None
+
+
+def replay_dict(result: ReplayResult) -> dict[str, Any]:
+    """The ``--json`` object: ``replay`` (what was loaded), ``fidelity``, ``results`` (one per run)."""
+    rep = result.replay
+    spec = rep.spec
+    results = []
+    for r in result.runs:
+        bubble = np.mean(r.stats.bubble, axis=0)
+        row: dict[str, Any] = {
+            "policy": r.key.policy, "hint": r.key.hint,
+            "budget": [int(r.stats.budget[k]) for k in sorted(r.stats.budget)],
+            "budget_label": r.budget_label, "recorded": r.recorded,
+            "iteration_time": {"mean": _num(r.predicted), "per_iteration": [_num(t) for t in r.times]},
+            "bubble_fraction": {"mean": _num(bubble.mean()), "per_rank": [_num(b) for b in bubble]},
+            "lower_bound_ratio": {"mean": _num(np.mean(r.stats.lb_ratio))},
+            "peak_activations": [int(p) for p in r.stats.peaks],
+            "speedup": None if r.speedup is None else _speedup(r.speedup),
+        }  # fmt: skip
+        results.append(row)
+    return {
+        "replay": {
+            "source": rep.source, "run": rep.run, "policy": rep.policy, "hint": rep.hint, "seed": rep.seed,
+            "pp": spec.pp, "tp": rep.tp, "dp": rep.dp, "microbatches": spec.microbatches,
+            "virtual_stages": spec.virtual_stages, "placement": spec.placement, "split": spec.split,
+            "iterations": rep.iterations, "measured_per_iteration": rep.measured, "timing": rep.timing,
+            "budget": [rep.budget[k] for k in sorted(rep.budget)], "budget_source": rep.budget_text,
+            "notes": rep.notes,
+        },
+        "fidelity": {k: _num(v) for k, v in result.fidelity().items()},
+        "results": results,
+    }  # fmt: skip
+
+
+def replay_json(result: ReplayResult) -> str:
+    return json.dumps(replay_dict(result), indent=2, allow_nan=False)
+
+
+def format_replay(result: ReplayResult) -> str:
+    """The terminal table: what was replayed, one line per run, the fidelity line."""
+    rep, fid = result.replay, result.fidelity()
+    spec = rep.spec
+    head = (
+        f"replay of {rep.source}: run {rep.run!r} ({rep.label}, seed {rep.seed}) | pp={spec.pp} tp={rep.tp} "
+        f"dp={rep.dp} m={spec.microbatches} v={spec.virtual_stages} | {len(rep.iterations)} iteration(s), "
+        f"timing {rep.timing} | budget {rep.budget_text}"
+    )
+    header = [
+        "policy/hint@budget",
+        "predicted s",
+        "measured s",
+        "bubble",
+        "time/LB",
+        "peak act",
+        "speedup [95% CI]",
+    ]
+    rows = []
+    for r in result.runs:
+        sp = r.speedup
+        rows.append([
+            r.label() + (" (recorded)" if r.recorded else ""), f"{r.predicted:.6g}",
+            f"{rep.measured_mean:.6g}" if r.recorded else "", f"{np.mean(r.stats.bubble):.3f}",
+            f"{np.mean(r.stats.lb_ratio):.3f}", str(max(r.stats.peaks)),
+            "" if sp is None else _ci(sp),
+        ])  # fmt: skip
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    fidelity = (
+        f"fidelity: measured {fid['measured']:.6g} s, predicted {fid['predicted']:.6g} s, "
+        f"error {fid['error_pct']:+.2f}% (mean over iterations after the first)"
+    )
+    note = "speedup = recorded replay / what-if iteration time on the same durations, paired per iteration"
+    return "\n".join([head, *[f"note: {n}" for n in rep.notes], "", *lines, "", fidelity, note])
+
+
+def _ci(sp: tuple[float, float, float]) -> str:
+    mean, low, high = sp
+    return f"{mean:.4f}" if math.isnan(low) else f"{mean:.4f} [{low:.4f}, {high:.4f}]"
