@@ -1,1 +1,15 @@
-"""rrfp.exec: torch.distributed executor driving the shared rrfp policies."""
+"""rrfp.exec: the torch.distributed executor -- rrfp's policies on real processes (``rrfp-run``).
+
+Layout: ``cli`` (options -> ``config.RunConfig``, checked by ``preflight``) -> ``launch`` (torch's
+elastic launcher, or join torchrun) -> ``worker`` (per rank: ``topology`` groups, trials, results)
+-> ``trials`` (one policy/hint/budget, step by step) -> ``runtime`` (the loop around the core
+scheduler) with ``transport`` (channels, receiver threads), ``stage`` (F/B/I/W and gradient
+accumulation), ``model``/``layers``/``data`` (GPT and multimodal stages, TP linears), ``check``
+(single-process reference), ``faults`` (timeouts, dumps), ``synthetic`` (injected jitter, sleep-only
+mode), ``baseline`` (torch.distributed.pipelining beside rrfp), ``report`` (table, JSON, trace).
+
+    rrfp-run --gpus 4 --check
+    torchrun --standalone --nproc-per-node 2 -m rrfp.exec --check
+
+Importing ``rrfp.exec`` itself stays light; torch is imported by the modules that need it.
+"""

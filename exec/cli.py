@@ -1,0 +1,145 @@
+"""``rrfp-run``: train a pipeline-parallel model on real processes under rrfp's policies.
+
+Outside a launcher it starts ``--gpus N`` local workers itself (torch's elastic launcher, gloo on CPU,
+NCCL with CUDA); inside torchrun it joins the job::
+
+    rrfp-run --gpus 4 --check                                    # fixed vs rrfp, 1F1B hint, 4 stages
+    rrfp-run --gpus 4 --hint 1f1b,zb-h1,bfw --memory-budget 1x,2x --jitter lognormal --cv 0.5 --inject-ms 20
+    rrfp-run --gpus 4 --baseline torch:1F1B --iterations 12      # torch.distributed.pipelining beside
+    rrfp-run --gpus 4 --pp 2 --tp 2 --check                      # Megatron TP inside each stage
+    rrfp-run --gpus 16 --synthetic --jitter lognormal --cv 0.5   # sleeps only: many ranks, few cores
+    torchrun --standalone --nproc-per-node 2 -m rrfp.exec --check
+    torchrun --nnodes 16 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m rrfp.exec --pp 16 --tp 8 --hint zbv --policy rrfp
+
+Options fill a :class:`~rrfp.exec.config.RunConfig`; a bad option or combination prints one line and
+exits 2 before any worker starts.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+from rrfp.exec.config import ExecConfigError, ModelConfig, RunConfig, Trial, split_list
+from rrfp.exec.launch import env_world_size, in_launcher_env, join, launch_local
+from rrfp.exec.preflight import preflight
+
+DEFAULT_WORKERS = 4
+DEFAULT_CV = 0.3  # used when --jitter names a distribution but --cv is not given
+
+
+class _Fail(click.ClickException):
+    exit_code = 2
+
+    def show(self, file: Any = None) -> None:
+        click.echo(f"rrfp-run: error: {self.message}", err=True)
+
+
+def _world(gpus: int | None, pp: int | None, tp: int, dp: int) -> int:
+    if in_launcher_env():
+        world = env_world_size()
+        if gpus is not None and gpus != world:
+            raise ExecConfigError(f"--gpus {gpus} disagrees with the launcher's WORLD_SIZE={world}")
+        return world
+    if gpus is not None:
+        return gpus
+    return pp * tp * dp if pp is not None else DEFAULT_WORKERS
+
+
+def build_config(o: dict[str, Any]) -> RunConfig:
+    """RunConfig from parsed options (raises ExecConfigError on bad values)."""
+    world = _world(o["gpus"], o["pp"], o["tp"], o["dp"])
+    pp = o["pp"] if o["pp"] is not None else max(1, world // (o["tp"] * o["dp"]))
+    model = ModelConfig(
+        kind=o["model"], layers=o["layers"], hidden=o["hidden"], heads=o["heads"], seq_len=o["seq_len"],
+        vocab=o["vocab"], microbatch_size=o["microbatch_size"], vision_layers=o["vision_layers"],
+        image_size=o["image_size"], patch=o["patch"], max_images=o["max_images"],
+    )  # fmt: skip
+    baselines = tuple(_baseline_name(b) for b in split_list(o["baseline"]))
+    cv = o["cv"] if o["cv"] is not None else (DEFAULT_CV if o["jitter"] != "none" else 0.0)
+    return RunConfig(
+        world=world, pp=pp, tp=o["tp"], dp=o["dp"], model=model, microbatches=o["microbatches"],
+        virtual_stages=o["virtual_stages"], policies=split_list(o["policy"]), hints=split_list(o["hint"]),
+        budgets=tuple(None if b in ("", "1x") else b for b in split_list(o["memory_budget"])) or (None,),
+        baselines=baselines, explicit_trials=tuple(Trial.parse(t) for t in split_list(o["trials"])),
+        iterations=o["iterations"], interleave=o["interleave"], warmup=o["warmup"],
+        seed=o["seed"],
+        check=o["check"], tolerance=o["tolerance"], deterministic=o["deterministic"], timeout=o["timeout"],
+        dump_dir=o["dump_dir"], jitter=o["jitter"], cv=cv, inject_ms=o["inject_ms"],
+        synthetic=o["synthetic"], costs=o["costs"], workload=o["workload"], time_unit_ms=o["time_unit_ms"],
+        trace_out=o["trace_out"], json=o["json"], backend=o["backend"], threads=o["threads"], lr=o["lr"],
+        start_method=o["start_method"],
+    )  # fmt: skip
+
+
+def _baseline_name(text: str) -> str:
+    if not text.startswith("torch:") or len(text) <= len("torch:"):
+        raise ExecConfigError(f"--baseline {text!r} must be torch:<ScheduleName>, e.g. torch:1F1B")
+    return text.removeprefix("torch:")
+
+
+_O = click.option
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@_O("--gpus", type=int, default=None, help="Local workers to start (default: pp*tp*dp, or 4).")
+@_O("--pp", "--stages", "pp", type=int, default=None, help="Pipeline ranks (default: gpus / (tp*dp)).")
+@_O("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
+@_O("--dp", type=int, default=1, show_default=True, help="Data-parallel degree.")
+@_O("--model", default="gpt", show_default=True, help="gpt or multimodal.")
+@_O("--layers", type=int, default=8, show_default=True, help="Decoder blocks.")
+@_O("--hidden", type=int, default=64, show_default=True, help="Model width.")
+@_O("--heads", type=int, default=4, show_default=True, help="Attention heads.")
+@_O("--seq-len", type=int, default=32, show_default=True, help="Text tokens per sample (max for multimodal).")
+@_O("--vocab", type=int, default=128, show_default=True, help="Vocabulary size.")
+@_O("--microbatch-size", type=int, default=2, show_default=True, help="Samples per microbatch.")
+@_O("--microbatches", type=int, default=8, show_default=True, help="Microbatches per iteration.")
+@_O("--vision-layers", type=int, default=2, show_default=True, help="multimodal: vision blocks.")
+@_O("--image-size", type=int, default=16, show_default=True, help="multimodal: image side (pixels).")
+@_O("--patch", type=int, default=8, show_default=True, help="multimodal: patch side (pixels).")
+@_O("--max-images", type=int, default=4, show_default=True, help="multimodal: most images per microbatch.")
+@_O("--virtual-stages", type=int, default=None, help="Stages per rank (default: the hint's own).")
+@_O("--policy", default="fixed,rrfp", show_default=True, help="Comma list of policies.")
+@_O("--hint", default="1f1b", show_default=True, help="Comma list of hints.")
+@_O("--memory-budget", default="1x", show_default=True, help="Comma list: 1x, 2x, 1.5x or a count.")
+@_O("--trials", default=None, help="Comma list of exact trials, e.g. fixed/1f1b,rrfp/1f1b@2x,torch:1F1B.")
+@_O("--baseline", default=None, help="Comma list of torch:<Schedule> to run beside (e.g. torch:1F1B).")
+@_O("--iterations", type=int, default=5, show_default=True, help="Measured iterations per trial.")
+@_O(
+    "--interleave/--sequential",
+    default=True,
+    show_default=True,
+    help="Trials round-robin, one iteration each (fair under load), or one after another.",
+)
+@_O("--warmup", type=int, default=1, show_default=True, help="Warm-up iterations per trial.")
+@_O("--seed", type=int, default=0, show_default=True, help="Root seed (weights, data, jitter).")
+@_O("--check", is_flag=True, help="Compare loss and gradients with a single-process reference.")
+@_O("--tolerance", type=float, default=1e-5, show_default=True, help="--check relative tolerance.")
+@_O("--deterministic", is_flag=True, help="Add microbatch gradients in microbatch order.")
+@_O("--timeout", type=float, default=60.0, show_default=True, help="Seconds any wait may last.")
+@_O("--dump-dir", default=None, help="Where fault dumps go (default: a temp dir).")
+@_O("--jitter", default="none", show_default=True, help="Injected jitter distribution (rrfp.jitter).")
+@_O("--cv", type=float, default=None, help=f"Jitter CV (default {DEFAULT_CV} with --jitter).")
+@_O("--inject-ms", type=float, default=0.0, show_default=True, help="Sleep X*this ms per task (B: I+W).")
+@_O("--synthetic", is_flag=True, help="No model: tasks sleep durations sampled as rrfp-sim does.")
+@_O("--costs", default="F=1,B=2", show_default=True, help="--synthetic: per-op mean costs (time units).")
+@_O("--workload", default="language", show_default=True, help="--synthetic: language or multimodal.")
+@_O("--time-unit-ms", type=float, default=10.0, show_default=True, help="--synthetic: ms per cost unit.")
+@_O("--trace-out", default=None, help="Merged trace: .parquet, .csv or .json (Perfetto).")
+@_O("--json", "json_", is_flag=True, help="Print one JSON object.")
+@_O("--backend", default="auto", show_default=True, help="auto, gloo or nccl.")
+@_O("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers).")
+@_O("--lr", type=float, default=1e-2, show_default=True, help="SGD learning rate.")
+@_O("--start-method", default=None, help="Local launcher: fork, spawn (default: fork on CPU-only torch).")
+def main(**options: Any) -> None:
+    """Run rrfp's policies on real torch.distributed processes (see the module docstring)."""
+    options["json"] = options.pop("json_")
+    try:
+        cfg = build_config(options)
+        preflight(cfg)
+    except ValueError as e:
+        raise _Fail(str(e)) from e
+    code = join(cfg) if in_launcher_env() else launch_local(cfg)
+    sys.exit(code)

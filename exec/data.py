@@ -1,0 +1,59 @@
+"""Synthetic training data: deterministic microbatches every rank can rebuild on its own.
+
+Every rank of a pipeline derives the same batch from (seed, dp replica, iteration), so stage 0 has the
+tokens and images and the last stage has the labels without shipping them through the pipeline (a real
+data loader gives both ends the same batch in the same way). ``gpt`` microbatches all have the same
+shape; ``multimodal`` ones draw a text length in [seq_len/2, seq_len] and an image count in
+0..max_images (Poisson around max_images/2 with a heavy-tailed lognormal rate), so shapes differ from
+microbatch to microbatch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from rrfp.exec.config import ModelConfig
+
+from rrfp import rng as rngs
+
+IMAGE_RATE_SIGMA = 0.8  # lognormal sigma of the per-microbatch image rate (heavy right tail)
+
+
+@dataclass(frozen=True, slots=True)
+class Microbatch:
+    """One microbatch: token ids (B, T), next-token labels (B, T), images (B, n, 3, H, W) or None."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    images: torch.Tensor | None = None
+
+    @property
+    def num_images(self) -> int:
+        return 0 if self.images is None else int(self.images.shape[1])
+
+    def to(self, device: torch.device) -> Microbatch:
+        images = None if self.images is None else self.images.to(device)
+        return Microbatch(self.tokens.to(device), self.labels.to(device), images)
+
+
+def make_batch(
+    cfg: ModelConfig, seed: int, replica: int, iteration: int, microbatches: int
+) -> list[Microbatch]:
+    """The microbatches of one DP replica's iteration (identical on every rank that asks)."""
+    np_rng = rngs.stream(seed, replica, "data", iteration)
+    gen = torch.Generator().manual_seed(int(np_rng.integers(0, 2**62)))
+    out = []
+    for _ in range(microbatches):
+        text, images = cfg.seq_len, 0
+        if cfg.kind == "multimodal":
+            text = int(np_rng.integers(cfg.seq_len // 2, cfg.seq_len + 1))
+            rate = cfg.max_images / 2 * np_rng.lognormal(-(IMAGE_RATE_SIGMA**2) / 2, IMAGE_RATE_SIGMA)
+            images = min(cfg.max_images, int(np_rng.poisson(rate)))
+        ids = torch.randint(0, cfg.vocab, (cfg.microbatch_size, text + 1), generator=gen)
+        pixels = None
+        if cfg.kind == "multimodal":
+            shape = (cfg.microbatch_size, images, 3, cfg.image_size, cfg.image_size)
+            pixels = torch.randn(shape, generator=gen)
+        out.append(Microbatch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), pixels))
+    return out

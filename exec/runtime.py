@@ -1,0 +1,265 @@
+"""The per-rank runtime loop: the core scheduler decides, this loop only executes and waits.
+
+One iteration::
+
+    reset the scheduler; start the runner on this iteration's data
+    until every task of this rank is done:
+        apply every arrival already queued (same-instant rule), deliver() each
+        pick: sched.next() -- or, with TP, rrfp.agree() over the group's ready() views
+        nothing to run -> block on the inbox (fault timeout), deliver, loop
+        start -> compute (+ injected sleep) -> complete -> post sends / hand over locally
+    wait for the sends; write gradients
+
+TP members must run the same task in the same order, because their compute contains collectives.
+Every pick all-gathers (candidates, ready-by-inputs) over the TP group's gloo twin and applies
+``rrfp.agree``. When that defers, only a member *behind* (missing an input another member already
+has) blocks on its inbox; the others return straight to the next all-gather, which completes once the
+laggard caught up. When nobody is behind, everyone blocks on its inbox (exactly what one rank alone
+would do). Members' scheduler states differ only by deliveries, so this never waits for nothing.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from rrfp.exec.faults import LostPeerError, WaitTimeoutError
+from rrfp.exec.synthetic import Injector
+from rrfp.exec.transport import Arrival, ChannelFailure, Transport
+
+from rrfp.scheduler import RankScheduler
+from rrfp.task import Task
+from rrfp.tp import agree
+from rrfp.trace import TraceRecorder
+
+
+class Runner(Protocol):
+    """What the loop needs from the compute side (StageRunner or SyntheticRunner)."""
+
+    inputs: dict[Task, torch.Tensor]
+
+    def run(self, task: Task) -> list[tuple[Task, torch.Tensor]]: ...
+
+    def finish(self) -> None: ...
+
+    def held_tasks(self) -> list[str]: ...
+
+
+@dataclass
+class LoopStats:
+    """Where one iteration's wall time went on this rank (seconds)."""
+
+    tasks: int = 0
+    compute: float = 0.0
+    """Inside the runner (and the injected sleep)."""
+    wait: float = 0.0
+    """Blocked on the inbox with nothing to run."""
+    agree: float = 0.0
+    """In the TP agreement's all-gather (includes waiting for a lagging member)."""
+    loop: float = 0.0
+    """The dispatch loop's wall time (until the last task completed)."""
+    flush: float = 0.0
+    """Waiting for the last sends, and writing gradients."""
+
+    @property
+    def overhead_per_task(self) -> float:
+        """Loop time that was neither compute nor waiting, per task: scheduler calls, deliveries,
+        queue handling, send posting."""
+        return max(0.0, self.loop - self.compute - self.wait - self.agree) / max(1, self.tasks)
+
+
+@dataclass
+class RankContext:
+    """The fixed surroundings of one rank's loop."""
+
+    rank: int
+    pp_rank: int
+    to_global: Any
+    """pp rank -> global rank (same tp/dp)."""
+    transport: Transport | None
+    tp_ctrl: Any = None
+    """gloo TP group for the agreement (None without TP)."""
+    timeout: float = 60.0
+    recorder: TraceRecorder | None = None
+    origin: float = 0.0
+    """time.monotonic() of this rank that maps to trace time 0."""
+    early: dict[tuple[int, int], list[Arrival]] = field(default_factory=lambda: defaultdict(list))
+
+
+class PipelineRuntime:
+    """Runs iterations of one trial (hint, policy, budget) on one rank."""
+
+    def __init__(
+        self, ctx: RankContext, sched: RankScheduler, runner: Runner, trial: int, injector: Injector
+    ) -> None:
+        self.ctx, self.sched, self.runner = ctx, sched, runner
+        self.spec = sched.hint.spec
+        self.trial, self.injector = trial, injector
+        self.iteration = -1
+        self.stats = LoopStats()
+
+    # -- one iteration --------------------------------------------------------------------------
+    def run_iteration(self, iteration: int) -> LoopStats:
+        """Run every task of this rank for ``iteration`` (the runner was begun by the caller)."""
+        sched, self.iteration, self.stats = self.sched, iteration, LoopStats()
+        sched.reset()
+        self.injector.begin(iteration, self.spec.num_stages, self.spec.microbatches)
+        t0 = time.monotonic()
+        for arrival in self.ctx.early.pop((self.trial, iteration), []):
+            self._accept(arrival)
+        while not sched.done:
+            self._drain()
+            task, wait = self._pick()
+            if task is not None:
+                self._execute(task)
+            elif wait:
+                self._wait_for_arrival()
+        t1 = time.monotonic()
+        if self.ctx.transport is not None:
+            self.ctx.transport.flush(self.ctx.timeout)
+            self._record_sends()
+        self.runner.finish()
+        self.stats.loop, self.stats.flush = t1 - t0, time.monotonic() - t1
+        return self.stats
+
+    def _execute(self, task: Task) -> None:
+        sched, runner = self.sched, self.runner
+        start = time.monotonic()
+        sched.start(task)
+        outputs = runner.run(task)
+        self.injector.sleep(task)
+        end = time.monotonic()
+        sched.complete(task)
+        self.stats.tasks += 1
+        self.stats.compute += end - start
+        for consumer, tensor in outputs:
+            dst = self.spec.rank_of(consumer.stage)
+            if dst == self.ctx.pp_rank:
+                runner.inputs[consumer] = tensor  # the scheduler counted this local edge in complete()
+            else:
+                assert self.ctx.transport is not None
+                self.ctx.transport.send(dst, self.trial, self.iteration, consumer, tensor)
+        if self.ctx.transport is not None:
+            self.ctx.transport.reap()
+        self._record("compute", task, start, end)
+
+    # -- arrivals -------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        transport = self.ctx.transport
+        if transport is None:
+            return
+        inbox = transport.inbox
+        while not inbox.empty():  # only this thread takes items, so non-empty stays non-empty
+            self._accept(inbox.get_nowait())
+
+    def _wait_for_arrival(self) -> None:
+        transport = self.ctx.transport
+        if transport is None:
+            raise WaitTimeoutError(0, "nothing (no channels) -- a scheduling bug", [])
+        start = time.monotonic()
+        try:
+            item = transport.inbox.get(timeout=self.ctx.timeout)
+        except queue.Empty:
+            waiting, suspects = self.waiting_summary()
+            raise WaitTimeoutError(self.ctx.timeout, waiting, suspects) from None
+        end = time.monotonic()
+        self.stats.wait += end - start
+        self._record("wait", None, start, end)
+        self._accept(item)
+
+    def _accept(self, item: Arrival | ChannelFailure) -> None:
+        if isinstance(item, ChannelFailure):
+            raise LostPeerError(item.peer, f"{item.direction} channel failed: {item.error}")
+        if (item.trial, item.iteration) != (self.trial, self.iteration):
+            # Another trial's or iteration's input (a peer ran ahead): keep it for then. With a barrier
+            # before every iteration this does not happen; dumps list any such message.
+            self.ctx.early[(item.trial, item.iteration)].append(item)
+            return
+        tensor = item.tensor
+        if tensor.is_cuda:
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))  # received on another stream
+        self.runner.inputs[item.task] = tensor
+        self.sched.deliver(item.task)
+        if self.ctx.recorder is not None:
+            o, nbytes = self.ctx.origin, tensor.numel() * tensor.element_size()
+            self.ctx.recorder.add(
+                "recv", self.iteration, self.ctx.rank, item.task, item.start - o, item.end - o,
+                nbytes=nbytes, held=self.sched.held, peer=item.src, msg=item.msg,
+            )  # fmt: skip
+
+    def _record(self, kind: str, task: Task | None, start: float, end: float) -> None:
+        rec = self.ctx.recorder
+        if rec is not None:
+            o = self.ctx.origin
+            rec.add(kind, self.iteration, self.ctx.rank, task, start - o, end - o, held=self.sched.held)
+
+    def _record_sends(self) -> None:
+        assert self.ctx.transport is not None
+        records = self.ctx.transport.take_sent()
+        if self.ctx.recorder is None:
+            return
+        o = self.ctx.origin
+        for r in records:
+            self.ctx.recorder.add(
+                "send", r.iteration, self.ctx.rank, r.task, r.start - o, r.end - o,
+                nbytes=r.nbytes, peer=r.dst, msg=r.msg,
+            )  # fmt: skip
+
+    # -- picking ----------------------------------------------------------------------------------
+    def _pick(self) -> tuple[Task | None, bool]:
+        """(task to run, or None; whether to block on the inbox when there is none)."""
+        if self.ctx.tp_ctrl is None:
+            task = self.sched.next()
+            return task, task is None
+        sched = self.sched
+        mine = (sched.ready(), [sched.tasks[p] for p in sched.ready_positions()])
+        views: list[Any] = [None] * dist.get_world_size(self.ctx.tp_ctrl)
+        start = time.monotonic()
+        dist.all_gather_object(views, mine, group=self.ctx.tp_ctrl)
+        self.stats.agree += time.monotonic() - start
+        task = agree([v[0] for v in views])
+        if task is not None:
+            return task, False
+        ready_sets = [set(v[1]) for v in views]
+        union = set().union(*ready_sets)
+        behind = [bool(union - r) for r in ready_sets]
+        me = dist.get_rank(self.ctx.tp_ctrl)
+        return None, behind[me] or not any(behind)
+
+    # -- fault reporting --------------------------------------------------------------------------
+    def waiting_summary(self) -> tuple[str, list[int]]:
+        """A phrase for the first missing input (hint order) and the global ranks it comes from."""
+        spec, sched = self.spec, self.sched
+        for task, _missing in sched.waiting():
+            producers = [d for d in spec.deps(task) if spec.is_remote(d, task)]
+            if not producers or task in self.runner.inputs:
+                continue
+            ranks = sorted({self.ctx.to_global(spec.rank_of(d.stage)) for d in producers})
+            return f"the input of {task} (from {', '.join(map(str, producers))})", ranks
+        return "an input (none identifiable)", []
+
+    def describe(self) -> dict[str, Any]:
+        """What this rank waits for, for a fault dump."""
+        sched = self.sched
+        waiting, suspects = self.waiting_summary()
+        return {
+            "trial": self.trial,
+            "iteration": self.iteration,
+            "policy": sched.policy.name,
+            "hint": sched.hint.name,
+            "pp_rank": self.ctx.pp_rank,
+            "ready": [str(sched.tasks[p]) for p in sched.ready_positions()],
+            "running": [str(t) for t in sched.running()],
+            "pending_inputs": [f"{t} (missing {n})" for t, n in sched.waiting()],
+            "buffered_inputs": [str(t) for t in self.runner.inputs],
+            "held_activations": sched.held,
+            "held_tasks": self.runner.held_tasks(),
+            "waiting_for": waiting,
+            "suspects": suspects,
+            "messages_for_later": {f"trial {t} it {i}": len(v) for (t, i), v in self.ctx.early.items()},
+        }

@@ -1,0 +1,264 @@
+"""Pipeline transport: one channel per (peer, direction), messages of any shape in any order.
+
+Every message is a small int64 header (trial, iteration, consumer task, message id, dtype, shape)
+followed by the payload, on the channel's own process group. On gloo, header and payload travel as
+*one* message whenever they fit the receiver's buffer: gloo lets a receive take a message shorter than
+its buffer, and both ends track the same capacity (the largest message seen on the channel so far),
+so only a message larger than every earlier one goes as header, then payload. That halves the
+receiver thread's wake-ups and avoids a second handshake per message (NCCL needs exact sizes: it
+always sends two). On gloo a posted ``irecv`` cannot be
+polled (``is_completed()`` stays False until ``wait()``, and a timed-out wait closes the connection --
+DESIGN.md §5), so each inbound channel has a receiver thread doing *blocking* receives (header, then a
+payload of the announced shape) into one ``queue.Queue``; the runtime loop waits on that queue with the
+fault timeout and calls ``deliver()``. Sends are ``isend`` from the compute thread (so compute never
+blocks on a peer); their handles are kept and reaped once complete (at the latest at the flush).
+
+With NCCL the receiver threads run on their own CUDA streams, so a pending receive never
+makes the compute stream wait, and a received payload is fully written before the runtime sees it.
+A peer that dies closes the connection: the channel's thread reports a :class:`ChannelFailure`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rrfp.task import Op, Task
+
+HEADER_LEN = 16
+HEADER_BYTES = HEADER_LEN * 8
+MAX_DIMS = HEADER_LEN - 9
+KIND_CLOSE, KIND_SPLIT, KIND_PACKED = 0, 1, 2  # SPLIT: the payload follows as its own message
+OPS = (Op.F, Op.B, Op.I, Op.W)
+DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
+
+
+class TransportError(RuntimeError):
+    """A message that cannot be encoded (too many dims, unsupported dtype) or a flush that timed out."""
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """A message taken off a channel: the input of ``task`` on this rank."""
+
+    src: int
+    """Global rank of the sender."""
+    trial: int
+    iteration: int
+    task: Task
+    """The consumer task (on this rank) whose input this is."""
+    tensor: torch.Tensor
+    msg: int
+    """Message id (shared with the sender's trace row)."""
+    start: float
+    """time.monotonic() when the header arrived."""
+    end: float
+    """time.monotonic() when the payload was complete."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelFailure:
+    """A channel's thread failed: almost always the peer process died (connection closed)."""
+
+    peer: int
+    """Global rank at the other end."""
+    direction: str
+    """``recv`` or ``send``."""
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class SendRecord:
+    """What the trace needs about one completed send."""
+
+    dst: int
+    trial: int
+    iteration: int
+    task: Task
+    msg: int
+    nbytes: int
+    start: float
+    end: float
+
+
+def encode_header(trial: int, iteration: int, task: Task, msg: int, tensor: torch.Tensor) -> list[int]:
+    """The int64 header announcing ``tensor`` as the input of ``task``."""
+    if tensor.dim() > MAX_DIMS:
+        raise TransportError(f"cannot send a {tensor.dim()}-d tensor: at most {MAX_DIMS} dims")
+    if tensor.dtype not in DTYPES:
+        raise TransportError(f"cannot send dtype {tensor.dtype}: supported {DTYPES}")
+    head = [KIND_SPLIT, trial, iteration, task.stage, OPS.index(task.op), task.mb, msg]
+    head += [DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+    return head + [0] * (HEADER_LEN - len(head))
+
+
+def decode_header(values: list[int]) -> tuple[int, int, Task, int, torch.dtype, tuple[int, ...]]:
+    """(trial, iteration, task, msg, dtype, shape) from a data header."""
+    _, trial, iteration, stage, op, mb, msg, dtype, ndim = values[:9]
+    return trial, iteration, Task(stage, OPS[op], mb), msg, DTYPES[dtype], tuple(values[9 : 9 + ndim])
+
+
+class Transport:
+    """All pipeline channels of one rank: receiver threads, async sends, one inbox."""
+
+    def __init__(self, channels: dict[tuple[int, int], Any], me: int, to_global: Any, device: torch.device):
+        """``channels``: (src pp, dst pp) -> group; ``me``: this pp rank; ``to_global``: pp -> global."""
+        self.device = device
+        self.me_global = to_global(me)
+        self.inbox: queue.Queue[Arrival | ChannelFailure] = queue.Queue()
+        self.sent: list[SendRecord] = []
+        # (global rank, group, the peer's rank inside the two-member group) per peer.
+        self._out = {dst: _endpoint(to_global(dst), g) for (src, dst), g in channels.items() if src == me}
+        inbound = {src: _endpoint(to_global(src), g) for (src, dst), g in channels.items() if dst == me}
+        self._pollable = device.type == "cuda"  # NCCL reports completion; gloo only after wait()
+        self._packed = device.type == "cpu"  # gloo receives into a larger buffer; NCCL cannot
+        self._cap_out = dict.fromkeys(self._out, 0)  # per destination: the receiver's buffer size
+        self._ids = itertools.count()
+        # Posted sends: (works, buffers kept alive, destination). Reaped from the front when complete
+        # (NCCL reports completion; gloo's is_completed() stays False until wait(), so with gloo they
+        # are reaped at the flush -- the buffers are activations the sender holds for its backward
+        # anyway, or gradients it would free at the end of the iteration).
+        self._pending: deque[tuple[tuple[Any, ...], tuple[torch.Tensor, ...], int]] = deque()
+        self._threads = [
+            threading.Thread(target=self._receive, args=ep, name=f"rrfp-recv-{ep[0]}", daemon=True)
+            for ep in inbound.values()
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- sending (compute thread) -----------------------------------------------------------
+    def send(self, dst: int, trial: int, iteration: int, task: Task, tensor: torch.Tensor) -> SendRecord:
+        """Post ``tensor`` as the input of ``task`` on pipeline rank ``dst`` (never waits for the peer)."""
+        peer, group, group_peer = self._out[dst]
+        payload = tensor.detach().contiguous()
+        msg = (self.me_global << 32) | next(self._ids)
+        head = encode_header(trial, iteration, task, msg, payload)
+        nbytes = payload.numel() * payload.element_size()
+        start = time.monotonic()
+        if self._packed and HEADER_BYTES + nbytes <= self._cap_out[dst]:
+            head[0] = KIND_PACKED
+            buf = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8)
+            buf[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
+            buf[HEADER_BYTES:].copy_(payload.reshape(-1).view(torch.uint8))
+            bufs: tuple[torch.Tensor, ...] = (buf,)
+        else:
+            bufs = (torch.tensor(head, dtype=torch.int64, device=self.device), payload)
+        self._cap_out[dst] = max(self._cap_out[dst], HEADER_BYTES + nbytes)
+        # ProcessGroup.send directly: dist.isend's Python checks cost more than the send itself.
+        works = tuple(group.send([b], group_peer, 0) for b in bufs)
+        end = time.monotonic()  # handed to the transport: the send's end in the trace schema
+        self._pending.append((works, bufs, peer))
+        record = SendRecord(peer, trial, iteration, task, msg, nbytes, start, end)
+        self.sent.append(record)
+        return record
+
+    def reap(self) -> None:
+        """Drop completed sends from the front of the queue (cheap; a no-op on gloo mid-iteration)."""
+        pending = self._pending
+        while self._pollable and pending and all(w.is_completed() for w in pending[0][0]):
+            pending.popleft()
+
+    def flush(self, timeout: float) -> None:
+        """Wait until every posted send completed; LostPeerError-worthy failures propagate."""
+        deadline = time.monotonic() + timeout
+        while self._pending:
+            works, _, peer = self._pending[0]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                n = len(self._pending)
+                raise TransportError(f"{n} sends still pending after {timeout:g} s (first to rank {peer})")
+            for w in works:
+                w.wait(timedelta(seconds=left))
+            self._pending.popleft()
+
+    def take_sent(self) -> list[SendRecord]:
+        """Send records so far (cleared)."""
+        out, self.sent = self.sent, []
+        return out
+
+    def close(self, timeout: float) -> None:
+        """Tell every peer this rank sends nothing more, and wait for the receiver threads to finish."""
+        self.flush(timeout)
+        close = [KIND_CLOSE] + [0] * (HEADER_LEN - 1)  # a header-only message fits any buffer
+        for _, group, group_peer in self._out.values():
+            group.send([torch.tensor(close, dtype=torch.int64, device=self.device)], group_peer, 0).wait()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    # -- receiver threads -------------------------------------------------------------------
+    def _receive(self, peer: int, group: Any, group_peer: int) -> None:
+        cap = 0  # this channel's buffer size, tracked exactly as the sender tracks it
+        try:
+            with _thread_stream(self.device) as stream:
+                while (cap := self._receive_one(peer, group, group_peer, stream, cap)) >= 0:
+                    pass
+        except Exception as e:  # the peer died or the group broke: the runtime decides what to do
+            self.inbox.put(ChannelFailure(peer, "recv", _one_line(e)))
+
+    def _receive_one(self, peer: int, group: Any, group_peer: int, stream: Any, cap: int) -> int:
+        """Take one message; returns the channel's new capacity, or -1 after the peer closed it."""
+        if self._packed:
+            buf = torch.empty(max(cap, HEADER_BYTES), dtype=torch.uint8)
+            group.recv([buf], group_peer, 0).wait()
+            values = buf[:HEADER_BYTES].view(torch.int64).tolist()
+        else:
+            header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
+            group.recv([header], group_peer, 0).wait()
+            values = header.tolist()  # with NCCL this syncs this thread's stream only
+        start = time.monotonic()
+        if values[0] == KIND_CLOSE:
+            return -1
+        trial, iteration, task, msg, dtype, shape = decode_header(values)
+        payload = torch.empty(shape, dtype=dtype, device=self.device)
+        nbytes = payload.numel() * payload.element_size()
+        if values[0] == KIND_PACKED:
+            payload.reshape(-1).view(torch.uint8).copy_(buf[HEADER_BYTES : HEADER_BYTES + nbytes])
+        else:
+            group.recv([payload], group_peer, 0).wait()
+        if stream is not None:
+            stream.synchronize()  # the payload is complete before the compute thread sees it
+        self.inbox.put(Arrival(peer, trial, iteration, task, payload, msg, start, time.monotonic()))
+        return max(cap, HEADER_BYTES + nbytes)
+
+
+def _endpoint(peer: int, group: Any) -> tuple[int, Any, int]:
+    return peer, group, dist.get_group_rank(group, peer)
+
+
+class _thread_stream:
+    """Context: on CUDA, make a private stream current for this thread (yields it); else yields None."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._ctx: Any = None
+
+    def __enter__(self) -> Any:
+        if self.device.type != "cuda":
+            return None
+        torch.cuda.set_device(self.device)
+        stream = torch.cuda.Stream(self.device)
+        self._ctx = torch.cuda.stream(stream)
+        self._ctx.__enter__()
+        return stream
+
+    def __exit__(self, *exc: object) -> None:
+        if self._ctx is not None:
+            self._ctx.__exit__(*exc)
+
+
+def _one_line(e: BaseException) -> str:
+    """First line of the error, without gloo's source location and boilerplate advice."""
+    text = str(e).strip().splitlines()
+    line = text[0] if text else type(e).__name__
+    line = line.split("] ", 1)[-1] if line.startswith("[") else line
+    return line.split(". This is typically", 1)[0][:200]

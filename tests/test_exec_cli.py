@@ -1,0 +1,84 @@
+"""rrfp-run refuses bad options before starting any worker: one line on stderr, exit code 2."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+from rrfp.exec.cli import build_config, main
+from rrfp.exec.config import ExecConfigError, RunConfig, Trial
+
+BAD = [
+    (["--gpus", "4", "--pp", "3"], "--pp 3 x --tp 1 x --dp 1 = 3 must equal the number of workers 4"),
+    (["--gpus", "4", "--tp", "3", "--pp", "1", "--dp", "1"], "must equal the number of workers 4"),
+    (["--gpus", "2", "--hint", "nope"], "unknown hint 'nope'"),
+    (["--gpus", "2", "--policy", "greedy"], "unknown policy 'greedy'"),
+    (["--gpus", "2", "--memory-budget", "0.5x"], "below 1x"),
+    (["--gpus", "2", "--jitter", "lognormal"], "needs --inject-ms > 0"),
+    (["--gpus", "2", "--jitter", "wobbly", "--inject-ms", "5"], "unknown jitter distribution 'wobbly'"),
+    (["--gpus", "4", "--layers", "3"], "--layers 3 is fewer than the 4 pipeline stages"),
+    (["--gpus", "2", "--baseline", "1F1B"], "must be torch:<ScheduleName>"),
+    (["--gpus", "2", "--baseline", "torch:Nope"], "torch:Nope is not supported"),
+    (
+        ["--gpus", "4", "--pp", "2", "--tp", "2", "--heads", "3", "--hidden", "63"],
+        "--heads 3 must be divisible",
+    ),
+    (["--gpus", "2", "--model", "vit"], "--model 'vit' is unknown"),
+    (["--gpus", "2", "--synthetic", "--check"], "--synthetic has no model"),
+    (["--gpus", "2", "--microbatches", "0"], "--microbatches must be an integer >= 1"),
+    (["--gpus", "2", "--timeout", "0"], "--timeout must be > 0"),
+    (["--gpus", "2", "--trials", "rrfp"], "--trials item 'rrfp' is not"),
+    (["--gpus", "2", "--trials", "rrfp/1f1b@0.5x"], "below 1x"),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_options_exit_2_with_one_line(
+    args: list[str], message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rrfp-run: error: "), result.output
+    assert message in lines[0]
+
+
+def test_defaults_and_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    opts = dict(main.make_context("rrfp-run", []).params)
+    opts["json"] = opts.pop("json_")
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = build_config(dict(opts))
+    assert (cfg.world, cfg.pp, cfg.policies, cfg.hints, cfg.budgets) == (
+        4,
+        4,
+        ("fixed", "rrfp"),
+        ("1f1b",),
+        (None,),
+    )
+    assert [t.label for t in cfg.trials] == ["fixed/1f1b", "rrfp/1f1b"]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    cfg = build_config({**opts, "tp": 2})
+    assert (cfg.world, cfg.pp, cfg.tp) == (8, 4, 2)
+    with pytest.raises(ExecConfigError, match="disagrees with the launcher's WORLD_SIZE=8"):
+        build_config({**opts, "gpus": 4})
+
+
+def test_explicit_trials_round_trip_their_labels() -> None:
+    labels = ["fixed/1f1b", "rrfp/1f1b@2x", "rrfp/zb-h1@6", "torch:1F1B"]
+    trials = [Trial.parse(x) for x in labels]
+    assert [t.label for t in trials] == labels
+    assert Trial.parse("rrfp/bfw@1x") == Trial("rrfp", "bfw")
+    with pytest.raises(ExecConfigError, match="not <policy>/<hint>"):
+        Trial.parse("rrfp")
+    cfg = RunConfig(world=2, pp=2, explicit_trials=tuple(trials[:2]), baselines=("GPipe",))
+    assert [t.label for t in cfg.trials] == ["fixed/1f1b", "rrfp/1f1b@2x", "torch:GPipe"]
+
+
+def test_trials_are_the_product_of_hints_budgets_and_policies_then_baselines() -> None:
+    cfg = RunConfig(world=2, pp=2, hints=("1f1b", "bfw"), budgets=(None, "2x"), baselines=("1F1B",))
+    labels = [t.label for t in cfg.trials]
+    assert labels[:4] == ["fixed/1f1b", "rrfp/1f1b", "fixed/1f1b@2x", "rrfp/1f1b@2x"]
+    assert labels[-1] == "torch:1F1B" and len(labels) == 9

@@ -1,0 +1,225 @@
+"""Executor pieces that need no processes: model split, I/W split, accumulation order, transport
+headers, the check's comparison, fault detection in the runtime loop, jitter injection, reports."""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import random
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from rrfp.exec.check import compare, reference
+from rrfp.exec.config import ModelConfig, RunConfig
+from rrfp.exec.data import make_batch
+from rrfp.exec.faults import LostPeerError, WaitTimeoutError
+from rrfp.exec.launch import failure_report
+from rrfp.exec.layers import ColumnParallelLinear, RowParallelLinear, TPContext, WeightStash
+from rrfp.exec.model import build_stage, partition, unit_generator
+from rrfp.exec.runtime import PipelineRuntime, RankContext
+from rrfp.exec.stage import StageRunner
+from rrfp.exec.synthetic import Injector, SyntheticRunner
+from rrfp.exec.transport import ChannelFailure, TransportError, decode_header, encode_header
+
+import rrfp
+from rrfp import rng as rngs
+from rrfp.task import Op, Task
+from rrfp.workload import WorkloadConfig, sample_iteration
+
+SMALL = ModelConfig(layers=3, hidden=32, heads=2, seq_len=8, vocab=16)
+SMALL_MM = ModelConfig(kind="multimodal", layers=3, hidden=32, heads=2, seq_len=8, vocab=16, max_images=3)
+
+
+@pytest.mark.parametrize("cfg", [SMALL, SMALL_MM], ids=["gpt", "multimodal"])
+def test_stages_compose_to_the_whole_model(cfg: ModelConfig) -> None:
+    whole = build_stage(cfg, 0, 1, seed=3, microbatches=4)
+    parts = [build_stage(cfg, s, 3, seed=3, microbatches=4) for s in range(3)]
+    names = {n for p in parts for n, _ in p.named_parameters()}
+    assert names == {n for n, _ in whole.named_parameters()}
+    for mb in make_batch(cfg, 3, 0, 0, 4):
+        h = None
+        for p in parts:
+            h = p(h, mb)
+        assert torch.equal(h, whole(None, mb))
+
+
+def _grads(module: torch.nn.Module, loss: torch.Tensor, wrt: list, split: bool) -> dict[str, torch.Tensor]:
+    names = {p: n for n, p in module.named_parameters()}
+    stash = WeightStash()
+    with stash if split else torch.enable_grad():
+        got = torch.autograd.grad(loss, wrt, allow_unused=True)
+    out = {names[p]: g for p, g in zip(wrt, got, strict=True) if g is not None}
+    out.update({names[p]: g for p, g in stash.weight_grads().items()})
+    return out
+
+
+@pytest.mark.parametrize("cfg", [SMALL, SMALL_MM], ids=["gpt", "multimodal"])
+def test_input_then_weight_backward_equals_full_backward(cfg: ModelConfig) -> None:
+    """I (input + cheap parameters, weights stashed) then W gives B's gradients, bit for bit."""
+    model = build_stage(cfg, 0, 1, seed=1, microbatches=2)
+    for mb in make_batch(cfg, 1, 0, 0, 2):
+        full = _grads(model, model(None, mb), list(model.parameters()), split=False)
+        split = _grads(model, model(None, mb), model.input_phase_params(), split=True)
+        assert full.keys() == split.keys()
+        for name in full:
+            assert torch.equal(full[name], split[name]), name
+
+
+def _run_backwards(order: list[int], deterministic: bool) -> dict[str, torch.Tensor]:
+    model = build_stage(SMALL, 0, 1, seed=2, microbatches=8)
+    runner = StageRunner({0: model}, num_stages=1, deterministic=deterministic)
+    runner.begin(make_batch(SMALL, 2, 0, 0, 8))
+    for m in range(8):
+        runner.run(Task(0, Op.F, m))
+    for m in order:
+        runner.run(Task(0, Op.B, m))
+    runner.finish()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_deterministic_mode_adds_in_microbatch_order_whatever_the_completion_order() -> None:
+    in_order = _run_backwards(list(range(8)), deterministic=True)
+    shuffled = list(range(8))
+    random.Random(0).shuffle(shuffled)
+    assert shuffled != sorted(shuffled)
+    same = _run_backwards(shuffled, deterministic=True)
+    assert all(torch.equal(in_order[n], same[n]) for n in in_order)
+    # Without it, fp32 sums follow completion order: some gradient's bits change.
+    loose = _run_backwards(shuffled, deterministic=False)
+    assert any(not torch.equal(in_order[n], loose[n]) for n in in_order)
+    assert all(torch.allclose(in_order[n], loose[n], rtol=1e-5, atol=1e-9) for n in in_order)
+
+
+def test_tp_shards_are_slices_of_the_full_weights() -> None:
+    full_c = ColumnParallelLinear(8, 12, TPContext(), unit_generator(0, "x"))
+    full_r = RowParallelLinear(12, 8, TPContext(), unit_generator(0, "y"))
+    cols = [ColumnParallelLinear(8, 12, TPContext(2, r), unit_generator(0, "x")) for r in range(2)]
+    rows = [RowParallelLinear(12, 8, TPContext(2, r), unit_generator(0, "y")) for r in range(2)]
+    assert torch.equal(torch.cat([c.lin.weight for c in cols], 0), full_c.lin.weight)
+    assert torch.equal(torch.cat([r.lin.weight for r in rows], 1), full_r.lin.weight)
+    assert cols[0].lin.weight.tp_shard_dim == 0 and rows[1].lin.weight.tp_shard_dim == 1
+
+
+def test_partition_spreads_blocks_and_refuses_empty_stages() -> None:
+    assert partition(8, 3) == [(0, 3), (3, 6), (6, 8)]
+    with pytest.raises(ValueError, match="--layers 3 is fewer than the 4 pipeline stages"):
+        partition(3, 4)
+
+
+def test_multimodal_batches_vary_in_shape() -> None:
+    batch = make_batch(ModelConfig(kind="multimodal"), 0, 0, 0, 16)
+    assert len({mb.tokens.shape[1] for mb in batch}) > 2
+    assert len({mb.num_images for mb in batch}) > 1
+    assert make_batch(SMALL, 5, 1, 2, 3)[2].tokens.equal(make_batch(SMALL, 5, 1, 2, 3)[2].tokens)
+
+
+def test_header_round_trips_any_shape_and_rejects_what_it_cannot_carry() -> None:
+    t = torch.zeros(3, 1, 5, dtype=torch.bfloat16)
+    head = encode_header(2, 7, Task.parse("3I5"), 123, t)
+    assert decode_header(head) == (2, 7, Task.parse("3I5"), 123, torch.bfloat16, (3, 1, 5))
+    with pytest.raises(TransportError, match="dims"):
+        encode_header(0, 0, Task.parse("0F0"), 0, torch.zeros([1] * 8))
+    with pytest.raises(TransportError, match="dtype"):
+        encode_header(0, 0, Task.parse("0F0"), 0, torch.zeros(1, dtype=torch.complex64))
+
+
+def test_compare_finds_the_worst_tensor_and_slices_tp_shards() -> None:
+    cfg = RunConfig(world=1, pp=1, model=SMALL, microbatches=2)
+    ref = reference(cfg)
+    name = "blocks.1.fc.lin.weight"
+    exact = [(n, None, g.clone()) for n, g in ref.grads.items()]
+    assert compare(ref, [((0, 0, 0), exact)], ref.loss, 1, 1e-5).ok
+    off = [(n, None, g * (1 + 1e-3) if n == name else g) for n, _, g in exact]
+    res = compare(ref, [((0, 0, 0), off)], ref.loss, 1, 1e-5)
+    assert not res.ok and res.worst == name and res.max_rel_diff == pytest.approx(1e-3, rel=1e-3)
+    shards = [
+        [(n, 0 if n == name else None, g.chunk(2, 0)[r] if n == name else g) for n, _, g in exact]
+        for r in (0, 1)
+    ]
+    assert compare(ref, [((0, r, 0), shards[r]) for r in (0, 1)], ref.loss, 2, 1e-5).ok
+
+
+class _FakeTransport:
+    def __init__(self) -> None:
+        self.inbox: queue.Queue = queue.Queue()
+
+    def send(self, *args: object) -> None:
+        raise AssertionError("nothing may be sent before the first input arrived")
+
+    def reap(self) -> None: ...
+
+
+def _stuck_runtime(timeout: float) -> tuple[PipelineRuntime, _FakeTransport]:
+    hint = rrfp.make_hint("1f1b", 2, 4)
+    transport = _FakeTransport()
+    ctx = RankContext(rank=1, pp_rank=1, to_global=lambda p: p, transport=transport, timeout=timeout)  # type: ignore[arg-type]
+    runner = SyntheticRunner(hint.spec, WorkloadConfig(), 0.01, seed=0, replica=0)
+    runner.begin(0)
+    sched = rrfp.RankScheduler(hint, 1, "rrfp")
+    return PipelineRuntime(ctx, sched, runner, 0, Injector("none", 0.0, 0.0, 0, 0)), transport
+
+
+def test_a_wait_that_times_out_names_the_rank_it_waits_for() -> None:
+    runtime, _ = _stuck_runtime(timeout=0.2)
+    start = time.monotonic()
+    with pytest.raises(WaitTimeoutError, match=r"input of 1F0 .*lost rank 0\?") as err:
+        runtime.run_iteration(0)
+    assert err.value.suspects == [0]
+    assert 0.2 <= time.monotonic() - start < 5
+    state = runtime.describe()
+    assert state["pending_inputs"][0] == "1F0 (missing 1)" and state["suspects"] == [0]
+
+
+def test_a_broken_channel_raises_lost_peer_at_once() -> None:
+    runtime, transport = _stuck_runtime(timeout=30)
+    transport.inbox.put(ChannelFailure(0, "recv", "Connection closed by peer"))
+    with pytest.raises(LostPeerError, match="lost rank 0") as err:
+        runtime.run_iteration(0)
+    assert err.value.peer == 0
+
+
+def test_failure_report_names_the_killed_rank_not_the_ones_that_stopped_after_it() -> None:
+    failures = {r: SimpleNamespace(exitcode=code) for r, code in [(0, 3), (1, 143), (2, -9), (3, 3)]}
+    text = failure_report(failures, "/nonexistent", 4)
+    assert "rank 2 was killed by SIGKILL" in text and "ranks 0, 1, 3 stopped after losing it" in text
+    assert "rank 1 exited with code 1" in failure_report({1: SimpleNamespace(exitcode=1)}, "/nonexistent", 2)
+
+
+def test_failure_report_finds_the_rank_without_a_dump(tmp_path: Path) -> None:
+    """The launcher saw a survivor exit first; the dumps still say who died."""
+    for r in (0, 1, 3):
+        (tmp_path / f"rank{r}.json").write_text("{}")
+    text = failure_report({1: SimpleNamespace(exitcode=3)}, str(tmp_path), 4)
+    assert text.startswith("rrfp-run: job failed: rank 2 died without writing a dump")
+    assert "ranks 0, 1, 3 stopped after losing it; 3 dumps in" in text
+
+
+def test_injected_jitter_is_common_random_numbers() -> None:
+    a, b = Injector("lognormal", 0.5, 10.0, 7, 0), Injector("lognormal", 0.5, 10.0, 7, 0)
+    a.begin(3, 4, 8)
+    b.begin(3, 4, 8)
+    tasks = [Task(s, op, m) for s, op, m in itertools.product(range(4), (Op.F, Op.I, Op.W), range(8))]
+    delays = [a.delay(*t) for t in tasks]
+    assert delays == [b.delay(*t) for t in reversed(tasks)][::-1]  # order of asking does not matter
+    assert sum(delays) / len(delays) == pytest.approx(0.010, rel=0.25)  # mean X = 1 -> inject_ms
+    for s, m in itertools.product(range(4), range(8)):  # a full backward sleeps its two halves
+        assert a.delay(s, Op.B, m) == pytest.approx(a.delay(s, Op.I, m) + a.delay(s, Op.W, m))
+    b.begin(4, 4, 8)
+    assert [b.delay(*t) for t in tasks] != delays
+    assert Injector("none", 0.0, 0.0, 0, 0).delay(0, Op.F, 0) == 0.0
+
+
+def test_synthetic_tasks_sleep_the_simulator_durations() -> None:
+    hint = rrfp.make_hint("1f1b", 2, 2)
+    workload = WorkloadConfig(costs="F=1,B=2", jitter="lognormal", cv=0.5)
+    runner = SyntheticRunner(hint.spec, workload, time_unit_ms=5.0, seed=1, replica=0)
+    runner.begin(0)
+    expected = sample_iteration(workload, 2, 2, 2, rngs.streams(1, 0, 0))
+    start = time.monotonic()
+    out = runner.run(Task.parse("0F1"))
+    assert time.monotonic() - start >= expected.duration(Task.parse("0F1")) * 5e-3
+    assert [t for t, _ in out] == [Task.parse("1F1")]
+    assert runner.run(Task.parse("1B0"))[0][0] == Task.parse("0B0")
