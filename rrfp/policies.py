@@ -24,6 +24,9 @@ class Policy:
     """Base class: subclasses set ``name`` and override :meth:`pick` (and :meth:`candidates`)."""
 
     name: ClassVar[str] = ""
+    needs_clock: ClassVar[bool] = False
+    """True if the policy reads the scheduler's optional timing hooks (``tick``/``announce``): drivers
+    then call them; for the others they skip that work."""
 
     def pick(self, s: RankScheduler) -> Task | None:
         raise NotImplementedError

@@ -116,6 +116,7 @@ class Backfill(Policy):
     """Run a task ahead of the hint order only if the expected timeline says it delays nothing protected."""
 
     name = "backfill"
+    needs_clock = True
 
     def __init__(
         self,

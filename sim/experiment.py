@@ -39,11 +39,13 @@ import numpy as np
 import rrfp
 from rrfp import metrics
 from rrfp import rng as rngs
-from rrfp.fit import FittedWorkload
+from rrfp.fit import FittedWorkload, _overlap
 from rrfp.hints import Hint
 from rrfp.metrics import lower_bound, paired_speedup, t_interval
+from rrfp.policies_plus import Backfill, CostModel, expected_costs
+from rrfp.spec import PipelineSpec
 from rrfp.trace import TraceRecorder
-from rrfp.workload import IterationSample, sample_iteration
+from rrfp.workload import IterationSample, WorkloadConfig, sample_iteration
 
 from .config import BASELINE_POLICY, ExperimentConfig
 from .model import ClusterModel, ModelRun
@@ -147,9 +149,37 @@ def build_models(cfg: ExperimentConfig, plans: list[PlannedRun]) -> None:
     """Build each run's ClusterModel once (schedulers are reset per replication)."""
     for p in plans:
         send = cfg.cluster.send_mode(p.key.policy)
+        policy = run_policy(cfg, p.hint, p.key.policy)
         p.model = ClusterModel(
-            p.hint, p.key.policy, cfg.cluster, p.budget, msg_bytes=cfg.workload.msg_bytes, send=send
+            p.hint, policy, cfg.cluster, p.budget, msg_bytes=cfg.workload.msg_bytes, send=send
         )
+
+
+def run_policy(cfg: ExperimentConfig, hint: Hint, name: str) -> str | rrfp.Policy:
+    """The policy a run uses: the registered name, except ``backfill``, which plans with the workload's
+    mean cost per (stage, op) and the mean message time (latency + bytes / bandwidth; comm multipliers
+    have mean 1) -- expectations, never the realised durations it will meet."""
+    if name != Backfill.name:
+        return name
+    latency = cfg.cluster.transfer_time(cfg.workload.msg_bytes)
+    return Backfill(expected=expected_cost_model(cfg.workload, hint.spec), latency=latency)
+
+
+def expected_cost_model(workload: WorkloadConfig | FittedWorkload, spec: PipelineSpec) -> CostModel:
+    """Mean seconds per task of ``workload`` on ``spec``'s stages (a fit: its per-stage means, mapped
+    onto the new stages the way :meth:`FittedWorkload.sample` maps them)."""
+    if isinstance(workload, WorkloadConfig):
+        return expected_costs(workload, spec)
+    weights = _overlap(workload.num_stages, spec.num_stages)  # (trace stages, new stages)
+    ops = ("F", "I", "W") if workload.split else ("F", "B")
+    means = {
+        op: np.array([workload.ops[s, op].mean for s in range(workload.num_stages)]) @ weights for op in ops
+    }
+    if not workload.split:  # the sample halves B into I and W
+        means["I"] = means["W"] = means["B"] / 2
+    means["B"] = means["I"] + means["W"]
+    table = {op: [float(x) for x in means[op.value]] for op in rrfp.Op}
+    return lambda task: table[task.op][task.stage]
 
 
 # -- sampling ----------------------------------------------------------------------------------------

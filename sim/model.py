@@ -17,6 +17,12 @@ Per iteration (:meth:`ClusterModel.run` runs several back to back):
 * **P2P messages.** Completing a task sends its output to each consumer on another rank, member t to
   member t: transfer time = (latency + bytes / bandwidth) x the sampled comm multiplier. With
   ``contention`` a link direction carries one transfer at a time (FIFO).
+* **Timing hooks.** For a policy that plans with a clock (``policy.needs_clock``, e.g. ``backfill``) a
+  worker ticks each member's scheduler before asking it, and a start announces every cross-rank output
+  to the consumer's scheduler (member t to member t, ``since`` = the compute start), as
+  :func:`rrfp.run_reference` does. (Which rank is asked first at an instant does not matter: an
+  announcement made now equals the bound a policy assumes for an unannounced producer.) Other
+  policies take none of this: their hot path is unchanged.
 * **Send semantics.** ``eager``: a send never blocks compute. ``rendezvous`` (fixed only): Megatron's
   batched blocking P2P (:mod:`rrfp.sim.rendezvous`): a transfer starts only once the receiver has
   posted the matching receive, which it does at its communication points (after a task, one receive
@@ -43,6 +49,7 @@ from simpy.events import Event, Timeout
 
 import rrfp
 from rrfp.hints import Hint
+from rrfp.policies import Policy
 from rrfp.scheduler import RankScheduler
 from rrfp.task import Op, Task
 from rrfp.trace import TraceRecorder
@@ -109,7 +116,7 @@ class _Worker:
 
     __slots__ = (
         "agree_cost", "arrive", "blocked", "busy", "busy_time", "d", "dirty", "dispatch", "done_cb", "dur",
-        "env", "finish", "gids", "model", "plan", "r", "scheds", "started_at", "tx",
+        "env", "finish", "gids", "model", "peers", "plan", "r", "scheds", "started_at", "tx",
     )  # fmt: skip
 
     def __init__(self, model: ClusterModel, r: int, d: int, scheds: list[RankScheduler]) -> None:
@@ -122,8 +129,12 @@ class _Worker:
         self.dur: list[float] = []  # group duration (slowest member) by position, this iteration
         self.tx: list[list[float]] = []  # per member: transfer time of the message out of each position
         self.arrive: list[Callable[[Event], None]] = []  # on_arrive of each pipeline rank of the replica
+        self.peers: list[_Worker] = []  # every pipeline rank's worker of this replica (announcements)
         # Bound once: the hot path neither branches on tp nor creates a bound method per event.
-        self.dispatch = self.dispatch_one if tp == 1 else self.dispatch_group
+        if model.clocked:
+            self.dispatch = self.dispatch_clocked
+        else:
+            self.dispatch = self.dispatch_one if tp == 1 else self.dispatch_group
         self.done_cb = self.on_done
         self.reset()
 
@@ -177,6 +188,31 @@ class _Worker:
         self.started_at = self.env._now + self.agree_cost
         Timeout(self.env, self.agree_cost + d, pos).callbacks.append(self.done_cb)
 
+    def dispatch_clocked(self) -> None:
+        """A policy with a clock: tick every member, pick (alone or through the TP rule), then announce
+        the task's cross-rank outputs to their consumers' schedulers -- the header precedes the payload."""
+        if self.busy or self.blocked:
+            return
+        now = self.env._now
+        scheds = self.scheds
+        for s in scheds:
+            s.tick(now)
+        task = scheds[0].next() if len(scheds) == 1 else rrfp.agree([s.ready() for s in scheds])
+        if task is None:
+            return
+        for s in scheds:
+            s.start(task)
+        pos = self.plan.pos[task]
+        d = self.dur[pos]
+        cost = self.agree_cost if len(scheds) > 1 else 0.0
+        self.busy = True
+        self.busy_time += d
+        self.started_at = now + cost
+        for dest, (_, consumer) in self.plan.remote[pos]:
+            for s in self.peers[dest].scheds:
+                s.announce(consumer, self.started_at)
+        Timeout(self.env, cost + d, pos).callbacks.append(self.done_cb)
+
     def on_done(self, event: Event) -> None:
         """The running task ended on every member: complete it, send its outputs, post the next recv."""
         pos: int = event._value
@@ -221,6 +257,7 @@ class _Worker:
     def wire(self, replica: list[_Worker]) -> None:
         """Pre-bind the arrival callback of every pipeline rank of this replica."""
         self.arrive = [w.on_arrive for w in replica]
+        self.peers = replica
 
     def on_arrive(self, event: Event) -> None:
         """A message for member ``t``'s ``task`` arrived. A busy (or blocked) stream needs no dispatch
@@ -239,24 +276,28 @@ class ClusterModel:
     def __init__(
         self,
         hint: Hint,
-        policy: str,
+        policy: str | Policy,
         cluster: ClusterConfig,
         budget: Mapping[int, int] | None = None,
         *,
         msg_bytes: float = 0.0,
         send: str | None = None,
     ) -> None:
-        """``send`` defaults to ``cluster.send_mode(policy)``; rendezvous needs the fixed policy."""
-        send = cluster.send_mode(policy) if send is None else send
-        if send == "rendezvous" and policy != BASELINE_POLICY:
-            raise ConfigError(f"send 'rendezvous' needs the fixed policy; {policy!r} is always eager")
-        self.hint, self.policy, self.cluster = hint, policy, cluster
+        """``policy``: a registered name, or an instance (e.g. ``Backfill`` with the workload's expected
+        costs) that every scheduler of the run shares. ``send`` defaults to ``cluster.send_mode(policy)``;
+        rendezvous needs the fixed policy."""
+        name = policy if isinstance(policy, str) else policy.name
+        send = cluster.send_mode(name) if send is None else send
+        if send == "rendezvous" and name != BASELINE_POLICY:
+            raise ConfigError(f"send 'rendezvous' needs the fixed policy; {name!r} is always eager")
+        self.hint, self.policy, self.cluster = hint, name, cluster
+        self.clocked = (rrfp.get_policy(policy) if isinstance(policy, str) else policy).needs_clock
         self.pp, self.tp, self.dp = hint.spec.pp, cluster.tp, cluster.dp
         self.rendezvous = Rendezvous(self) if send == "rendezvous" else None
         self.contention = cluster.contention
         self.base_tx = cluster.transfer_time(msg_bytes)
         self.msg_bytes = msg_bytes
-        self.agree_cost = 0.0 if policy == BASELINE_POLICY else cluster.agreement_time()
+        self.agree_cost = 0.0 if name == BASELINE_POLICY else cluster.agreement_time()
         self.allreduce_cost = cluster.allreduce_time()  # s; a replay sets the recorded one
         self.env = InstantEnvironment()
         self.env.on_instant_end = self._dispatch_dirty

@@ -30,8 +30,11 @@ import numpy as np
 
 from rrfp.budget import hint_peaks, resolve_budget
 from rrfp.metrics import paired_speedup
+from rrfp.policies_plus import Backfill
 from rrfp.replay import Replay
+from rrfp.task import Op
 from rrfp.trace import TraceRecorder
+from rrfp.workload import IterationSample
 
 from .config import BASELINE_POLICY, ClusterConfig, ExperimentConfig
 from .experiment import PlannedRun, RunKey, RunStats, measure
@@ -134,10 +137,11 @@ def run_replay(
     for index, (key, hint, budget, label) in enumerate(plan(rep, hints, policies, budgets)):
         cluster = ClusterConfig(tp=rep.tp, dp=rep.dp, send=send if key.policy == BASELINE_POLICY else "eager",
                                 contention=contention)  # fmt: skip
-        model = ClusterModel(hint, key.policy, cluster, budget, msg_bytes=rep.msg_bytes)
-        _calibrate(model, rep)
         link = contention or cluster.send == "rendezvous"
         samples = rep.samples(hint.spec.split, link=link)
+        policy = replay_policy(key.policy, samples)
+        model = ClusterModel(hint, policy, cluster, budget, msg_bytes=rep.msg_bytes)
+        _calibrate(model, rep)
         recorder = _recorder(rep, key, budget, model) if trace else None
         out = model.run(samples, recorder)
         if recorder is not None:
@@ -150,6 +154,19 @@ def run_replay(
     for r in runs[1:]:
         r.speedup = paired_speedup(base, _used(r.times))
     return ReplayResult(rep, runs, traces)
+
+
+def replay_policy(name: str, samples: list[list[list[IterationSample]]]) -> str | Backfill:
+    """The policy a replayed run uses: its name, except ``backfill``, which plans with the recorded
+    durations' mean per (stage, op) and the mean recorded message latency (``comm`` holds seconds)."""
+    if name != Backfill.name:
+        return name
+    members = [per_tp[0] for per_dp in samples for per_tp in per_dp]  # every iteration and replica
+    means = {op: np.mean([getattr(m, op) for m in members], axis=(0, 2)) for op in "FIW"}  # (stages,)
+    means["B"] = means["I"] + means["W"]
+    table = {op: [float(x) for x in means[op.value]] for op in Op}
+    latency = float(np.mean([m.comm for m in members]))
+    return Backfill(expected=lambda t: table[t.op][t.stage], latency=latency)
 
 
 def _calibrate(model: ClusterModel, rep: Replay) -> None:

@@ -1,0 +1,139 @@
+"""Executor study (CPU, gloo): fixed vs rrfp vs backfill vs torch.distributed.pipelining, via ``rrfp-run``.
+
+    .venv/bin/python benchmarks/exec_study.py                    # 3 launches, ~5-8 minutes here
+    .venv/bin/python benchmarks/exec_study.py --iterations 4 --only real
+
+Launches (each one ``rrfp-run ... --json``; trials run interleaved, one iteration each in turn, so machine
+load hits them alike; every trial of a launch shares workers, weights, data and injected jitter draws):
+
+* ``real``        -- a GPT-style model on 4 pipeline ranks (real compute, gloo), no injected jitter;
+* ``real-jitter`` -- the same with injected lognormal jitter, CV 0.5 (each task sleeps X * inject-ms);
+* ``synthetic``   -- 16 ranks, no model: tasks sleep durations sampled as rrfp-sim does (F = 1, B = 2
+  time units of ``--time-unit-ms``), lognormal CV 0.5; torch's schedules need a model, so no torch row.
+
+Trials: fixed and rrfp on 1F1B at 1x, rrfp and backfill at 2x, the zero-bubble hint ZB-H1 fixed and
+rrfp/backfill at 2x, and torch:1F1B (real launches). Note: the executor does not call the scheduler's
+timing hooks (tick/announce), so backfill there runs its no-clock rule (an awaited input may land any
+moment: it moves a task only when nothing protected waits), a stricter rule than in the simulator.
+
+Per trial: median and mean iteration time over ``--iterations`` (after ``--warmup``), the rate relative
+to torch:1F1B (torch median / trial median, > 1 = faster) or to fixed/1f1b, and rrfp's per-task loop
+overhead (dispatch-loop time that is neither compute nor waiting). These are timings on a shared
+2-core machine: they vary from run to run. Writes results/exec_study/{<launch>.json, trials.csv,
+exec.png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from tqdm import tqdm
+
+BIN = Path(sys.executable).parent
+TRIALS = "fixed/1f1b,rrfp/1f1b,rrfp/1f1b@2x,backfill/1f1b@2x,fixed/zb-h1,rrfp/zb-h1@2x,backfill/zb-h1@2x"
+MODEL = [
+    "--hidden",
+    "128",
+    "--seq-len",
+    "64",
+    "--layers",
+    "8",
+    "--microbatch-size",
+    "4",
+    "--microbatches",
+    "8",
+]
+
+
+def launches(args: argparse.Namespace) -> dict[str, list[str]]:
+    it = ["--iterations", str(args.iterations), "--warmup", str(args.warmup), "--seed", "0"]
+    real = ["--gpus", "4", *MODEL, "--trials", TRIALS, "--baseline", "torch:1F1B", *it]
+    jitter = ["--jitter", "lognormal", "--cv", "0.5", "--inject-ms", str(args.inject_ms)]
+    synth = ["--gpus", "16", "--synthetic", "--microbatches", "32", "--time-unit-ms", str(args.time_unit_ms),
+             "--trials", TRIALS, *jitter[:4], *it]  # fmt: skip
+    return {"real": real, "real-jitter": real + jitter, "synthetic": synth}
+
+
+def run(flags: list[str], timeout: float) -> dict[str, Any]:
+    cmd = [str(BIN / "rrfp-run"), *flags, "--json"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    if res.returncode != 0:
+        raise SystemExit(f"rrfp-run failed ({res.returncode}):\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout)
+
+
+def rows(name: str, flags: list[str], result: dict[str, Any]) -> list[dict[str, Any]]:
+    trials = result["trials"]
+    ref = next((t for t in trials if t["policy"] == "torch"), None) or trials[0]
+    base = ref["iteration_time"]["median"]
+    out = []
+    for t in trials:
+        it = t["iteration_time"]
+        out.append({
+            "launch": name, "trial": t["label"], "median_s": it["median"], "mean_s": it["mean"],
+            "n": len(it["values"]), "rate_vs": ref["label"], "rate": base / it["median"],
+            "loop_us_per_task": t["loop_overhead_us_per_task"],
+            "peak_activations": ",".join(map(str, t["peak_activations"])),
+            "command": "rrfp-run " + " ".join(flags),
+        })  # fmt: skip
+    return out
+
+
+def plot(frame: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(dict.fromkeys(frame["launch"]))
+    fig, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.6), squeeze=False)
+    for ax, name in zip(axes[0], names, strict=True):
+        g = frame[frame["launch"] == name]
+        ax.barh(g["trial"], g["rate"], color=["C1" if "torch" in t else "C0" for t in g["trial"]])
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.set_title(f"{name}: rate vs {g['rate_vs'].iloc[0]}", fontsize=9)
+        ax.tick_params(labelsize=7)
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iterations", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--inject-ms", type=float, default=20.0, help="jitter scale of the real-jitter launch")
+    ap.add_argument("--time-unit-ms", type=float, default=5.0, help="synthetic: ms per cost unit")
+    ap.add_argument("--only", default=None, help="comma list of launches: real, real-jitter, synthetic")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    ap.add_argument("--out", type=Path, default=Path("results/exec_study"))
+    args = ap.parse_args()
+    todo = launches(args)
+    if args.only:
+        todo = {k: v for k, v in todo.items() if k in args.only.split(",")}
+    args.out.mkdir(parents=True, exist_ok=True)
+    table: list[dict[str, Any]] = []
+    for name, flags in tqdm(todo.items(), desc="exec_study", unit="launch", file=sys.stderr):
+        result = run(flags, args.timeout)
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        table += rows(name, flags, result)
+    frame = pd.DataFrame(table)
+    frame.to_csv(args.out / "trials.csv", index=False)
+    plot(frame, args.out / "exec.png")
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        for name, g in frame.groupby("launch", sort=False):
+            print(f"\n== {name}: {g['command'].iloc[0]}")
+            cols = ["trial", "median_s", "mean_s", "rate", "loop_us_per_task", "peak_activations"]
+            print(g[cols].round(4).to_string(index=False))
+    print(f"-> {args.out}/")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,212 @@
+"""Policy study on the simulator: fixed vs rrfp vs backfill, one factor at a time, plus a small factorial.
+
+    .venv/bin/python benchmarks/policy_study.py                  # 20 seeds, ~10 minutes here
+    .venv/bin/python benchmarks/policy_study.py --seeds 4 --only base,budget   # quick look
+
+Base point (rrfp-sim's defaults): pp = 8, m = 32, language workload (F = 1, B = 2, i.e. I = W = 1 s per
+microbatch per rank), lognormal compute jitter CV 0.3, budget 1x (each hint's own peak), eager sends, no
+message cost, one iteration. Every cell runs all seven hints (1f1b, interleaved-1f1b, zb-h1, zb-h2, zbv,
+bf, bfw) under fixed, rrfp and backfill on common random numbers; each policy is paired with fixed on the
+same hint, class hints (bf, bfw) with fixed on their reference order (1f1b) -- rrfp-sim's pairing.
+Backfill plans with the workload's mean costs and the mean message time (rrfp.sim.experiment.run_policy).
+
+One factor at a time around the base: jitter (none; lognormal, gamma, pareto, spike at CV 0.1, 0.3, 0.5,
+1.0), workload (multimodal), budget (1.5x, 2x), the fixed baseline's send mode (rendezvous), message
+latency (0.05 s = 5% of a forward), pp (4, 16, 32 with m = 4 pp) and one 128-GPU configuration (PP16 x
+TP8, m = 64). Then a full factorial hint x budget (1x, 1.5x, 2x) x CV (0.1, 0.3, 1.0). Every budget is
+the same for the policy and its fixed baseline (equal memory; fixed cannot use more than its order's
+peak anyway).
+
+Each cell is exactly one ``rrfp-sim`` command (printed in the CSV's ``command`` column and in the
+summary): the study builds its configs through rrfp-sim's own option parsing (``build_config``) and runs
+them with ``run_experiment``, so the command reproduces the cell's numbers bit for bit.
+
+Writes results/policy_study/{cells.csv, factorial.csv, summary.txt, backfill_low.png, speedup.png,
+factorial.png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from rrfp.sim.cli import build_config, compare
+from rrfp.sim.experiment import run_experiment
+from rrfp.sim.sweep import result_rows
+from tqdm import tqdm
+
+HINTS = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "bf", "bfw")
+POLICIES = ("fixed", "rrfp", "backfill")
+FAMILIES = ("lognormal", "gamma", "pareto", "spike")
+CVS = (0.1, 0.3, 0.5, 1.0)
+GOAL_LOW, GOAL_LB = 0.99, 1.10
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One experiment: a factor, a label and the rrfp-sim options that differ from the defaults."""
+
+    factor: str
+    label: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def ofat_cells() -> list[Cell]:
+    """The one-factor-at-a-time cells (the base point first)."""
+    cells = [Cell("base", "base")]
+    cells.append(Cell("jitter", "none", {"jitter": "none", "cv": 0.0}))
+    for fam in FAMILIES:
+        for cv in CVS:
+            if (fam, cv) != ("lognormal", 0.3):
+                cells.append(Cell("jitter", f"{fam} {cv:g}", {"jitter": fam, "cv": cv}))
+    cells.append(Cell("workload", "multimodal", {"workload": "multimodal"}))
+    cells += [Cell("budget", b, {"memory_budget": b}) for b in ("1.5x", "2x")]
+    cells.append(Cell("send", "rendezvous", {"send": "rendezvous"}))
+    cells.append(Cell("latency", "lat 0.05", {"comm_latency": 0.05}))
+    cells += [Cell("pp", f"pp{p}", {"stages": p, "microbatches": 4 * p}) for p in (4, 16, 32)]
+    cells.append(Cell("gpus128", "PP16xTP8", {"stages": 16, "microbatches": 64, "tp": 8}))
+    return cells
+
+
+def factorial_cells() -> list[Cell]:
+    return [
+        Cell("factorial", f"{b} cv{cv:g}", {"memory_budget": b, "cv": cv})
+        for b in ("1x", "1.5x", "2x")
+        for cv in (0.1, 0.3, 1.0)
+    ]
+
+
+def defaults() -> dict[str, Any]:
+    """rrfp-sim's option defaults, by destination name (what build_config reads)."""
+    return {p.name: p.default for p in compare.params if p.name is not None}
+
+
+def command(cell: Cell, seeds: int) -> str:
+    flags = [f"--hint {','.join(HINTS)}", f"--policy {','.join(POLICIES)}", f"--seeds {seeds}"]
+    flags += [f"--{k.replace('_', '-')} {v}" for k, v in cell.options.items()]
+    return "rrfp-sim " + " ".join(flags)
+
+
+def run_cell(cell: Cell, seeds: int) -> list[dict[str, Any]]:
+    values = {**defaults(), "hints": ",".join(HINTS), "policies": ",".join(POLICIES), "seeds": seeds}
+    cfg = build_config({**values, **cell.options})
+    point = {"factor": cell.factor, "cell": cell.label, "command": command(cell, seeds)}
+    return result_rows(point, run_experiment(cfg, progress=False))
+
+
+def run_cells(cells: list[Cell], seeds: int, desc: str) -> pd.DataFrame:
+    rows: list[dict[str, Any]] = []
+    for cell in tqdm(cells, desc=desc, unit="cell", file=sys.stderr):
+        rows += run_cell(cell, seeds)
+    frame = pd.DataFrame(rows)
+    # The hint a run was asked for (fixed on a class hint runs, and is listed, under its reference).
+    return frame
+
+
+def summary(cells: pd.DataFrame, fact: pd.DataFrame) -> list[str]:
+    both = pd.concat([cells, fact], ignore_index=True)
+    bf = both[both["policy"] == "backfill"]
+    rr = both[both["policy"] == "rrfp"]
+    worst = bf.loc[bf["ci_low"].idxmin()]
+    below = bf[bf["ci_low"] < GOAL_LOW]
+    lines = [
+        f"backfill: {len(bf)} (cell, hint) pairs; 95% CI low end: min {bf['ci_low'].min():.4f} "
+        f"({worst['cell']}, {worst['hint']}); below {GOAL_LOW}: {len(below)}",
+        f"backfill mean speedup: min {bf['speedup'].min():.4f}, max {bf['speedup'].max():.4f}",
+        f"rrfp: 95% CI low end below {GOAL_LOW} in {int((rr['ci_low'] < GOAL_LOW).sum())} of {len(rr)}; "
+        f"mean speedup min {rr['speedup'].min():.4f}, max {rr['speedup'].max():.4f}",
+    ]
+    for _, r in below.iterrows():
+        lines.append(
+            f"  miss: {r['cell']} {r['hint']}: {r['speedup']:.4f} [{r['ci_low']:.4f}, {r['ci_high']:.4f}]"
+        )
+    at = fact[(fact["cell"] == "2x cv0.3")]
+    lines.append(f"policy/LB at CV 0.3, budget 2x (goal for backfill <= {GOAL_LB}):")
+    for hint, g in at.groupby("hint", sort=False):
+        ratios = ", ".join(f"{r['policy']} {r['lower_bound_ratio']:.4f}" for _, r in g.iterrows())
+        lines.append(f"  {hint:<17} {ratios}")
+    return lines
+
+
+def plot_grid(cells: pd.DataFrame, value: str, policy: str, path: Path, title: str, center: float) -> None:
+    """A hint x cell heatmap of ``value`` for ``policy``, annotated."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sub = cells[cells["policy"] == policy]
+    table = sub.pivot_table(index="hint", columns="cell", values=value, sort=False)
+    table = table.reindex([h for h in HINTS if h in table.index])
+    fig, ax = plt.subplots(figsize=(0.55 * table.shape[1] + 2, 0.45 * table.shape[0] + 1.8))
+    span = max(abs(np.nanmax(table.to_numpy()) - center), abs(np.nanmin(table.to_numpy()) - center), 1e-3)
+    im = ax.imshow(table.to_numpy(), cmap="RdBu", vmin=center - span, vmax=center + span, aspect="auto")
+    ax.set_xticks(range(table.shape[1]), table.columns, rotation=70, fontsize=7)
+    ax.set_yticks(range(table.shape[0]), table.index, fontsize=8)
+    for (i, j), v in np.ndenumerate(table.to_numpy()):
+        ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=5.5)
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax, shrink=0.8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def plot_factorial(fact: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6), sharey=True)
+    fact = fact.assign(budget=fact["cell"].str.split().str[0], cv=fact["cell"].str.split().str[1].str[2:])
+    for ax, budget in zip(axes, ("1x", "1.5x", "2x"), strict=True):
+        sub = fact[(fact["budget"] == budget) & fact["speedup"].notna()]
+        for (policy, hint), g in sub.groupby(["policy", "hint"], sort=False):
+            if hint in ("1f1b", "zb-h1", "bfw"):
+                style = "-" if policy == "backfill" else "--"
+                err = [g["speedup"] - g["ci_low"], g["ci_high"] - g["speedup"]]
+                x = g["cv"].astype(float)
+                ax.errorbar(x, g["speedup"], yerr=err, fmt="o" + style, capsize=2, label=f"{policy}/{hint}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set(xscale="log", xlabel="compute jitter CV", title=f"budget {budget}")
+    axes[0].set_ylabel("speedup over fixed (95% CI)")
+    axes[-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=20, help="replications per cell (default 20)")
+    ap.add_argument("--only", default=None, help="comma list of factors to run (default: all + factorial)")
+    ap.add_argument("--out", type=Path, default=Path("results/policy_study"))
+    args = ap.parse_args()
+    wanted = None if args.only is None else set(args.only.split(","))
+    cells = [c for c in ofat_cells() if wanted is None or c.factor in wanted]
+    fcells = [c for c in factorial_cells() if wanted is None or "factorial" in wanted]
+    args.out.mkdir(parents=True, exist_ok=True)
+    frame = run_cells(cells, args.seeds, "one factor at a time")
+    fact = run_cells(fcells, args.seeds, "factorial") if fcells else frame.iloc[0:0]
+    frame.to_csv(args.out / "cells.csv", index=False)
+    fact.to_csv(args.out / "factorial.csv", index=False)
+    lines = [f"seeds per cell: {args.seeds}", *summary(frame, fact if len(fact) else frame)]
+    (args.out / "summary.txt").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    plot_grid(frame, "ci_low", "backfill", args.out / "backfill_low.png",
+              "backfill: 95% CI low end of speedup over fixed (equal memory)", 1.0)  # fmt: skip
+    plot_grid(frame, "speedup", "rrfp", args.out / "speedup_rrfp.png", "rrfp: mean speedup over fixed", 1.0)
+    plot_grid(frame, "speedup", "backfill", args.out / "speedup_backfill.png", "backfill: mean speedup", 1.0)
+    if len(fact):
+        plot_factorial(fact, args.out / "factorial.png")
+    print(f"-> {args.out}/")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""Simulator speed study: tasks/s and peak memory vs pipeline size, rrfp.sim beside a bare SimPy model.
+
+    .venv/bin/python benchmarks/sim_speed.py                      # ~5 minutes here; results/sim_speed/
+    .venv/bin/python benchmarks/sim_speed.py --sizes 4x16,16x64 --policies fixed --no-big
+
+For every size PP x M (pipeline ranks x microbatches) it measures, in this one process:
+
+* ``bare`` -- benchmarks/bare_simpy.py, one SimPy process per rank walking 1F1B at F = 1, B = 2;
+* ``fixed``, ``rrfp``, ``backfill`` -- ``rrfp.sim.ClusterModel`` on hint 1f1b, one iteration, tp = dp = 1,
+  eager, lognormal CV 0.3 compute jitter (backfill with the workload's mean costs).
+
+Timing is CPU time (``time.process_time``: the machine is shared, wall time measures the neighbours),
+best of ``--repeat`` runs (default 3 below 100k tasks, else 1). ``run`` simulates one iteration; ``setup``
+builds the hint and the model (once per experiment, then only ``run`` per replication). Peak memory is
+a second, untimed pass under ``tracemalloc`` (Python + numpy allocations of setup and run together;
+the interpreter and imported modules are not counted). The 1,024-rank point is PP16 x TP8 x DP8, m = 64
+(TP agreement and the DP all-reduce on; no bare counterpart: the bare model has neither).
+
+Then it fits the growth of run CPU time by log-log least squares: time ~ tasks^g over every size, and
+time ~ pp^a x m^b. Writes results/sim_speed/speed.csv, fit.csv and speed.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from rrfp.sim import ClusterConfig, ClusterModel
+from rrfp.sim.experiment import expected_cost_model
+from tqdm import tqdm
+
+import rrfp
+from rrfp.policies_plus import Backfill
+from rrfp.workload import WorkloadConfig, sample_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bare_simpy import run_bare
+
+SIZES = "4x16,16x16,4x64,16x64,8x256,32x128,4x1024,128x16,64x256,16x1024,128x256,128x512,128x1024"
+WORKLOAD = WorkloadConfig(costs="F=1,B=2", jitter="lognormal", cv=0.3)
+BIG = 100_000  # tasks: one timed repeat above this
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> float:
+    """Best CPU seconds of ``repeat`` calls."""
+    best = float("inf")
+    for _ in range(repeat):
+        gc.collect()
+        c0 = time.process_time()
+        fn()
+        best = min(best, time.process_time() - c0)
+    return best
+
+
+def peak_mib(fn: Callable[[], Any]) -> float:
+    gc.collect()
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1] / 2**20
+    finally:
+        tracemalloc.stop()
+
+
+def build(pp: int, m: int, policy: str, tp: int = 1, dp: int = 1) -> tuple[ClusterModel, list]:
+    """(model, samples) for one iteration of 1f1b; samples[0][d][t] drawn from a seeded generator."""
+    hint = rrfp.make_hint("1f1b", pp, m)
+    pol: str | Backfill = policy
+    if policy == "backfill":
+        pol = Backfill(expected=expected_cost_model(WORKLOAD, hint.spec))
+    model = ClusterModel(hint, pol, ClusterConfig(tp=tp, dp=dp))
+    rng = np.random.default_rng(0)
+    samples = [[[sample_for(WORKLOAD, hint.spec, rng) for _ in range(tp)] for _ in range(dp)]]
+    return model, samples
+
+
+def _build_and_run(pp: int, m: int, policy: str, tp: int, dp: int) -> None:
+    model, samples = build(pp, m, policy, tp, dp)
+    model.run(samples)
+
+
+def measure(pp: int, m: int, policy: str, repeat: int, tp: int = 1, dp: int = 1) -> dict[str, Any]:
+    tasks = 2 * pp * m * tp * dp
+    row: dict[str, Any] = {"pp": pp, "m": m, "tp": tp, "dp": dp, "ranks": pp * tp * dp, "policy": policy,
+                           "tasks": tasks}  # fmt: skip
+    if policy == "bare":
+        row["setup_cpu_s"] = 0.0
+        row["run_cpu_s"] = timed(lambda: run_bare(pp, m), repeat)
+        row["peak_mib"] = peak_mib(lambda: run_bare(pp, m))
+    else:
+        c0 = time.process_time()
+        model, samples = build(pp, m, policy, tp, dp)
+        row["setup_cpu_s"] = time.process_time() - c0
+        row["run_cpu_s"] = timed(lambda: model.run(samples), repeat)
+        del model, samples
+        row["peak_mib"] = peak_mib(lambda: _build_and_run(pp, m, policy, tp, dp))
+    row["tasks_per_s"] = tasks / row["run_cpu_s"]
+    return row
+
+
+def fit(frame: pd.DataFrame) -> pd.DataFrame:
+    """Per policy: run time ~ tasks^g, and ~ pp^a m^b (log-log least squares over the PP x M sizes)."""
+    rows = []
+    for policy, g in frame[(frame["tp"] == 1) & (frame["dp"] == 1)].groupby("policy", sort=False):
+        y = np.log(g["run_cpu_s"].to_numpy())
+        one = np.polyfit(np.log(g["tasks"].to_numpy()), y, 1)
+        design = np.column_stack([np.log(g["pp"]), np.log(g["m"]), np.ones(len(g))])
+        (a, b, _), *_ = np.linalg.lstsq(design, y, rcond=None)
+        rows.append(
+            {"policy": policy, "exponent_tasks": one[0], "exponent_pp": a, "exponent_m": b, "points": len(g)}
+        )
+    return pd.DataFrame(rows)
+
+
+def plot(frame: pd.DataFrame, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    flat = frame[(frame["tp"] == 1) & (frame["dp"] == 1)].sort_values("tasks")
+    for policy, g in flat.groupby("policy", sort=False):
+        ax1.loglog(g["tasks"], g["run_cpu_s"], "o-", label=policy)
+        ax2.semilogx(g["tasks"], g["tasks_per_s"] / 1e3, "o", label=policy)  # sizes share task counts
+    ax1.set(xlabel="compute tasks per iteration", ylabel="run CPU s (one iteration)", title="cost")
+    ax2.set(xlabel="compute tasks per iteration", ylabel="k tasks / CPU s", title="speed")
+    ax1.legend()
+    ax1.grid(True, which="both", alpha=0.3)
+    ax2.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default=SIZES, help="comma list of PPxM")
+    ap.add_argument("--policies", default="bare,fixed,rrfp,backfill")
+    ap.add_argument("--repeat", type=int, default=0, help="timed runs per point (0: 3 small, 1 big)")
+    ap.add_argument("--no-big", action="store_true", help="skip the PP16xTP8xDP8 point")
+    ap.add_argument("--out", type=Path, default=Path("results/sim_speed"))
+    ap.add_argument("--replot", action="store_true", help="only redraw speed.png from --out's speed.csv")
+    args = ap.parse_args()
+    if args.replot:
+        plot(pd.read_csv(args.out / "speed.csv"), args.out / "speed.png")
+        return
+    sizes = [tuple(int(x) for x in s.lower().split("x")) for s in args.sizes.split(",")]
+    points = [(pp, m, pol, 1, 1) for pp, m in sizes for pol in args.policies.split(",")]
+    if not args.no_big:
+        points += [(16, 64, pol, 8, 8) for pol in args.policies.split(",") if pol != "bare"]
+    rows = []
+    for pp, m, pol, tp, dp in tqdm(points, desc="sim_speed", unit="point", file=sys.stderr):
+        repeat = args.repeat or (3 if 2 * pp * m * tp * dp < BIG else 1)
+        rows.append(measure(pp, m, pol, repeat, tp, dp))
+    frame = pd.DataFrame(rows)
+    bare = frame[frame["policy"] == "bare"].set_index(["pp", "m"])["tasks_per_s"]
+    frame["vs_bare"] = [
+        bare.get((r.pp, r.m), np.nan) if r.tp == 1 and r.dp == 1 else np.nan for r in frame.itertuples()
+    ]
+    frame["vs_bare"] = frame["tasks_per_s"] / frame["vs_bare"]
+    fits = fit(frame)
+    args.out.mkdir(parents=True, exist_ok=True)
+    frame.to_csv(args.out / "speed.csv", index=False)
+    fits.to_csv(args.out / "fit.csv", index=False)
+    plot(frame, args.out / "speed.png")
+    with pd.option_context("display.width", 200, "display.max_rows", 200, "display.max_columns", 20):
+        print(frame.round({"setup_cpu_s": 3, "run_cpu_s": 3, "peak_mib": 1, "tasks_per_s": 0, "vs_bare": 2}))
+        print(fits.round(3))
+    print(f"-> {args.out}/speed.csv, fit.csv, speed.png")
+
+
+if __name__ == "__main__":
+    main()
