@@ -9,9 +9,12 @@ iteration time is the slowest rank's, barrier to optimizer step. Trials (``--tri
 on the 1F1B hint, rrfp with a 2x activation budget, the zero-bubble hint ZB-H1 (split backward) fixed
 and rrfp at 2x, and torch's Schedule1F1B. (fixed at 2x is fixed: it follows the hint's order.)
 
-Printed per launch: the table, the rate of every trial relative to torch's 1F1B (torch median / trial
-median: > 1 is faster than torch), and rrfp's per-task loop overhead (dispatch-loop time that is
-neither compute nor waiting, per task: scheduler calls, deliveries, send posting).
+Printed per launch: the table; the rate of every trial relative to torch's 1F1B, paired by iteration
+(iteration k of every trial ran back to back, so the ratio torch_k / trial_k cancels most of the
+background load; > 1 is faster than torch) as the geometric mean with a 95% t-interval, and the ratio
+of medians; and rrfp's per-task loop overhead (dispatch-loop time that is neither compute nor
+waiting, per task: scheduler calls, deliveries, send posting, and any time the loop thread waited for
+the CPU or the GIL).
 
     .venv/bin/python benchmarks/bench_exec.py                    # defaults: ~3-5 minutes on 2 cores
     .venv/bin/python benchmarks/bench_exec.py --iterations 20 --hidden 256 --inject-ms 20
@@ -24,6 +27,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+from scipy import stats
 
 BIN = Path(sys.executable).parent
 TRIALS = "fixed/1f1b,rrfp/1f1b,rrfp/1f1b@2x,fixed/zb-h1,rrfp/zb-h1@2x"
@@ -38,26 +44,37 @@ def run(flags: list[str], timeout: float) -> dict:
     return json.loads(res.stdout)
 
 
+def paired_rate(base: list[float], times: list[float]) -> tuple[float, float, float]:
+    """Geometric mean of base_k / times_k with a 95% t-interval (computed on the logs)."""
+    logs = np.log(np.asarray(base) / np.asarray(times))
+    mean, half = logs.mean(), 0.0
+    if len(logs) > 1:
+        half = stats.t.ppf(0.975, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs))
+    return float(np.exp(mean)), float(np.exp(mean - half)), float(np.exp(mean + half))
+
+
 def report(title: str, result: dict) -> None:
     rows = result["trials"]
-    torch_row = next((r for r in rows if r["policy"] == "torch"), None)
-    base = torch_row["iteration_time"]["median"] if torch_row else rows[0]["iteration_time"]["median"]
-    print(f"\n== {title}")
-    print(f"{'trial':<24} {'median s':>9} {'mean s':>9} {'rate vs torch':>14} {'loop us/task':>13}  peak act")
+    ref = next((r for r in rows if r["policy"] == "torch"), rows[0])
+    base = ref["iteration_time"]
+    print(f"\n== {title}  (rates relative to {ref['label']}; > 1 is faster)")
+    head = f"{'trial':<20} {'median s':>9} {'mean s':>8} {'paired rate [95% CI]':>23} {'median ratio':>13}"
+    print(f"{head} {'loop us/task':>12}  peak act")
     for r in rows:
         t = r["iteration_time"]
+        rate, lo, hi = paired_rate(base["values"], t["values"])
         us = r["loop_overhead_us_per_task"]
         us_text = "-" if us is None else f"{us:.0f}"
         peak = ",".join(map(str, r["peak_activations"])) or "-"
         print(
-            f"{r['label']:<24} {t['median']:>9.4f} {t['mean']:>9.4f} {base / t['median']:>13.3f}x "
-            f"{us_text:>13}  {peak}"
+            f"{r['label']:<20} {t['median']:>9.4f} {t['mean']:>8.4f} {rate:>8.3f}x [{lo:.3f}, {hi:.3f}] "
+            f"{base['median'] / t['median']:>12.3f}x {us_text:>12}  {peak}"
         )
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--iterations", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=64)

@@ -134,7 +134,17 @@ _O = click.option
 @_O("--lr", type=float, default=1e-2, show_default=True, help="SGD learning rate.")
 @_O("--start-method", default=None, help="Local launcher: fork, spawn (default: fork on CPU-only torch).")
 def main(**options: Any) -> None:
-    """Run rrfp's policies on real torch.distributed processes (see the module docstring)."""
+    """Run rrfp's policies on real torch.distributed processes: starts --gpus N local workers, or
+    joins the job when started by torchrun. Examples:
+
+    \b
+      rrfp-run --gpus 4 --check
+      rrfp-run --gpus 4 --trials fixed/1f1b,rrfp/1f1b@2x --baseline torch:1F1B --iterations 12
+      rrfp-run --gpus 4 --hint 1f1b,zb-h1 --jitter lognormal --cv 0.5 --inject-ms 20
+      rrfp-run --gpus 4 --pp 2 --tp 2 --check
+      rrfp-run --gpus 16 --synthetic --jitter lognormal --cv 0.5
+      torchrun --standalone --nproc-per-node 2 -m rrfp.exec --check
+    """
     options["json"] = options.pop("json_")
     try:
         cfg = build_config(options)

@@ -13,7 +13,6 @@ import hashlib
 import os
 import socket
 import statistics
-import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -45,9 +44,6 @@ def worker_main(cfg: RunConfig, dump_dir: str) -> list[dict[str, Any]] | None:
         raise  # unreachable: fail_from exits
 
 
-SWITCH_INTERVAL_S = 1e-4
-
-
 class Worker:
     """Process-wide state of one rank: groups, transport, clock offset, the cached reference."""
 
@@ -58,10 +54,6 @@ class Worker:
         faults.install(self.topo.rank, dump_dir)
         self.backend = pick_backend(cfg.backend)
         self.device = pick_device(self.backend, self.topo.local_rank)
-        # A receiver thread whose message arrived needs the GIL to post the payload receive and hand the
-        # message over; while compute holds it, CPython makes it wait up to the switch interval (5 ms
-        # by default: measured 2.6 ms median per message here). Switch far more often.
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local))
         wait = timedelta(seconds=max(cfg.timeout, CTRL_MIN_TIMEOUT_S))
