@@ -27,9 +27,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from rrfp.sim import ClusterConfig, ClusterModel
 
 import rrfp
+from rrfp.sim import ClusterConfig, ClusterModel
 from rrfp.workload import WorkloadConfig, sample_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -31,10 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from rrfp.sim.replay import run_replay
 from tqdm import tqdm
 
 from rrfp.replay import load_replay
+from rrfp.sim.replay import run_replay
 
 BIN = Path(sys.executable).parent
 TRACES = Path("traces")

@@ -35,10 +35,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from tqdm import tqdm
+
 from rrfp.sim.cli import build_config, compare
 from rrfp.sim.experiment import run_experiment
 from rrfp.sim.sweep import result_rows
-from tqdm import tqdm
 
 HINTS = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "bf", "bfw")
 POLICIES = ("fixed", "rrfp", "backfill")

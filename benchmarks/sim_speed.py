@@ -33,12 +33,12 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from rrfp.sim import ClusterConfig, ClusterModel
-from rrfp.sim.experiment import expected_cost_model
 from tqdm import tqdm
 
 import rrfp
 from rrfp.policies_plus import Backfill
+from rrfp.sim import ClusterConfig, ClusterModel
+from rrfp.sim.experiment import expected_cost_model
 from rrfp.workload import WorkloadConfig, sample_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -17,6 +17,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.nn import functional as F
+
 from rrfp.exec import faults
 from rrfp.exec.check import local_grads
 from rrfp.exec.config import Trial
@@ -24,11 +29,6 @@ from rrfp.exec.data import Microbatch, make_batch
 from rrfp.exec.model import Stage, build_stage
 from rrfp.exec.synthetic import Injector
 from rrfp.exec.trials import TrialOutcome
-from torch import nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.nn import functional as F
-
 from rrfp.task import Op
 
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
 from rrfp.exec.config import RunConfig
 from rrfp.exec.data import make_batch
 from rrfp.exec.model import build_stage

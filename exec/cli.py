@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 import click
+
 from rrfp.exec.config import ExecConfigError, ModelConfig, RunConfig, Trial, split_list
 from rrfp.exec.launch import env_world_size, in_launcher_env, join, launch_local
 from rrfp.exec.preflight import preflight

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from rrfp.exec.config import ModelConfig
 
 from rrfp import rng as rngs
+from rrfp.exec.config import ModelConfig
 
 IMAGE_RATE_SIGMA = 0.8  # lognormal sigma of the per-microbatch image rate (heavy right tail)
 

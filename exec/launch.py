@@ -53,9 +53,10 @@ def exit_code(rows: list[dict[str, Any]] | None) -> int:
 
 def launch_local(cfg: RunConfig) -> int:
     """Start ``cfg.world`` local workers with elastic_launch; returns the job's exit code."""
-    from rrfp.exec.worker import worker_main
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from rrfp.exec.worker import worker_main
 
     run_id = f"rrfp-{uuid.uuid4().hex[:8]}"
     dump_dir = cfg.dump_dir or default_dump_dir(run_id)

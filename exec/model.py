@@ -20,6 +20,10 @@ Stage I/O (B microbatch size, T sequence length, C hidden)::
 from __future__ import annotations
 
 import torch
+from torch import nn
+from torch.nn import functional as F
+
+from rrfp import rng as rngs
 from rrfp.exec.config import ExecConfigError, ModelConfig
 from rrfp.exec.data import Microbatch
 from rrfp.exec.layers import (
@@ -30,10 +34,6 @@ from rrfp.exec.layers import (
     TPContext,
     full_weight,
 )
-from torch import nn
-from torch.nn import functional as F
-
-from rrfp import rng as rngs
 
 
 def unit_generator(seed: int, unit: str) -> torch.Generator:

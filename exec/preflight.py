@@ -6,10 +6,9 @@ combination (exit 2) in a second instead of failing inside N workers.
 
 from __future__ import annotations
 
+from rrfp.budget import resolve_budget
 from rrfp.exec.config import ExecConfigError, RunConfig
 from rrfp.exec.model import partition
-
-from rrfp.budget import resolve_budget
 from rrfp.hints import make_hint
 from rrfp.jitter import make_distribution
 from rrfp.policies import get_policy

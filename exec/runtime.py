@@ -28,10 +28,10 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
 from rrfp.exec.faults import LostPeerError, WaitTimeoutError
 from rrfp.exec.synthetic import Injector
 from rrfp.exec.transport import Arrival, ChannelFailure, Transport
-
 from rrfp.scheduler import RankScheduler
 from rrfp.task import Task
 from rrfp.tp import agree

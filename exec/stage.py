@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch import nn
+
 from rrfp.exec.data import Microbatch
 from rrfp.exec.layers import WeightStash
 from rrfp.exec.model import Stage
-from torch import nn
-
 from rrfp.task import Op, Task
 
 Grads = dict[nn.Parameter, torch.Tensor]

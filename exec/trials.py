@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from rrfp.budget import resolve_budget
 from rrfp.exec import faults
 from rrfp.exec.check import digest, local_grads
 from rrfp.exec.config import Trial
@@ -25,8 +27,6 @@ from rrfp.exec.model import Stage, build_stage
 from rrfp.exec.runtime import PipelineRuntime
 from rrfp.exec.stage import StageRunner
 from rrfp.exec.synthetic import Injector, SyntheticRunner
-
-from rrfp.budget import resolve_budget
 from rrfp.hints import make_hint
 from rrfp.scheduler import RankScheduler
 from rrfp.trace import TraceRecorder

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from rrfp.exec import faults
 from rrfp.exec.check import Reference, compare, reference
 from rrfp.exec.config import RunConfig, Trial

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
+
 from rrfp.exec.cli import build_config, main
 from rrfp.exec.config import ExecConfigError, RunConfig, Trial
 

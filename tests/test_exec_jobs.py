@@ -17,6 +17,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+
 from rrfp.exec.config import ModelConfig
 from rrfp.exec.data import make_batch
 

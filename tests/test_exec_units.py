@@ -12,6 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+import rrfp
+from rrfp import rng as rngs
 from rrfp.exec.check import compare, reference
 from rrfp.exec.config import ModelConfig, RunConfig
 from rrfp.exec.data import make_batch
@@ -23,9 +26,6 @@ from rrfp.exec.runtime import PipelineRuntime, RankContext
 from rrfp.exec.stage import StageRunner
 from rrfp.exec.synthetic import Injector, SyntheticRunner
 from rrfp.exec.transport import ChannelFailure, TransportError, decode_header, encode_header
-
-import rrfp
-from rrfp import rng as rngs
 from rrfp.task import Op, Task
 from rrfp.workload import WorkloadConfig, sample_iteration
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from rrfp.sim.cli import main
-from rrfp.sim.config import ExperimentConfig
-from rrfp.sim.experiment import run_experiment
 
 from rrfp import fit as fitmod
 from rrfp.fit import FitError, fit_replay, fit_trace, fit_values
 from rrfp.jitter import make_distribution
 from rrfp.replay import load_replay
+from rrfp.sim.cli import main
+from rrfp.sim.config import ExperimentConfig
+from rrfp.sim.experiment import run_experiment
 from rrfp.workload import WorkloadConfig
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,12 +12,12 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
+from rrfp.replay import ReplayError, load_replay, runs_in
 from rrfp.sim.cli import main
 from rrfp.sim.config import ClusterConfig, ExperimentConfig
 from rrfp.sim.experiment import run_experiment
 from rrfp.sim.replay import run_replay
-
-from rrfp.replay import ReplayError, load_replay, runs_in
 from rrfp.trace import TraceError, read_trace, write_trace
 from rrfp.workload import WorkloadConfig
 

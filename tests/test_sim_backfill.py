@@ -18,12 +18,12 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from rrfp.sim import ClusterConfig, ClusterModel, ExperimentConfig
-from rrfp.sim.cli import main
-from rrfp.sim.experiment import expected_cost_model, run_policy
 
 import rrfp
 from rrfp.policies_plus import Backfill, CostModel
+from rrfp.sim import ClusterConfig, ClusterModel, ExperimentConfig
+from rrfp.sim.cli import main
+from rrfp.sim.experiment import expected_cost_model, run_policy
 from rrfp.task import Task
 from rrfp.trace import TraceRecorder
 from rrfp.workload import IterationSample, WorkloadConfig, mean_costs
@@ -208,9 +208,8 @@ def test_cli_runs_backfill(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_replay_plans_backfill_with_the_recorded_means() -> None:
-    from rrfp.sim.replay import replay_policy, run_replay
-
     from rrfp.replay import load_replay
+    from rrfp.sim.replay import replay_policy, run_replay
 
     rep = load_replay("traces/gpt-fixed-1f1b.parquet")
     samples = rep.samples(split=False)

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from rrfp.sim.cli import main
 
+from rrfp.sim.cli import main
 from rrfp.trace import read_trace
 
 SMALL = ["--stages", "3", "-m", "6", "--seeds", "2"]

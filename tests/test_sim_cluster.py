@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from rrfp.sim import ClusterConfig, ClusterModel, ConfigError
 
 import rrfp
 from rrfp.hints import hint_from_orders
+from rrfp.sim import ClusterConfig, ClusterModel, ConfigError
 from rrfp.task import Task
 from rrfp.trace import TraceRecorder
 from rrfp.workload import IterationSample

@@ -3,8 +3,9 @@ of that instant -- the mechanism behind the same-instant rule."""
 
 from __future__ import annotations
 
-from rrfp.sim.engine import InstantEnvironment
 from simpy.events import Event, Timeout
+
+from rrfp.sim.engine import InstantEnvironment
 
 
 def _env_with_log() -> tuple[InstantEnvironment, list[tuple[str, float]]]:

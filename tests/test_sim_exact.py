@@ -11,9 +11,9 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from rrfp.sim import ClusterConfig, ClusterModel
 
 import rrfp
+from rrfp.sim import ClusterConfig, ClusterModel
 from rrfp.task import Task
 from rrfp.trace import TraceRecorder
 from rrfp.workload import IterationSample

@@ -7,11 +7,11 @@ import math
 
 import numpy as np
 import pytest
-from rrfp.sim import ClusterConfig, ExperimentConfig
-from rrfp.sim.experiment import RunKey, plan_runs, run_experiment
 
 import rrfp
 from rrfp.jitter import DISTRIBUTIONS
+from rrfp.sim import ClusterConfig, ExperimentConfig
+from rrfp.sim.experiment import RunKey, plan_runs, run_experiment
 from rrfp.trace import to_perfetto
 from rrfp.workload import WORKLOAD_PRESETS, WorkloadConfig
 
