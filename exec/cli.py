@@ -133,7 +133,7 @@ _O = click.option
 @_O("--backend", default="auto", show_default=True, help="auto, gloo or nccl.")
 @_O("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers).")
 @_O("--lr", type=float, default=1e-2, show_default=True, help="SGD learning rate.")
-@_O("--start-method", default=None, help="Local launcher: fork, spawn (default: fork on CPU-only torch).")
+@_O("--start-method", default=None, help="Local launcher: forkserver, spawn, fork [forkserver on CPU].")
 def main(**options: Any) -> None:
     """Run rrfp's policies on real torch.distributed processes: starts --gpus N local workers, or
     joins the job when started by torchrun. Examples:

@@ -179,8 +179,8 @@ class RunConfig:
     lr: float = 1e-2
     """SGD learning rate of the optimizer step."""
     start_method: str | None = None
-    """How the local launcher starts workers; None: fork with a CPU-only torch (fastest start), spawn
-    with a CUDA build (a forked child cannot use CUDA once the parent touched it)."""
+    """How the local launcher starts workers; None: forkserver with a CPU-only torch (see
+    rrfp.exec.launch.default_start_method), spawn with a CUDA build."""
 
     def __post_init__(self) -> None:
         for name in ("world", "pp", "tp", "dp", "microbatches", "iterations"):

@@ -72,6 +72,12 @@ def launch_local(cfg: RunConfig) -> int:
         start_method=cfg.start_method or default_start_method(),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # workers set their own torch threads
+    if config.start_method == "forkserver":
+        import multiprocessing
+
+        # The fork server is a fresh single-threaded process: it imports torch and the worker once,
+        # then forks each worker from that clean state (fast like fork, safe like spawn).
+        multiprocessing.set_forkserver_preload(["torch", "rrfp.exec.worker"])
     try:
         results = elastic_launch(config, worker_main)(cfg, dump_dir)
     except ChildFailedError as e:
@@ -81,10 +87,15 @@ def launch_local(cfg: RunConfig) -> int:
 
 
 def default_start_method() -> str:
-    """fork with a CPU-only torch build (workers skip re-importing torch), spawn with a CUDA build."""
+    """forkserver with a CPU-only torch build, spawn with a CUDA build.
+
+    Not plain fork: the launcher process runs the rendezvous store's threads, and a child forked while
+    one of them holds a lock can hang (seen here once: all ranks stuck creating the gloo group). The
+    fork server forks from a clean, preloaded, single-threaded process instead (10 s vs 7.5 s for a
+    4-worker --check here, spawn 17 s)."""
     import torch
 
-    return "fork" if torch.version.cuda is None else "spawn"
+    return "forkserver" if torch.version.cuda is None else "spawn"
 
 
 def failure_report(failures: dict[int, Any], dump_dir: str, world: int) -> str:
