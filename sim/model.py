@@ -301,7 +301,11 @@ class ClusterModel:
         self.allreduce_cost = cluster.allreduce_time()  # s; a replay sets the recorded one
         self.env = InstantEnvironment()
         self.env.on_instant_end = self._dispatch_dirty
-        self.plans = [_RankPlan(hint, r) for r in range(self.pp)]
+        plans: dict[int, _RankPlan] = hint.memo.setdefault("sim_rank_plans", {})  # shared by policies
+        for r in range(self.pp):
+            if r not in plans:
+                plans[r] = _RankPlan(hint, r)
+        self.plans = [plans[r] for r in range(self.pp)]
         self.workers: list[list[_Worker]] = [
             [
                 _Worker(self, r, d, [RankScheduler(hint, r, policy, _get(budget, r)) for _ in range(self.tp)])
