@@ -33,3 +33,16 @@ def test_cpu_install_pins_torch() -> None:
     for command in _readme_commands():
         assert "-c constraints-cpu.txt" in command
     assert "torch==2.13.0" in (ROOT / "constraints-cpu.txt").read_text()
+
+
+def test_readme_examples_run() -> None:
+    """The README's ``>>>`` examples are doctests, so the numbers shown there stay true."""
+    import doctest
+
+    text = (ROOT / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.lstrip().startswith(">>>")]
+    assert blocks
+    parser, runner = doctest.DocTestParser(), doctest.DocTestRunner()
+    for i, block in enumerate(blocks):
+        runner.run(parser.get_doctest(block, {}, f"README[{i}]", "README.md", 0))
+    assert runner.summarize(verbose=False).failed == 0
