@@ -56,11 +56,11 @@ class RrfpTrial:
         cfg, topo = worker.cfg, worker.topo
         self.worker, self.trial, self.cfg = worker, trial, cfg
         hint = make_hint(trial.hint, cfg.pp, cfg.microbatches, cfg.virtual_stages)
-        budget = resolve_budget(trial.budget, hint)[topo.pp_rank]
-        self.sched = RankScheduler(hint, topo.pp_rank, trial.policy, budget)
+        budgets = resolve_budget(trial.budget, hint)
+        self.sched = RankScheduler(hint, topo.pp_rank, trial.policy, budgets[topo.pp_rank])
         self.stages, self.runner = self._build(hint.spec)
         injector = Injector(cfg.jitter, cfg.cv, cfg.inject_ms, cfg.seed, topo.dp_rank)
-        self.recorder = recorder(cfg, trial, topo.coords)
+        self.recorder = recorder(cfg, trial, topo.coords, budgets)
         ctx = dataclasses.replace(worker.ctx, recorder=self.recorder)
         self.runtime = PipelineRuntime(ctx, self.sched, self.runner, index, injector)
         params = [p for m in self.stages.values() for p in m.parameters()]
@@ -134,10 +134,18 @@ class RrfpTrial:
             self.recorder.add("allreduce", it, rank, None, start - o, time.monotonic() - o, nbytes=nbytes)
 
 
-def recorder(cfg: Any, trial: Trial, coords: Any) -> TraceRecorder | None:
-    """A trace recorder for ``trial`` when --trace-out is set."""
+def recorder(
+    cfg: Any, trial: Trial, coords: Any, budgets: dict[int, int] | None = None
+) -> TraceRecorder | None:
+    """A trace recorder for ``trial`` when --trace-out is set; ``budgets`` (per pipeline rank) go into
+    the trace so a replay runs at the recorded budget."""
     if cfg.trace_out is None:
         return None
     return TraceRecorder(
-        run=f"exec/{trial.label}", policy=trial.policy, hint=trial.hint, seed=cfg.seed, coords=coords
+        run=f"exec/{trial.label}",
+        policy=trial.policy,
+        hint=trial.hint,
+        seed=cfg.seed,
+        coords=coords,
+        budget=budgets,
     )
