@@ -75,6 +75,14 @@ def install(rank: int, dump_dir: str) -> None:
     """
     _watch.rank, _watch.dump_dir = rank, Path(dump_dir)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # A thread that existed before this call may still take the SIGTERM; CPython's C-level handler then
+    # writes the signal number to the wakeup fd from that thread, and this watcher acts on it at once
+    # (seen here: under the fork-server launcher, ranks otherwise died at the launcher's SIGKILL with
+    # no dump while their main thread sat in a gloo wait).
+    rfd, wfd = os.pipe()
+    os.set_blocking(wfd, False)
+    signal.set_wakeup_fd(wfd, warn_on_full_buffer=False)
+    threading.Thread(target=_wakeup_watcher, args=(rfd,), name="rrfp-sigterm-fd", daemon=True).start()
     if hasattr(signal, "pthread_sigmask"):
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
         threading.Thread(target=_sigterm_watcher, name="rrfp-sigterm", daemon=True).start()
@@ -159,6 +167,12 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def _sigterm_watcher() -> None:
     signal.sigwait({signal.SIGTERM})
     die(SIGTERM_REASON, SIGTERM_EXIT)
+
+
+def _wakeup_watcher(fd: int) -> None:
+    while data := os.read(fd, 64):
+        if signal.SIGTERM in data:
+            die(SIGTERM_REASON, SIGTERM_EXIT)
 
 
 def _one_line(e: BaseException) -> str:
