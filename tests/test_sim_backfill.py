@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections import defaultdict
 
 import numpy as np
 import pytest
+from simkit import REFERENCE_CASES, Timeline, random_sample, run_both
 
 import rrfp
 from rrfp.policies_plus import Backfill, CostModel
@@ -25,20 +25,9 @@ from rrfp.sim import ClusterConfig, ClusterModel, ExperimentConfig
 from rrfp.sim.cli import main
 from rrfp.sim.experiment import expected_cost_model, run_policy
 from rrfp.task import Task
-from rrfp.trace import TraceRecorder
 from rrfp.workload import IterationSample, WorkloadConfig, mean_costs
 
 HINTS = ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "bf", "bfw"]
-Timeline = dict[int, list[tuple[str, float, float]]]
-
-
-def random_sample(spec: rrfp.PipelineSpec, rng: np.random.Generator, integer: bool) -> IterationSample:
-    shape = (spec.num_stages, spec.microbatches)
-
-    def draw() -> np.ndarray:  # integer durations make events coincide: stresses same-instant order
-        return rng.integers(1, 4, shape).astype(float) if integer else rng.uniform(0.2, 2.0, shape)
-
-    return IterationSample(draw(), draw(), draw(), rng.uniform(0.5, 1.5, (*shape, 2)))
 
 
 def exact_costs(sample: IterationSample, spec: rrfp.PipelineSpec) -> CostModel:
@@ -48,29 +37,15 @@ def exact_costs(sample: IterationSample, spec: rrfp.PipelineSpec) -> CostModel:
 
 def timeline(hint: rrfp.Hint, policy: Backfill, sample: IterationSample, latency: float, budget) -> Timeline:
     """Compute timeline per rank (start order) of one traced iteration; the untraced fast path agrees."""
-    model = ClusterModel(hint, policy, ClusterConfig(comm_latency=latency), budget)
-    fast = model.run([[[sample]]])
-    rec = TraceRecorder(run="t", policy=policy.name, hint=hint.name, seed=0)
-    traced = model.run([[[sample]]], rec)
+    fast, traced, out = run_both(hint, policy, sample, latency, budget)
     assert fast.iteration_times == traced.iteration_times
-    frame = rec.frame()
-    rows = frame[frame["kind"] == "compute"].sort_values(["rank", "start"], kind="stable")
-    out: Timeline = defaultdict(list)
-    for r, s, op, m, a, b in zip(rows["rank"], rows["stage"], rows["op"], rows["microbatch"],
-                                 rows["start"], rows["end"], strict=True):  # fmt: skip
-        out[int(r)].append((f"{s}{op}{m}", float(a), float(b)))
-    return dict(out)
+    return out
 
 
 @pytest.mark.parametrize("name", HINTS)
 def test_timeline_equals_run_reference(name: str) -> None:
     rng = np.random.default_rng(zlib.crc32(name.encode()))
-    for p, m, integer, budget in [
-        (4, 8, False, "1x"),
-        (3, 6, True, "1x"),
-        (4, 8, True, "2x"),
-        (2, 5, False, "2x"),
-    ]:
+    for p, m, integer, budget in REFERENCE_CASES:
         hint = rrfp.make_hint(name, p, m)
         sample = random_sample(hint.spec, rng, integer)
         latency = 0.0 if integer else float(rng.uniform(0.0, 0.3))

@@ -11,30 +11,17 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+from simkit import REFERENCE_CASES, Timeline, random_sample, run_both
 
 import rrfp
 from rrfp.sim import ClusterConfig, ClusterModel
 from rrfp.task import Task
-from rrfp.trace import TraceRecorder
 from rrfp.workload import IterationSample
-
-Timeline = dict[int, list[tuple[str, float, float]]]
 
 
 def const_sample(spec: rrfp.PipelineSpec, f: float, i: float, w: float) -> IterationSample:
     shape = (spec.num_stages, spec.microbatches)
     return IterationSample(np.full(shape, f), np.full(shape, i), np.full(shape, w), np.ones((*shape, 2)))
-
-
-def random_sample(
-    spec: rrfp.PipelineSpec, rng: np.random.Generator, integer: bool = False
-) -> IterationSample:
-    shape = (spec.num_stages, spec.microbatches)
-
-    def draw() -> np.ndarray:  # integer durations make many events coincide: stresses same-instant ties
-        return rng.integers(1, 4, shape).astype(float) if integer else rng.uniform(0.2, 2.0, shape)
-
-    return IterationSample(draw(), draw(), draw(), rng.uniform(0.5, 1.5, (*shape, 2)))
 
 
 def simulate(
@@ -44,19 +31,10 @@ def simulate(
 
     Runs twice: traced (the general event path) and untraced (the pre-wired fast path); both must agree.
     """
-    model = ClusterModel(hint, policy, ClusterConfig(comm_latency=latency), budget)
-    fast = model.run([[[sample]]])
-    rec = TraceRecorder(run="t", policy=policy, hint=hint.name, seed=0)
-    out = model.run([[[sample]]], rec)
+    fast, out, timeline = run_both(hint, policy, sample, latency, budget)
     assert (fast.iteration_times, fast.peaks) == (out.iteration_times, out.peaks)
     assert np.array_equal(fast.busy, out.busy)
-    frame = rec.frame()
-    rows = frame[frame["kind"] == "compute"].sort_values(["rank", "start"], kind="stable")
-    timeline: Timeline = defaultdict(list)
-    for r, s, op, m, a, b in zip(rows["rank"], rows["stage"], rows["op"], rows["microbatch"],
-                                 rows["start"], rows["end"], strict=True):  # fmt: skip
-        timeline[int(r)].append((f"{s}{op}{m}", float(a), float(b)))
-    return out.iteration_times[0], dict(timeline), out.peaks
+    return out.iteration_times[0], timeline, out.peaks
 
 
 # -- closed forms at equal stage costs ------------------------------------------------------------
@@ -161,12 +139,7 @@ def test_fixed_iteration_time_equals_the_longest_path(name):
 @pytest.mark.parametrize("policy", ["fixed", "rrfp"])
 def test_timeline_equals_run_reference(name, policy):
     rng = np.random.default_rng(7)
-    for p, m, integer, budget in [
-        (4, 8, False, "1x"),
-        (3, 6, True, "1x"),
-        (4, 8, True, "2x"),
-        (2, 5, False, "2x"),
-    ]:
+    for p, m, integer, budget in REFERENCE_CASES:
         hint = rrfp.make_hint(name, p, m)
         sample = random_sample(hint.spec, rng, integer)
         latency = 0.0 if integer else float(rng.uniform(0.0, 0.3))
