@@ -7,7 +7,12 @@ One iteration::
         apply every arrival already queued (same-instant rule), deliver() each
         pick: sched.next() -- or, with TP, rrfp.agree() over the group's ready() views
         nothing to run -> block on the inbox (fault timeout), deliver, loop
-        start -> compute (+ injected sleep) -> complete -> post sends / hand over locally
+        start -> [announce] -> compute (+ injected sleep) -> complete -> post sends / hand over locally
+
+Clocked policies (``backfill``, once :mod:`rrfp.exec.calibrate` has measured the costs): the loop ticks
+the scheduler's clock before each pick, announces each start to the ranks that consume the task's
+outputs (a header-only message ahead of the payload), and hands received announcements to
+``sched.announce``.
     wait for the sends; write gradients
 
 TP members must run the same task in the same order, because their compute contains collectives.
@@ -29,9 +34,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from rrfp.exec.calibrate import CostMeter
 from rrfp.exec.faults import LostPeerError, WaitTimeoutError
 from rrfp.exec.synthetic import Injector
-from rrfp.exec.transport import Arrival, ChannelFailure, Transport
+from rrfp.exec.transport import Announce, Arrival, ChannelFailure, Transport
 from rrfp.scheduler import RankScheduler
 from rrfp.task import Task
 from rrfp.tp import agree
@@ -88,7 +94,7 @@ class RankContext:
     recorder: TraceRecorder | None = None
     origin: float = 0.0
     """time.monotonic() of this rank that maps to trace time 0."""
-    early: dict[tuple[int, int], list[Arrival]] = field(default_factory=lambda: defaultdict(list))
+    early: dict[tuple[int, int], list[Arrival | Announce]] = field(default_factory=lambda: defaultdict(list))
 
 
 class PipelineRuntime:
@@ -102,6 +108,10 @@ class PipelineRuntime:
         self.trial, self.injector = trial, injector
         self.iteration = -1
         self.stats = LoopStats()
+        self.meter = CostMeter()
+        self.clocked = False
+        """Tick the scheduler's clock and announce producer starts (set once costs are calibrated)."""
+        self._remote: dict[Task, list[tuple[int, Task]]] = {}
 
     # -- one iteration --------------------------------------------------------------------------
     def run_iteration(self, iteration: int) -> LoopStats:
@@ -131,10 +141,13 @@ class PipelineRuntime:
         sched, runner = self.sched, self.runner
         start = time.monotonic()
         sched.start(task)
+        if self.clocked:
+            self._announce(task, start)
         outputs = runner.run(task)
         self.injector.sleep(task)
         end = time.monotonic()
         sched.complete(task)
+        self.meter.task(task, end - start)
         self.stats.tasks += 1
         self.stats.compute += end - start
         for consumer, tensor in outputs:
@@ -147,6 +160,15 @@ class PipelineRuntime:
         if self.ctx.transport is not None:
             self.ctx.transport.reap()
         self._record("compute", task, start, end)
+
+    def _announce(self, task: Task, start: float) -> None:
+        """The header goes out before the payload: consumers on other ranks learn ``task`` started."""
+        remote = self._remote.get(task)
+        if remote is None:
+            remote = self._remote[task] = self.spec.remote_consumers(task)
+        for dst, consumer in remote:
+            assert self.ctx.transport is not None
+            self.ctx.transport.announce(dst, self.trial, self.iteration, consumer, start)
 
     # -- arrivals -------------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -172,7 +194,7 @@ class PipelineRuntime:
         self._record("wait", None, start, end)
         self._accept(item)
 
-    def _accept(self, item: Arrival | ChannelFailure) -> None:
+    def _accept(self, item: Arrival | Announce | ChannelFailure) -> None:
         if isinstance(item, ChannelFailure):
             raise LostPeerError(item.peer, f"{item.direction} channel failed: {item.error}")
         if (item.trial, item.iteration) != (self.trial, self.iteration):
@@ -180,6 +202,11 @@ class PipelineRuntime:
             # before every iteration this does not happen; dumps list any such message.
             self.ctx.early[(item.trial, item.iteration)].append(item)
             return
+        if isinstance(item, Announce):
+            if self.clocked:
+                self.sched.announce(item.task, item.since)
+            return
+        self.meter.message(item.end - item.sent)
         tensor = item.tensor
         if tensor.is_cuda:
             tensor.record_stream(torch.cuda.current_stream(tensor.device))  # received on another stream
@@ -213,6 +240,8 @@ class PipelineRuntime:
     # -- picking ----------------------------------------------------------------------------------
     def _pick(self) -> tuple[Task | None, bool]:
         """(task to run, or None; whether to block on the inbox when there is none)."""
+        if self.clocked:
+            self.sched.tick(time.monotonic())
         if self.ctx.tp_ctrl is None:
             task = self.sched.next()
             return task, task is None

@@ -1,7 +1,7 @@
 """Pipeline transport: one channel per (peer, direction), messages of any shape in any order.
 
-Every message is a small int64 header (trial, iteration, consumer task, message id, dtype, shape)
-followed by the payload, on the channel's own process group. On gloo, header and payload travel as
+Every message is a small int64 header (trial, iteration, consumer task, message id, send time, dtype,
+shape) followed by the payload, on the channel's own process group. On gloo, header and payload travel as
 *one* message whenever they fit the receiver's buffer: gloo lets a receive take a message shorter than
 its buffer, and both ends track the same capacity (the largest message seen on the channel so far),
 so only a message larger than every earlier one goes as header, then payload. That halves the
@@ -16,6 +16,12 @@ blocks on a peer); their handles are kept and reaped once complete (at the lates
 With NCCL the receiver threads run on their own CUDA streams, so a pending receive never
 makes the compute stream wait, and a received payload is fully written before the runtime sees it.
 A peer that dies closes the connection: the channel's thread reports a :class:`ChannelFailure`.
+
+Announcements (for policies that plan with a clock, e.g. ``backfill``): :meth:`Transport.announce` sends
+a header-only message when the producer of a cross-rank input *starts*, carrying its start time; it
+travels on the same channel, so it is taken off before that input's payload, and the receiver hands it
+to ``RankScheduler.announce``. Times on the wire are microseconds on rank 0's clock (``offset``: this
+rank's CLOCK_MONOTONIC minus rank 0's, 0 on one host), converted back to the receiver's clock.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from rrfp.task import Op, Task
 
 HEADER_LEN = 16
 HEADER_BYTES = HEADER_LEN * 8
-MAX_DIMS = HEADER_LEN - 9
-KIND_CLOSE, KIND_SPLIT, KIND_PACKED = 0, 1, 2  # SPLIT: the payload follows as its own message
+MAX_DIMS = HEADER_LEN - 10
+# SPLIT: the payload follows as its own message; ANNOUNCE: header only, a producer started.
+KIND_CLOSE, KIND_SPLIT, KIND_PACKED, KIND_ANNOUNCE = 0, 1, 2, 3
 OPS = (Op.F, Op.B, Op.I, Op.W)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 
@@ -63,6 +70,20 @@ class Arrival:
     """time.monotonic() when the header arrived."""
     end: float
     """time.monotonic() when the payload was complete."""
+    sent: float
+    """time.monotonic() (this rank's clock) when the sender posted it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Announce:
+    """The producer of a cross-rank input of ``task`` (on this rank) started computing at ``since``."""
+
+    src: int
+    trial: int
+    iteration: int
+    task: Task
+    since: float
+    """time.monotonic() (this rank's clock) when the producer started."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,21 +111,36 @@ class SendRecord:
     end: float
 
 
-def encode_header(trial: int, iteration: int, task: Task, msg: int, tensor: torch.Tensor) -> list[int]:
-    """The int64 header announcing ``tensor`` as the input of ``task``."""
+def encode_header(
+    trial: int, iteration: int, task: Task, msg: int, tensor: torch.Tensor, sent_us: int = 0
+) -> list[int]:
+    """The int64 header announcing ``tensor`` as the input of ``task`` (``sent_us``: send time)."""
     if tensor.dim() > MAX_DIMS:
         raise TransportError(f"cannot send a {tensor.dim()}-d tensor: at most {MAX_DIMS} dims")
     if tensor.dtype not in DTYPES:
         raise TransportError(f"cannot send dtype {tensor.dtype}: supported {DTYPES}")
-    head = [KIND_SPLIT, trial, iteration, task.stage, OPS.index(task.op), task.mb, msg]
+    head = [KIND_SPLIT, trial, iteration, task.stage, OPS.index(task.op), task.mb, msg, sent_us]
     head += [DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
     return head + [0] * (HEADER_LEN - len(head))
 
 
-def decode_header(values: list[int]) -> tuple[int, int, Task, int, torch.dtype, tuple[int, ...]]:
-    """(trial, iteration, task, msg, dtype, shape) from a data header."""
-    _, trial, iteration, stage, op, mb, msg, dtype, ndim = values[:9]
-    return trial, iteration, Task(stage, OPS[op], mb), msg, DTYPES[dtype], tuple(values[9 : 9 + ndim])
+def decode_header(values: list[int]) -> tuple[int, int, Task, int, torch.dtype, tuple[int, ...], int]:
+    """(trial, iteration, task, msg, dtype, shape, sent_us) from a data header."""
+    _, trial, iteration, stage, op, mb, msg, sent_us, dtype, ndim = values[:10]
+    shape = tuple(values[10 : 10 + ndim])
+    return trial, iteration, Task(stage, OPS[op], mb), msg, DTYPES[dtype], shape, sent_us
+
+
+def encode_announce(trial: int, iteration: int, task: Task, since_us: int) -> list[int]:
+    """The header-only message: the producer of ``task``'s input started at ``since_us``."""
+    head = [KIND_ANNOUNCE, trial, iteration, task.stage, OPS.index(task.op), task.mb, since_us]
+    return head + [0] * (HEADER_LEN - len(head))
+
+
+def decode_announce(values: list[int]) -> tuple[int, int, Task, int]:
+    """(trial, iteration, task, since_us) from an announcement."""
+    _, trial, iteration, stage, op, mb, since_us = values[:7]
+    return trial, iteration, Task(stage, OPS[op], mb), since_us
 
 
 class Transport:
@@ -114,7 +150,9 @@ class Transport:
         """``channels``: (src pp, dst pp) -> group; ``me``: this pp rank; ``to_global``: pp -> global."""
         self.device = device
         self.me_global = to_global(me)
-        self.inbox: queue.Queue[Arrival | ChannelFailure] = queue.Queue()
+        self.offset = 0.0
+        """This rank's CLOCK_MONOTONIC minus rank 0's (seconds); the worker sets it."""
+        self.inbox: queue.Queue[Arrival | Announce | ChannelFailure] = queue.Queue()
         self.sent: list[SendRecord] = []
         # (global rank, group, the peer's rank inside the two-member group) per peer.
         self._out = {dst: _endpoint(to_global(dst), g) for (src, dst), g in channels.items() if src == me}
@@ -141,9 +179,9 @@ class Transport:
         peer, group, group_peer = self._out[dst]
         payload = tensor.detach().contiguous()
         msg = (self.me_global << 32) | next(self._ids)
-        head = encode_header(trial, iteration, task, msg, payload)
-        nbytes = payload.numel() * payload.element_size()
         start = time.monotonic()
+        head = encode_header(trial, iteration, task, msg, payload, self._wire(start))
+        nbytes = payload.numel() * payload.element_size()
         if self._packed and HEADER_BYTES + nbytes <= self._cap_out[dst]:
             head[0] = KIND_PACKED
             buf = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8)
@@ -160,6 +198,22 @@ class Transport:
         record = SendRecord(peer, trial, iteration, task, msg, nbytes, start, end)
         self.sent.append(record)
         return record
+
+    def announce(self, dst: int, trial: int, iteration: int, task: Task, since: float) -> None:
+        """Tell pipeline rank ``dst`` that the producer of ``task``'s input started at ``since``
+        (time.monotonic()). Header only: it fits every receive buffer and leaves the capacity alone."""
+        peer, group, group_peer = self._out[dst]
+        values = encode_announce(trial, iteration, task, self._wire(since))
+        head = torch.tensor(values, dtype=torch.int64, device=self.device)
+        self._pending.append(((group.send([head], group_peer, 0),), (head,), peer))
+
+    def _wire(self, t: float) -> int:
+        """Microseconds on rank 0's clock."""
+        return int((t - self.offset) * 1e6)
+
+    def _local(self, us: int) -> float:
+        """A wire time back on this rank's clock (seconds)."""
+        return us / 1e6 + self.offset
 
     def reap(self) -> None:
         """Drop completed sends from the front of the queue (cheap; a no-op on gloo mid-iteration)."""
@@ -218,7 +272,11 @@ class Transport:
         start = time.monotonic()
         if values[0] == KIND_CLOSE:
             return -1
-        trial, iteration, task, msg, dtype, shape = decode_header(values)
+        if values[0] == KIND_ANNOUNCE:
+            trial, iteration, task, since_us = decode_announce(values)
+            self.inbox.put(Announce(peer, trial, iteration, task, self._local(since_us)))
+            return cap
+        trial, iteration, task, msg, dtype, shape, sent_us = decode_header(values)
         payload = torch.empty(shape, dtype=dtype, device=self.device)
         nbytes = payload.numel() * payload.element_size()
         if values[0] == KIND_PACKED:
@@ -227,7 +285,8 @@ class Transport:
             group.recv([payload], group_peer, 0).wait()
         if stream is not None:
             stream.synchronize()  # the payload is complete before the compute thread sees it
-        self.inbox.put(Arrival(peer, trial, iteration, task, payload, msg, start, time.monotonic()))
+        sent = self._local(sent_us)
+        self.inbox.put(Arrival(peer, trial, iteration, task, payload, msg, start, time.monotonic(), sent))
         return max(cap, HEADER_BYTES + nbytes)
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from rrfp.budget import resolve_budget
 from rrfp.exec import faults
+from rrfp.exec.calibrate import calibrate
 from rrfp.exec.check import digest, local_grads
 from rrfp.exec.config import Trial
 from rrfp.exec.data import make_batch
@@ -28,6 +29,7 @@ from rrfp.exec.runtime import PipelineRuntime
 from rrfp.exec.stage import StageRunner
 from rrfp.exec.synthetic import Injector, SyntheticRunner
 from rrfp.hints import make_hint
+from rrfp.policies_plus import Backfill
 from rrfp.scheduler import RankScheduler
 from rrfp.trace import TraceRecorder
 from rrfp.workload import WorkloadConfig
@@ -47,6 +49,8 @@ class TrialOutcome:
     grads: list | None = None
     digest: str | None = None
     trace: Any = None
+    calibration: dict[str, Any] | None = None
+    """backfill's measured mean costs and message time (ms), once calibrated."""
 
 
 class RrfpTrial:
@@ -99,6 +103,20 @@ class RrfpTrial:
         out.losses.append(self.runner.loss)
         out.overhead.append(stats.overhead_per_task)
         out.peak = max(out.peak, self.sched.peak)  # the scheduler's peak restarts every iteration
+        if isinstance(self.sched.policy, Backfill) and not self.runtime.clocked and it + 1 >= cfg.warmup:
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        """After the warm-up (at least one iteration): backfill plans with the measured mean costs,
+        and the loop starts ticking the clock and announcing producer starts (on every rank at once:
+        the all-gather is a collective over the control group)."""
+        spec = self.sched.hint.spec
+        ops = {t.op for order in self.sched.hint.orders.values() for t in order}
+        policy, info = calibrate(
+            self.runtime.meter, self.worker.groups.ctrl, self.sched.policy, spec.num_stages, ops
+        )
+        self.sched.policy, self.out.calibration = policy, info
+        self.runtime.clocked = True
 
     def outcome(self) -> TrialOutcome:
         out = self.out

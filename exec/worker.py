@@ -66,6 +66,8 @@ class Worker:
             to_global = self.topo.global_rank
             self.transport = Transport(self.groups.channels, self.topo.pp_rank, to_global, self.device)
         self.offset = clock_offset(self.groups.ctrl)
+        if self.transport is not None:
+            self.transport.offset = self.offset  # times on the wire are on rank 0's clock
         self.ctx = RankContext(
             self.topo.rank, self.topo.pp_rank, self.topo.global_rank, self.transport,
             self.groups.tp_ctrl, cfg.timeout,
@@ -154,6 +156,7 @@ class Worker:
             "loss": {"first": losses[0], "last": losses[-1]},
             "peak_activations": _per_pp(outs, lambda o: o.peak) if not trial.is_baseline else [],
             "loop_overhead_us_per_task": _overhead_us(outs, cfg.warmup),
+            "calibration": outs[0].calibration if outs else None,
             "check": None,
             "grad_digest": None,
         }

@@ -119,7 +119,7 @@ def test_multimodal_batches_vary_in_shape() -> None:
 def test_header_round_trips_any_shape_and_rejects_what_it_cannot_carry() -> None:
     t = torch.zeros(3, 1, 5, dtype=torch.bfloat16)
     head = encode_header(2, 7, Task.parse("3I5"), 123, t)
-    assert decode_header(head) == (2, 7, Task.parse("3I5"), 123, torch.bfloat16, (3, 1, 5))
+    assert decode_header(head) == (2, 7, Task.parse("3I5"), 123, torch.bfloat16, (3, 1, 5), 0)
     with pytest.raises(TransportError, match="dims"):
         encode_header(0, 0, Task.parse("0F0"), 0, torch.zeros([1] * 8))
     with pytest.raises(TransportError, match="dtype"):
