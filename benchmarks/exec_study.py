@@ -12,13 +12,15 @@ load hits them alike; every trial of a launch shares workers, weights, data and 
   time units of ``--time-unit-ms``), lognormal CV 0.5; torch's schedules need a model, so no torch row.
 
 Trials: fixed and rrfp on 1F1B at 1x, rrfp and backfill at 2x, the zero-bubble hint ZB-H1 fixed and
-rrfp/backfill at 2x, and torch:1F1B (real launches). Note: the executor does not call the scheduler's
-timing hooks (tick/announce), so backfill there runs its no-clock rule (an awaited input may land any
-moment: it moves a task only when nothing protected waits), a stricter rule than in the simulator.
+rrfp/backfill at 2x, the class hint BFW with rrfp/backfill at 2x, and torch:1F1B (real launches).
+backfill runs its no-clock rule in the warm-up, is then calibrated on the warm-up's measured mean costs
+and message time (rrfp/exec/calibrate.py), and runs clocked (ticks, announcements) from then on.
 
-Per trial: median and mean iteration time over ``--iterations`` (after ``--warmup``), the rate relative
-to torch:1F1B (torch median / trial median, > 1 = faster) or to fixed/1f1b, and rrfp's per-task loop
-overhead (dispatch-loop time that is neither compute nor waiting). These are timings on a shared
+Per trial: median and mean iteration time over ``--iterations`` (after ``--warmup``); the rate relative
+to torch:1F1B (or to fixed/1f1b without torch), > 1 = faster, both as the ratio of medians and paired
+by iteration (iteration k of every trial ran back to back) as a geometric mean with a 95% t-interval;
+rrfp's per-task loop overhead (dispatch-loop time that is neither compute nor waiting); and backfill's
+calibrated mean message time. These are timings on a shared
 2-core machine: they vary from run to run. Writes results/exec_study/{<launch>.json, trials.csv,
 exec.png}.
 """
@@ -36,7 +38,13 @@ import pandas as pd
 from tqdm import tqdm
 
 BIN = Path(sys.executable).parent
-TRIALS = "fixed/1f1b,rrfp/1f1b,rrfp/1f1b@2x,backfill/1f1b@2x,fixed/zb-h1,rrfp/zb-h1@2x,backfill/zb-h1@2x"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_exec import paired_rate  # noqa: E402
+
+TRIALS = (
+    "fixed/1f1b,rrfp/1f1b,rrfp/1f1b@2x,backfill/1f1b@2x,fixed/zb-h1,rrfp/zb-h1@2x,backfill/zb-h1@2x,"
+    "rrfp/bfw@2x,backfill/bfw@2x"
+)
 MODEL = [
     "--hidden",
     "128",
@@ -71,14 +79,17 @@ def run(flags: list[str], timeout: float) -> dict[str, Any]:
 def rows(name: str, flags: list[str], result: dict[str, Any]) -> list[dict[str, Any]]:
     trials = result["trials"]
     ref = next((t for t in trials if t["policy"] == "torch"), None) or trials[0]
-    base = ref["iteration_time"]["median"]
+    base = ref["iteration_time"]
     out = []
     for t in trials:
         it = t["iteration_time"]
+        paired, low, high = paired_rate(base["values"], it["values"])
+        cal = t.get("calibration") or {}
         out.append({
             "launch": name, "trial": t["label"], "median_s": it["median"], "mean_s": it["mean"],
-            "n": len(it["values"]), "rate_vs": ref["label"], "rate": base / it["median"],
-            "loop_us_per_task": t["loop_overhead_us_per_task"],
+            "n": len(it["values"]), "rate_vs": ref["label"], "rate": base["median"] / it["median"],
+            "paired_rate": paired, "paired_low": low, "paired_high": high,
+            "loop_us_per_task": t["loop_overhead_us_per_task"], "msg_ms": cal.get("latency_ms"),
             "peak_activations": ",".join(map(str, t["peak_activations"])),
             "command": "rrfp-run " + " ".join(flags),
         })  # fmt: skip
@@ -130,7 +141,8 @@ def main() -> None:
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         for name, g in frame.groupby("launch", sort=False):
             print(f"\n== {name}: {g['command'].iloc[0]}")
-            cols = ["trial", "median_s", "mean_s", "rate", "loop_us_per_task", "peak_activations"]
+            cols = ["trial", "median_s", "rate", "paired_rate", "paired_low", "paired_high"]
+            cols += ["loop_us_per_task", "msg_ms", "peak_activations"]
             print(g[cols].round(4).to_string(index=False))
     print(f"-> {args.out}/")
 

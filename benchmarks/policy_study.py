@@ -131,6 +131,11 @@ def summary(cells: pd.DataFrame, fact: pd.DataFrame) -> list[str]:
     for hint, g in at.groupby("hint", sort=False):
         ratios = ", ".join(f"{r['policy']} {r['lower_bound_ratio']:.4f}" for _, r in g.iterrows())
         lines.append(f"  {hint:<17} {ratios}")
+    means = at.groupby("policy")["lower_bound_ratio"].agg(["mean", "count"])
+    lines.append(
+        "  mean over hints: "
+        + ", ".join(f"{p} {r['mean']:.4f} ({int(r['count'])} hints)" for p, r in means.iterrows())
+    )
     return lines
 
 

@@ -7,6 +7,7 @@ before any worker starts), pickled to every worker, and read by every part of th
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from itertools import product
 
@@ -244,3 +245,16 @@ def split_list(text: str | None) -> tuple[str, ...]:
     if not text:
         return ()
     return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
+def switch_interval() -> float:
+    """The workers' GIL switch interval in seconds: ``RRFP_SWITCH_MS`` milliseconds, default 0.5
+    (CPython's 5 ms would hold a received message back for up to 5 ms; see exec/worker.py)."""
+    text = os.environ.get("RRFP_SWITCH_MS", "0.5")
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = -1.0
+    if not 0 < ms <= 1000:
+        raise ExecConfigError(f"RRFP_SWITCH_MS must be milliseconds in (0, 1000], got {text!r}")
+    return ms / 1e3

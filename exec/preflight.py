@@ -7,7 +7,7 @@ combination (exit 2) in a second instead of failing inside N workers.
 from __future__ import annotations
 
 from rrfp.budget import resolve_budget
-from rrfp.exec.config import ExecConfigError, RunConfig
+from rrfp.exec.config import ExecConfigError, RunConfig, switch_interval
 from rrfp.exec.model import partition
 from rrfp.hints import make_hint
 from rrfp.jitter import make_distribution
@@ -22,6 +22,7 @@ TORCH_SCHEDULES = TORCH_SINGLE + TORCH_MULTI
 
 def preflight(cfg: RunConfig) -> None:
     """Resolve every trial's hint, budget and policy, and the model split, as the workers will."""
+    switch_interval()
     make_distribution(cfg.jitter, cfg.cv)
     if cfg.jitter != "none" and not cfg.synthetic and cfg.inject_ms <= 0:
         raise ExecConfigError(f"--jitter {cfg.jitter} needs --inject-ms > 0 (the sleep scale)")

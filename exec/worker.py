@@ -5,6 +5,11 @@ so RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR come from the environment. A tri
 hint, budget) or a torch baseline; each runs ``warmup + iterations`` iterations after a barrier, and
 an iteration's time is the slowest rank's (barrier to flush + DP all-reduce + optimizer step).
 Any exception ends in a dump and a non-zero exit (rrfp.exec.faults), never a hang.
+
+GIL switch interval: a receiver thread that took a message off a channel needs the GIL to hand it to
+the loop, and while the loop thread runs Python (module code between ops) CPython makes it wait up to
+the switch interval (5 ms by default) -- as long as a task's compute here. Workers use
+``RRFP_SWITCH_MS`` milliseconds (default 0.5) instead.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import hashlib
 import os
 import socket
 import statistics
+import sys
 import time
 from datetime import timedelta
 from typing import Any
@@ -22,7 +28,7 @@ import torch.distributed as dist
 
 from rrfp.exec import faults
 from rrfp.exec.check import Reference, compare, reference
-from rrfp.exec.config import RunConfig, Trial
+from rrfp.exec.config import RunConfig, Trial, switch_interval
 from rrfp.exec.report import announce, emit
 from rrfp.exec.runtime import RankContext
 from rrfp.exec.topology import CTRL_MIN_TIMEOUT_S, Topology, build_groups, pick_backend, pick_device
@@ -50,6 +56,7 @@ class Worker:
 
     def __init__(self, cfg: RunConfig, dump_dir: str) -> None:
         self.cfg = cfg
+        sys.setswitchinterval(switch_interval())
         self.topo: Topology = _topology_from_env(cfg.pp, cfg.tp, cfg.dp)
         name_process(f"rrfp-rank{self.topo.rank}")
         faults.install(self.topo.rank, dump_dir)

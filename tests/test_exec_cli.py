@@ -83,3 +83,13 @@ def test_trials_are_the_product_of_hints_budgets_and_policies_then_baselines() -
     labels = [t.label for t in cfg.trials]
     assert labels[:4] == ["fixed/1f1b", "rrfp/1f1b", "fixed/1f1b@2x", "rrfp/1f1b@2x"]
     assert labels[-1] == "torch:1F1B" and len(labels) == 9
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "5000"])
+def test_bad_switch_interval_exits_2(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("RRFP_SWITCH_MS", value)
+    result = CliRunner().invoke(main, ["--gpus", "2"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert f"RRFP_SWITCH_MS must be milliseconds in (0, 1000], got {value!r}" in result.output
