@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
+from itertools import accumulate
 
 from rrfp.hints import Hint
 from rrfp.spec import PipelineSpec
@@ -22,17 +23,13 @@ class BudgetError(ValueError):
 
 def deltas(spec: PipelineSpec, order: Sequence[Task]) -> list[int]:
     """Activation slots each task of ``order`` takes (+1), gives back (-1) or leaves alone (0)."""
-    rel = spec.release_op  # inlined: this runs once per task when schedulers are built
-    return [1 if t.op is Op.F else -1 if t.op is rel else 0 for t in order]
+    fwd, rel = Op.F, spec.release_op  # inlined: this runs once per task of the hint
+    return [1 if op is fwd else -1 if op is rel else 0 for _, op, _ in order]
 
 
 def order_peak(spec: PipelineSpec, order: Sequence[Task]) -> int:
     """Most activation slots held at once when ``order`` is followed one task at a time."""
-    held = peak = 0
-    for d in deltas(spec, order):
-        held += d
-        peak = max(peak, held)
-    return peak
+    return max(0, max(accumulate(deltas(spec, order)), default=0))
 
 
 def hint_peaks(hint: Hint) -> dict[int, int]:

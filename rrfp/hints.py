@@ -21,10 +21,13 @@ Two kinds:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
+from weakref import WeakValueDictionary
 
 from rrfp import schedules
 from rrfp.spec import PipelineSpec, SpecError
@@ -109,10 +112,11 @@ class Hint:
             if self.classes is None:
                 out[rank] = tuple(range(len(order)))
                 continue
-            classes = self.classes
-            by_key = sorted(range(len(order)), key=lambda p: (classes[order[p].op], order[p].mb, p))
-            prio = [0] * len(order)
-            for rank_pos, pos in enumerate(by_key):
+            # Sort key (class, microbatch, position) packed into one int: same order, no tuple per task.
+            n, m, classes = len(order), self.spec.microbatches, self.classes
+            keys = [(classes[op] * m + mb) * n + p for p, (_, op, mb) in enumerate(order)]
+            prio = [0] * n
+            for rank_pos, pos in enumerate(sorted(range(n), key=keys.__getitem__)):
                 prio[pos] = rank_pos
             out[rank] = tuple(prio)
         return out
@@ -123,8 +127,52 @@ class Hint:
         so the many schedulers built on one hint share them. Never part of equality."""
         return {}
 
+    @property
+    def orders_memo(self) -> dict[str, Any]:
+        """The part of :attr:`memo` that derives from the spec and orders alone, not the priorities:
+        a class hint shares it with the reference hint whose order it runs (e.g. bf with 1f1b)."""
+        return self.memo.setdefault("orders", {})
+
+    def codes(self, rank: int) -> list[int]:
+        """Each position of ``orders[rank]`` as an int, ``(stage * 3 + slot) * microbatches + mb`` with
+        slot 0 = F, 1 = B/I, 2 = W: the form the setup code walks the DAG in (memoised)."""
+        codes: dict[int, list[int]] = self.orders_memo.setdefault("codes", {})
+        if rank not in codes:
+            codes[rank] = _codes(self.spec, self.orders[rank])
+        return codes[rank]
+
+    def tasks_by_code(self) -> Any:
+        """Every task of the hint's orders indexed by its code (:meth:`codes`), as a numpy object array
+        (None where no task; memoised): set-up code that walks codes hands out the orders' own Task
+        objects, without building new ones."""
+        table = self.orders_memo.get("tasks_by_code")
+        if table is None:
+            import numpy as np  # lazy: keeps numpy out of `import rrfp`
+
+            table = np.full(self.spec.num_stages * 3 * self.spec.microbatches, None, dtype=object)
+            for rank, order in self.orders.items():
+                table[self.codes(rank)] = np.fromiter(order, dtype=object, count=len(order))
+            self.orders_memo["tasks_by_code"] = table
+        return table
+
     def order_strings(self) -> dict[int, list[str]]:
         return {r: [str(t) for t in order] for r, order in self.orders.items()}
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Hold the cyclic garbage collector while building large structures of small objects.
+
+    Setting up 128 ranks x 1024 microbatches allocates about a million tuples, lists and Tasks, none of
+    them in reference cycles; the collector's full passes over that growing heap would cost more than
+    the build itself. Results are unaffected; the previous state is restored on exit."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def make_hint(
@@ -141,6 +189,41 @@ def make_hint(
     ``virtual_stages=None`` takes the hint's own default (2 for interleaved-1f1b and zbv, else 1).
     ``placement``/``split`` only apply to class-priority hints; sequence hints imply their own.
     """
+    key = _live_key(name, pp, microbatches, virtual_stages, placement, split)
+    hint = None if key is None else _LIVE.get(key)
+    if hint is None:
+        with gc_paused():
+            hint = _make_hint(name, pp, microbatches, virtual_stages, placement, split)
+        if key is not None:
+            _LIVE[key] = hint
+    return hint
+
+
+def _live_key(
+    name: str, pp: int, m: int, v: int | None, placement: str | None, split: bool | None
+) -> tuple[Any, ...] | None:
+    """make_hint's arguments with the defaults filled in (None: not a built-in hint, never shared)."""
+    if name in SEQUENCE_HINTS:
+        return (name, pp, m, SEQUENCE_HINTS[name].v_default if v is None else v, placement, split)
+    if name in CLASS_HINTS:
+        use_split = _CLASS_SPLIT_DEFAULT[name] if split is None else split
+        return (name, pp, m, 1 if v is None else v, placement or "loop", use_split)
+    return None
+
+
+# Built-in hints still in use, by make_hint's arguments: a hint is immutable (its memo only caches what
+# is derived from it), so asking again -- e.g. bf for its reference 1f1b -- shares it and its memo.
+_LIVE: WeakValueDictionary[tuple[Any, ...], Hint] = WeakValueDictionary()
+
+
+def _make_hint(
+    name: str,
+    pp: int,
+    microbatches: int,
+    virtual_stages: int | None,
+    placement: str | None,
+    split: bool | None,
+) -> Hint:
     if name in SEQUENCE_HINTS:
         d = SEQUENCE_HINTS[name]
         v = d.v_default if virtual_stages is None else virtual_stages
@@ -158,10 +241,13 @@ def make_hint(
             raise HintError("hint 'bfw' ranks W separately, so it needs the split backward")
         spec = PipelineSpec(pp, microbatches, v, place, use_split)
         ref = reference_hint_name(spec)
-        ref_hint = make_hint(ref, pp, microbatches, v)
-        orders = convert_split({r: list(o) for r, o in ref_hint.orders.items()}, use_split)
-        hint = hint_from_orders(ref, spec, orders)
-        return Hint(name, spec, hint.orders, ref, dict(CLASS_HINTS[name]))
+        hint = make_hint(ref, pp, microbatches, v)
+        if hint.spec != spec:  # else the reference order is already this spec's (validated) order
+            orders = convert_split({r: list(o) for r, o in hint.orders.items()}, use_split)
+            hint = hint_from_orders(ref, spec, orders)
+        out = Hint(name, spec, hint.orders, ref, dict(CLASS_HINTS[name]))
+        out.memo["orders"] = hint.orders_memo  # the same orders: share what derives from them alone
+        return out
     if name.startswith("torch:"):
         from rrfp.torch_schedules import torch_orders  # lazy: imports torch
 
@@ -211,8 +297,10 @@ def convert_split(orders: Orders, split: bool) -> Orders:
 
 def hint_from_orders(name: str, spec: PipelineSpec, orders: Orders) -> Hint:
     """Validate per-rank orders against ``spec`` and wrap them as a sequence hint."""
-    validate_orders(spec, orders)
-    return Hint(name, spec, {r: tuple(orders[r]) for r in range(spec.pp)}, name)
+    codes = _validated_codes(spec, orders)
+    hint = Hint(name, spec, {r: tuple(orders[r]) for r in range(spec.pp)}, name)
+    hint.orders_memo["codes"] = codes
+    return hint
 
 
 def hint_orders(
@@ -224,17 +312,61 @@ def hint_orders(
 
 def validate_orders(spec: PipelineSpec, orders: Orders) -> None:
     """Every rank lists exactly its own tasks once, and following all orders cannot deadlock."""
+    _validated_codes(spec, orders)
+
+
+def _validated_codes(spec: PipelineSpec, orders: Orders) -> dict[int, list[int]]:
+    """:func:`validate_orders`, returning each rank's order as task codes (see :meth:`Hint.codes`)."""
     if sorted(orders) != list(range(spec.pp)):
         raise HintError(f"orders must cover ranks 0..{spec.pp - 1}, got ranks {sorted(orders)}")
-    for rank in range(spec.pp):
-        _check_rank_tasks(spec, rank, orders[rank])
-    _check_no_deadlock(spec, orders)
+    codes = {rank: _check_rank_tasks(spec, rank, orders[rank]) for rank in range(spec.pp)}
+    _check_no_deadlock(spec, orders, codes)
+    return codes
 
 
-def _check_rank_tasks(spec: PipelineSpec, rank: int, order: list[Task]) -> None:
+_OP_SLOT = {Op.F: 0, Op.B: 1, Op.I: 1, Op.W: 2}
+_ROUNDS_PER_STEP = 4  # the vectorised rounds' budget, per step of the longest order (plus per rank)
+_Steps = tuple[Any, Any, Any, Any]  # numpy arrays per position: code, first input, second input, wakes
+_SPEC_SLOTS = {  # split -> the slot of each op the spec has
+    False: {Op.F: 0, Op.B: 1},
+    True: {Op.F: 0, Op.I: 1, Op.W: 2},
+}
+
+
+def _codes(spec: PipelineSpec, order: Sequence[Task]) -> list[int]:
+    m, slot = spec.microbatches, _OP_SLOT
+    return [(s * 3 + slot[op]) * m + mb for s, op, mb in order]
+
+
+def _rank_codes(spec: PipelineSpec, rank: int, order: Sequence[Task]) -> list[int] | None:
+    """The order's codes if it lists exactly ``rank``'s tasks once each, else None. With every op one
+    of the spec's and every microbatch in range, a code names one task, so equal code sets are equal
+    task sets."""
+    m, slot = spec.microbatches, _SPEC_SLOTS[spec.split]
+    try:
+        codes = [(s * 3 + slot[op]) * m + mb for s, op, mb in order]
+        mbs = [mb for _, _, mb in order]
+    except (KeyError, TypeError, ValueError):
+        return None
+    if mbs and (min(mbs) < 0 or max(mbs) >= m):
+        return None
+    expected: set[int] = set()
+    for s in spec.stages_of(rank):
+        for k in slot.values():
+            base = (s * 3 + k) * m
+            expected.update(range(base, base + m))
+    if len(codes) != len(expected) or set(codes) != expected:
+        return None
+    return codes
+
+
+def _check_rank_tasks(spec: PipelineSpec, rank: int, order: Sequence[Task]) -> list[int]:
+    codes = _rank_codes(spec, rank, order)
+    if codes is not None:
+        return codes  # the common case; the walk below only runs to name what is wrong
     expected = spec.rank_tasks(rank)
     if len(order) == len(expected) and set(order) == set(expected):
-        return  # the common case; the walk below only runs to name what is wrong
+        return _codes(spec, order)
     seen: set[Task] = set()
     for step, task in enumerate(order):
         if not spec.has_task(task):
@@ -252,47 +384,23 @@ def _check_rank_tasks(spec: PipelineSpec, rank: int, order: list[Task]) -> None:
     if missing:
         shown = ", ".join(map(str, missing[:5]))
         raise HintError(f"rank {rank}: {len(missing)} tasks missing from its order ({shown}...)")
+    return _codes(spec, order)  # unreachable: an order the walk accepts has the expected task set
 
 
-_OP_SLOT = {Op.F: 0, Op.B: 1, Op.I: 1, Op.W: 2}
-
-
-def _check_no_deadlock(spec: PipelineSpec, orders: Orders) -> None:
+def _check_no_deadlock(spec: PipelineSpec, orders: Orders, coded: dict[int, list[int]]) -> None:
     """Dry run: follow every order; a step whose input never comes is a deadlock.
 
-    Tasks are coded as ints ``(stage * 3 + slot) * M + mb`` (slot 0 = F, 1 = B/I, 2 = W) so the walk
-    needs no Task objects, and a rank is re-examined only when a message it may wait for is produced:
-    O(tasks) with small constants (128 ranks x 1024 microbatches in well under a second).
+    Tasks are the int codes of :meth:`Hint.codes` (``(stage * 3 + slot) * M + mb``, slot 0 = F,
+    1 = B/I, 2 = W); each step's inputs and the rank its output may wake are precomputed per rank with
+    numpy. The run goes in vectorised rounds (every rank takes its next step if its inputs are done)
+    while that pays, then a worklist walk finishes it (a blocked rank is re-examined only when the very
+    input it waits for is produced): 128 ranks x 1024 microbatches take well under a second.
     """
-    n_st, m = spec.num_stages, spec.microbatches
-    row = 3 * m
-    rank_of = [spec.rank_of(st) for st in range(n_st)]
-    coded = [[(t.stage * 3 + _OP_SLOT[t.op]) * m + t.mb for t in orders[r]] for r in range(spec.pp)]
-    done = bytearray(n_st * row)
-    pos = [0] * spec.pp
-    work, queued = list(range(spec.pp)), [True] * spec.pp
-    while work:
-        rank = work.pop()
-        queued[rank] = False
-        order, p = coded[rank], pos[rank]
-        while p < len(order):
-            t = order[p]
-            st, slot = divmod(t // m, 3)
-            if slot == 0:
-                ok = st == 0 or done[t - row]
-            elif slot == 1:
-                ok = done[t - m] and (st == n_st - 1 or done[t + row])
-            else:
-                ok = done[t - m]
-            if not ok:
-                break
-            done[t] = 1
-            p += 1
-            peer = st + 1 if slot == 0 else st - 1 if slot == 1 else -1
-            if 0 <= peer < n_st and rank_of[peer] != rank and not queued[rank_of[peer]]:
-                queued[rank_of[peer]] = True
-                work.append(rank_of[peer])
-        pos[rank] = p
+    m = spec.microbatches
+    none = spec.num_stages * 3 * m  # a cell of `done` that is always set: "no such input"
+    steps = [_step_inputs(spec, rank, coded[rank]) for rank in range(spec.pp)]
+    done, pos = _dry_run_rounds(steps, none)
+    _dry_run_walk(steps, done, pos)
     stuck = [r for r in range(spec.pp) if pos[r] < len(coded[r])]
     if stuck:
         r = stuck[0]
@@ -307,3 +415,79 @@ def _check_no_deadlock(spec: PipelineSpec, orders: Orders) -> None:
             f"order deadlocks: rank {r} step {pos[r]} ({task}) waits for {', '.join(waits)}"
             f" which never runs; rank {r} around it: {ctx}"
         )
+
+
+def _dry_run_rounds(steps: list[_Steps], none: int) -> tuple[bytearray, list[int]]:
+    """Vectorised rounds of the dry run; stop once they would cost more than the walk (a few rounds per
+    step of the longest order), e.g. for an order that serialises the ranks. Returns (done, pos)."""
+    import numpy as np  # lazy: keeps numpy out of `import rrfp`
+
+    lens = np.array([len(code) for code, *_ in steps], dtype=np.int64)
+    width = int(lens.max()) + 1 if len(steps) else 1
+    table = np.full((3, len(steps), width), none, dtype=np.int64)  # code, first input, second input
+    for rank, (code, first, second, _) in enumerate(steps):
+        table[:, rank, : len(code)] = (code, first, second)
+    code, first, second = (t.ravel() for t in table)  # flat index: rank * width + position
+    done = np.zeros(none + 1, dtype=bool)
+    done[none] = True
+    pos = np.arange(len(steps), dtype=np.int64) * width  # flat index of each rank's next step
+    end = pos + lens
+    act = np.flatnonzero(lens > 0)
+    budget = _ROUNDS_PER_STEP * (width + len(steps))
+    while act.size and budget:
+        at = pos[act]
+        ok = done[first[at]] & done[second[at]]
+        if not ok.any():
+            break
+        step = at[ok]
+        done[code[step]] = True
+        pos[act[ok]] = step + 1
+        if (step + 1 == end[act[ok]]).any():
+            act = act[pos[act] < end[act]]
+        budget -= 1
+    start = np.arange(len(steps), dtype=np.int64) * width
+    return bytearray(done.view(np.uint8).tobytes()), (pos - start).tolist()
+
+
+def _dry_run_walk(steps: list[_Steps], done: bytearray, pos: list[int]) -> None:
+    """Finish the dry run from (done, pos) with a worklist; leaves a deadlocked rank's pos at its stuck
+    step."""
+    waits_for = [-1] * len(steps)  # the input code a blocked rank waits for (-1: queued)
+    work = [rank for rank in range(len(steps)) if pos[rank] < len(steps[rank][0])]
+    lists = {rank: tuple(a.tolist() for a in steps[rank]) for rank in work}
+    while work:
+        rank = work.pop()
+        order, first, second, wakes = lists[rank]
+        p, n = pos[rank], len(order)
+        while p < n and done[first[p]] and done[second[p]]:
+            code = order[p]
+            done[code] = 1
+            peer = wakes[p]
+            if peer >= 0 and waits_for[peer] == code:
+                waits_for[peer] = -1
+                work.append(peer)
+            p += 1
+        pos[rank] = p
+        if p < n:
+            waits_for[rank] = first[p] if not done[first[p]] else second[p]
+
+
+def _step_inputs(spec: PipelineSpec, rank: int, codes: list[int]) -> _Steps:
+    """``codes`` and, per position of ``rank``'s coded order, the codes of its (up to two) inputs
+    (``none``, see :func:`_check_no_deadlock`, where there is no such input) and the other rank its
+    completion may wake (-1 if none): F(s) needs F(s-1) and wakes s+1's rank; B/I(s) needs F(s) and
+    B/I(s+1) and wakes s-1's rank; W(s) needs I(s)."""
+    import numpy as np  # lazy: keeps numpy out of `import rrfp`
+
+    n_st, m = spec.num_stages, spec.microbatches
+    row, none, last = 3 * m, n_st * 3 * m, n_st - 1
+    code = np.asarray(codes, dtype=np.int64).reshape(len(codes))
+    stage, slot = code // row, (code // m) % 3
+    fwd, bwd = slot == 0, slot == 1
+    first = np.where(fwd, np.where(stage > 0, code - row, none), code - m)
+    second = np.where(bwd & (stage < last), code + row, none)
+    rank_of = np.append(np.asarray(spec._stage_rank, dtype=np.int64), -1)  # [-1] -> no stage: -1
+    peer = np.where(fwd, np.where(stage < last, stage + 1, -1), np.where(bwd, stage - 1, -1))
+    wakes = rank_of[peer]
+    wakes[wakes == rank] = -1
+    return code, first, second, wakes

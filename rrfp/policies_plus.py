@@ -61,10 +61,9 @@ Import it (the registry then knows ``backfill``) with ``import rrfp.policies_plu
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-from weakref import WeakKeyDictionary
 
 from rrfp.policies import Policy, register_policy
 from rrfp.task import Op, Task
@@ -101,8 +100,10 @@ def expected_costs(cfg: WorkloadConfig, spec: PipelineSpec) -> CostModel:
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """Static facts about one rank's hint positions, built once per scheduler."""
+    """Static facts about one rank's hint positions, built once per (policy, hint, rank)."""
 
+    owner: Backfill
+    """The policy the plan was built for (a scheduler may be handed another one)."""
     cost: list[float]
     """Expected seconds of each position."""
     filler: list[bool]
@@ -138,11 +139,13 @@ class Backfill(Policy):
         self.latency = float(latency)
         self.window = window
         self.margin = float(margin)
-        # One plan per scheduler: a policy instance may serve every rank of a run.
-        self._plans: WeakKeyDictionary[RankScheduler, _Plan] = WeakKeyDictionary()
 
     # -- Policy interface -------------------------------------------------------------------
     def pick(self, s: RankScheduler) -> Task | None:
+        head, plan = s.head, s.policy_state
+        if type(plan) is _Plan and plan.owner is self and head < len(s.tasks):
+            if not plan.filler[head] and s.is_ready(head):
+                return s.tasks[head]  # _passing's first answer, without the call (the common case)
         for pos in self._passing(s, first_only=True):
             return s.tasks[pos]
         return None
@@ -157,7 +160,9 @@ class Backfill(Policy):
         head = s.head
         if head >= len(s.tasks):
             return []
-        plan = self._plan(s)
+        plan = s.policy_state
+        if type(plan) is not _Plan or plan.owner is not self:
+            plan = self._plan(s)
         head_ready = s.is_ready(head)
         if head_ready and not plan.filler[head]:
             return [head]  # anything moved before it would delay it: nothing else can pass
@@ -167,7 +172,8 @@ class Backfill(Policy):
         room = self._room(s, plan, others)
         runnable = [head, *others] if head_ready else others
         out: list[int] = []
-        for p in sorted(runnable, key=lambda p: (plan.filler[p], s.prio[p])):
+        filler, prio = plan.filler, s.prio
+        for p in sorted(runnable, key=lambda p: (filler[p], prio[p])):
             if p == head or plan.cost[p] * (1.0 + self.margin) <= room[p] + _EPS:
                 out.append(p)
                 if first_only:
@@ -182,13 +188,15 @@ class Backfill(Policy):
         out: list[int] = []
         blocked = False
         is_forward = s.is_forward
-        for pos in range(head + 1, min(len(s.tasks), head + self.window)):
-            if not s.is_ready(pos) or (is_forward[pos] and blocked):
-                continue
-            if is_forward[pos] and not s.admissible(pos):
-                blocked = True
-                continue
-            out.append(pos)
+        end = min(len(s.tasks), head + self.window)
+        pos = s.next_ready(head + 1, end)  # only the ready positions: skip the rest at C speed
+        while pos >= 0:
+            if not (is_forward[pos] and blocked):
+                if is_forward[pos] and not s.admissible(pos):
+                    blocked = True
+                else:
+                    out.append(pos)
+            pos = s.next_ready(pos + 1, end)
         return out
 
     def _room(self, s: RankScheduler, plan: _Plan, candidates: list[int]) -> dict[int, float]:
@@ -207,38 +215,75 @@ class Backfill(Policy):
         cursor = now  # end of the previous position when the hint order is followed
         work = 0.0  # expected work of the unstarted positions passed so far
         guard = math.inf  # min over the non-fillers passed of (their start - now - work before them)
+        cost, filler, arrive = plan.cost, plan.filler, plan.arrive
         for pos in range(s.head, max(candidates) + 1):
             if s.started(pos):
                 continue
             eta = now
             if timed and s.awaiting(pos):
                 since = s.since(pos)
-                eta = max(now, (now if since is None else since) + plan.arrive[pos])
+                eta = max(now, (now if since is None else since) + arrive[pos])
             begin = cursor if cursor > eta else eta
-            cursor = begin + plan.cost[pos]
+            cursor = begin + cost[pos]
             if pos in wanted:
                 room[pos] = min(guard, cursor - now - work)
-            if not plan.filler[pos]:
+            if not filler[pos]:
                 guard = min(guard, begin - now - work)
-            work += plan.cost[pos]
+            work += cost[pos]
         return room
 
     # -- per-scheduler plan -----------------------------------------------------------------
     def _plan(self, s: RankScheduler) -> _Plan:
-        plan = self._plans.get(s)
-        if plan is None:
-            plan = self._plans[s] = self._build_plan(s)
+        """This policy's plan of ``s``'s rank: kept on the scheduler (``policy_state``) for the hot path,
+        and shared through the hint's memo by every scheduler of that rank (TP members, DP replicas)."""
+        plans: dict[tuple[int, int], _Plan] = s.hint.memo.setdefault("backfill_plans", {})
+        key = (id(self), s.rank)  # the plan holds its owner, so this id is not reused while it lives
+        plan = plans.get(key)
+        if plan is None or plan.owner is not self:
+            plan = plans[key] = self._build_plan(s)
+        s.policy_state = plan
         return plan
 
     def _build_plan(self, s: RankScheduler) -> _Plan:
-        spec = s.hint.spec
-        cost = [self._cost(t) for t in s.tasks]
-        filler = [not spec.remote_consumers(t) for t in s.tasks]
-        arrive = []
-        for t in s.tasks:
-            remote = [self._cost(d) for d in spec.deps(t) if spec.is_remote(d, t)]
-            arrive.append(max(remote) + self.latency if remote else 0.0)
-        return _Plan(cost, filler, arrive)
+        """From the hint's task codes: a task crosses ranks at most once each way -- F(s) feeds F(s+1),
+        B/I(s) feeds B/I(s-1) -- so its one remote input and its one remote output are found by stage."""
+        import numpy as np  # lazy: keeps numpy out of `import rrfp`
+
+        hint, rank = s.hint, s.rank
+        spec = hint.spec
+        m, row, last = spec.microbatches, 3 * spec.microbatches, spec.num_stages - 1
+        code = np.asarray(hint.codes(rank), dtype=np.int64).reshape(len(s.tasks))
+        stage, slot = code // row, (code // m) % 3  # slot 0 = F, 1 = B/I, 2 = W (local in and out)
+        rank_of = np.append(np.asarray(spec._stage_rank, dtype=np.int64), -1)  # [-1]: no stage
+        after = rank_of[np.where(stage < last, stage + 1, -1)]  # rank of stage s+1 (-1: none)
+        before = rank_of[stage - 1]  # rank of stage s-1 (stage 0 reads [-1]: none)
+        remote_after, remote_before = (after >= 0) & (after != rank), (before >= 0) & (before != rank)
+        fwd, bwd = slot == 0, slot == 1
+        filler = ~((fwd & remote_after) | (bwd & remote_before))
+        from_before = fwd & remote_before  # F(s-1) -> F(s)
+        from_after = bwd & remote_after  # B/I(s+1) -> B/I(s)
+        has_source = from_before | from_after
+        source = np.where(from_before, code - row, code + row)[has_source]
+        cost = self._costs(s.tasks)
+        source_cost = iter(self._costs(hint.tasks_by_code()[source].tolist()))  # in position order
+        arrive = [next(source_cost) + self.latency if has else 0.0 for has in has_source.tolist()]
+        return _Plan(self, cost, filler.tolist(), arrive)
+
+    def _costs(self, tasks: Sequence[Task]) -> list[float]:
+        """``_cost`` of each task in turn; the common case (every value a float or int, all finite and
+        >= 0) is checked in bulk, anything else task by task, so an error names the same task."""
+        try:
+            values = list(map(self.expected, tasks))
+        except Exception:
+            values = None  # let the task-by-task pass raise where it would have
+        if values is not None and set(map(type, values)) <= {float, int}:
+            import numpy as np  # lazy: keeps numpy out of `import rrfp`
+
+            seconds = list(map(float, values))
+            array = np.array(seconds, dtype=float)
+            if bool(np.isfinite(array).all() and (array >= 0).all()):
+                return seconds
+        return [self._cost(t) for t in tasks]
 
     def _cost(self, task: Task) -> float:
         value = self.expected(task)

@@ -26,14 +26,14 @@ Only forwards take memory, so only forwards can be refused by hint-safe admissio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from heapq import heappop, heappush
+from typing import Any
 
-from rrfp.budget import deltas
 from rrfp.hints import Hint
 from rrfp.policies import Policy, get_policy
 from rrfp.segtree import MaxPrefixTree
-from rrfp.task import Op, Task
+from rrfp.task import Task
 
 
 class SchedulerError(RuntimeError):
@@ -46,26 +46,26 @@ class RankScheduler:
     def __init__(
         self, hint: Hint, rank: int, policy: str | Policy = "rrfp", budget: int | None = None
     ) -> None:
-        order = hint.orders[rank]
+        plan = _rank_plan(hint, rank)
         self.hint = hint
         self.rank = rank
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
-        self.tasks: tuple[Task, ...] = order
-        self.index: dict[Task, int] = {t: p for p, t in enumerate(order)}
-        self.prio: tuple[int, ...] = hint.priority(rank)
-        self._pos_of_prio = [0] * len(order)
-        for pos, pr in enumerate(self.prio):
-            self._pos_of_prio[pr] = pos
-        plan = _rank_plan(hint, rank)
+        self.tasks: tuple[Task, ...] = hint.orders[rank]
+        self.index: dict[Task, int] = plan.index
+        self.prio: tuple[int, ...] = plan.prio
+        self._pos_of_prio = plan.pos_of_prio
+        self._plan = plan
         self._delta = plan.delta
         self.is_forward = plan.is_forward
         self._releases = plan.releases
         self._need0 = plan.need
         self._remote0 = plan.remote  # how many of those inputs are messages
-        self._local_consumers = plan.local_consumers
+        self._feeds, self._feeds_too = plan.feeds, plan.feeds_too  # local consumers (-1: none)
         self.now: float | None = None
         """Driver clock (s) at the latest :meth:`tick`; None if the driver never ticks."""
-        peak = _peak(self._delta)
+        self.policy_state: object = None
+        """Per-scheduler scratch space for the policy (e.g. its static plan of this rank)."""
+        peak = plan.peak
         self.budget = peak if budget is None else budget
         if self.budget < peak:
             raise SchedulerError(f"rank {rank}: budget {self.budget} is below the hint's own peak {peak}")
@@ -74,6 +74,7 @@ class RankScheduler:
     def reset(self) -> None:
         """Start a new iteration: nothing delivered, started or completed."""
         n = len(self.tasks)
+        plan = self._plan
         self._need = list(self._need0)
         self._remote = list(self._remote0)
         self._started = bytearray(n)
@@ -82,28 +83,36 @@ class RankScheduler:
         self.head = 0  # first position not yet started: what `fixed` waits for
         self.held = 0  # activation slots held now (in-flight forwards included)
         self.peak = 0
-        self._tree = MaxPrefixTree(self._delta)
+        self._tree = plan.tree.copy()
         self._since: dict[int, float] = {}  # position -> announced start of its cross-rank producer
-        self._fheap: list[int] = []
-        self._oheap: list[int] = []
-        for pos in range(n):
-            if self._need[pos] == 0:
-                self._push(pos)
+        self._fheap: list[int] = list(plan.fheap)  # the initially ready positions' priorities
+        self._oheap: list[int] = list(plan.oheap)
+        self._ready = bytearray(plan.ready)  # 1 where ready and not started: what next_ready() finds
+        self._ready_count = plan.ready.count(1)
 
     # -- events from the driver -----------------------------------------------------------
     def deliver(self, task: Task) -> None:
         """One cross-rank input of ``task`` arrived."""
-        pos = self._pos(task)
-        if self._remote[pos] <= 0:
+        try:
+            pos = self.index[task]
+        except KeyError:
+            pos = self._pos(task)
+        remote, need = self._remote, self._need
+        if remote[pos] <= 0:
             raise SchedulerError(f"rank {self.rank}: {task} got more cross-rank inputs than it needs")
-        self._remote[pos] -= 1
-        self._need[pos] -= 1
-        if self._need[pos] == 0:
-            self._push(pos)
+        remote[pos] -= 1
+        need[pos] -= 1
+        if need[pos] == 0:  # ready: into its heap (inlined: once per task)
+            heappush(self._fheap if self.is_forward[pos] else self._oheap, self.prio[pos])
+            self._ready[pos] = 1
+            self._ready_count += 1
 
     def complete(self, task: Task) -> None:
         """This rank finished ``task``: free its memory and wake its local consumers."""
-        pos = self._pos(task)
+        try:
+            pos = self.index[task]
+        except KeyError:
+            pos = self._pos(task)
         if not self._started[pos] or self._finished[pos]:
             raise SchedulerError(f"rank {self.rank}: complete({task}) but it is not running")
         self._finished[pos] = 1
@@ -111,20 +120,35 @@ class RankScheduler:
         if self._releases[pos]:
             self.held -= 1
         need = self._need
-        for c in self._local_consumers[pos]:
+        c = self._feeds[pos]  # its local consumers, written out twice: this runs once per task
+        if c >= 0:
+            need[c] -= 1
+            if need[c] == 0:  # ready: into its heap
+                heappush(self._fheap if self.is_forward[c] else self._oheap, self.prio[c])
+                self._ready[c] = 1
+                self._ready_count += 1
+        c = self._feeds_too[pos]
+        if c >= 0:
             need[c] -= 1
             if need[c] == 0:
-                self._push(c)
+                heappush(self._fheap if self.is_forward[c] else self._oheap, self.prio[c])
+                self._ready[c] = 1
+                self._ready_count += 1
 
     def start(self, task: Task) -> None:
         """The driver commits ``task``; it must be ready and admissible."""
-        pos = self._pos(task)
+        try:
+            pos = self.index[task]
+        except KeyError:
+            pos = self._pos(task)
         if self._started[pos] or self._need[pos]:
             state = "already started" if self._started[pos] else "not ready"
             raise SchedulerError(f"rank {self.rank}: start({task}) but it is {state}")
         if self.is_forward[pos] and not self.admissible(pos):
             raise SchedulerError(f"rank {self.rank}: start({task}) would break the memory budget")
         self._started[pos] = 1
+        self._ready[pos] = 0
+        self._ready_count -= 1
         if self.is_forward[pos]:
             self.held += 1
             if self.held > self.peak:
@@ -135,8 +159,8 @@ class RankScheduler:
             while head < n and started[head]:
                 head += 1
             self.head = head
-        else:
-            # Out of hint order: take its delta out of the remaining-order tree.
+        elif self._delta[pos]:
+            # Out of hint order: take its delta out of the remaining-order tree (a 0 is already 0).
             self._tree.set(pos, 0)
 
     def tick(self, now: float) -> None:
@@ -145,16 +169,21 @@ class RankScheduler:
 
     def announce(self, task: Task, since: float) -> None:
         """Optional: the producer of a cross-rank input of ``task`` started computing at ``since`` (s)."""
-        self._since[self._pos(task)] = since
+        try:
+            pos = self.index[task]
+        except KeyError:
+            pos = self._pos(task)
+        self._since[pos] = since
 
     # -- questions --------------------------------------------------------------------------
     def next(self) -> Task | None:
-        """The policy's pick now, or None; commits nothing."""
-        return self.policy.pick(self)
+        """The policy's pick now, or None; commits nothing. With nothing ready a policy can only say
+        None (start() takes ready tasks only), so it is not asked -- most idle polls end here."""
+        return self.policy.pick(self) if self._ready_count else None
 
     def ready(self) -> list[Task]:
         """Ready, admissible tasks in priority order under this policy (for TP agreement)."""
-        return self.policy.candidates(self)
+        return self.policy.candidates(self) if self._ready_count else []
 
     @property
     def done(self) -> bool:
@@ -171,6 +200,11 @@ class RankScheduler:
 
     def is_ready(self, pos: int) -> bool:
         return not self._started[pos] and self._need[pos] == 0
+
+    def next_ready(self, lo: int, hi: int) -> int:
+        """The first ready, unstarted position in ``[lo, hi)``, or -1 (a C-level scan: cheap to call
+        once per decision over a window of positions)."""
+        return self._ready.find(1, lo, hi)
 
     def started(self, pos: int) -> bool:
         return bool(self._started[pos])
@@ -205,9 +239,6 @@ class RankScheduler:
         prios = sorted(p for p in self._fheap + self._oheap if not started[pos_of[p]])
         return [pos_of[p] for p in prios]
 
-    def _push(self, pos: int) -> None:
-        heappush(self._fheap if self.is_forward[pos] else self._oheap, self.prio[pos])
-
     def _pos(self, task: Task) -> int:
         try:
             return self.index[task]
@@ -219,59 +250,101 @@ class RankScheduler:
 class _RankPlan:
     """Static wiring of one rank's tasks, shared by every scheduler built on the same hint."""
 
+    index: dict[Task, int]  # task -> position in the hint order
+    prio: tuple[int, ...]  # the hint's priority of each position
+    pos_of_prio: list[int]  # its inverse
     delta: list[int]  # activation slots each position takes (+1) or gives back (-1)
     is_forward: list[bool]
     releases: list[bool]
     need: list[int]  # inputs per position (local + cross-rank)
     remote: list[int]  # of which cross-rank
-    local_consumers: list[list[int]]  # positions on this rank that each position feeds
+    feeds: list[int]  # the position on this rank that each position feeds first (-1: none) ...
+    feeds_too: list[int]  # ... and second: at most two (F: B/I and F(s+1); B/I: W and B/I(s-1))
+    peak: int  # most activation slots the hint order itself holds
+    tree: MaxPrefixTree  # over `delta`; each reset starts from a copy
+    fheap: list[int]  # priorities of the forwards ready at the start, as a heap
+    oheap: list[int]  # ... and of the other ready tasks
+    ready: bytes  # 1 at the positions ready at the start
 
 
 def _rank_plan(hint: Hint, rank: int) -> _RankPlan:
-    """Build (once per hint and rank) the wiring from the DAG rules in rrfp.spec, without Task objects
-    in the loop: schedulers for 128 ranks x 1024 microbatches must build in well under a second."""
+    """The plan of ``hint``'s ``rank`` (memoised). The wiring is built once per order (a class hint and
+    its reference share it) and only the priority fields once per hint."""
     memo: dict[int, _RankPlan] = hint.memo.setdefault("rank_plans", {})
     if rank in memo:
         return memo[rank]
-    spec, order = hint.spec, hint.orders[rank]
-    last, rank_of = spec.num_stages - 1, [spec.rank_of(s) for s in range(spec.num_stages)]
-    index = {t: p for p, t in enumerate(order)}
-    bwd, split = spec.backward_op, spec.split
-    need, remote, consumers = [], [], []
-    for t in order:
-        s, op, m = t
-        if op is Op.F:
-            need.append(1 if s > 0 else 0)
-            remote.append(1 if s > 0 and rank_of[s - 1] != rank else 0)
-            out = [index[Task(s, bwd, m)]]
-            if s < last and rank_of[s + 1] == rank:
-                out.append(index[Task(s + 1, Op.F, m)])
-        elif op is Op.W:
-            need.append(1)
-            remote.append(0)
-            out = []
-        else:
-            need.append(1 if s == last else 2)
-            remote.append(1 if s < last and rank_of[s + 1] != rank else 0)
-            out = [index[Task(s, Op.W, m)]] if split else []
-            if s > 0 and rank_of[s - 1] == rank:
-                out.append(index[Task(s - 1, op, m)])
-        consumers.append(out)
-    plan = _RankPlan(
-        delta=deltas(spec, order),
-        is_forward=[t.op is Op.F for t in order],
-        releases=[t.op is spec.release_op for t in order],
-        need=need,
-        remote=remote,
-        local_consumers=consumers,
-    )
+    shared: dict[int, _RankPlan] = hint.orders_memo.setdefault("rank_plans", {})
+    plan = shared.get(rank)
+    if plan is None:
+        plan = shared[rank] = _build_rank_plan(hint, rank)
+    prio = hint.priority(rank)
+    if plan.prio != prio:
+        plan = replace(plan, **_priority_fields(prio, plan.need, plan.is_forward))
     memo[rank] = plan
     return plan
 
 
-def _peak(ds: list[int]) -> int:
-    held = peak = 0
-    for d in ds:
-        held += d
-        peak = max(peak, held)
-    return peak
+def _priority_fields(prio: tuple[int, ...], need: list[int], is_forward: list[bool]) -> dict[str, Any]:
+    """What a plan derives from the priorities: them, their inverse and the initial ready heaps (the
+    positions ready at the start pushed in position order, as reset() used to)."""
+    import numpy as np  # lazy: keeps numpy out of `import rrfp`
+
+    fheap: list[int] = []
+    oheap: list[int] = []
+    for pos, count in enumerate(need):
+        if count == 0:
+            heappush(fheap if is_forward[pos] else oheap, prio[pos])
+    pos_of_prio = np.argsort(np.asarray(prio, dtype=np.int64).reshape(len(prio))).tolist()  # a permutation
+    return {"prio": prio, "pos_of_prio": pos_of_prio, "fheap": fheap, "oheap": oheap}
+
+
+def _build_rank_plan(hint: Hint, rank: int) -> _RankPlan:
+    """Build the wiring from the DAG rules in rrfp.spec, on the hint's integer task codes with numpy
+    rather than Task objects: schedulers for 128 ranks x 1024 microbatches must build in well under a
+    second."""
+    import numpy as np  # lazy: keeps numpy out of `import rrfp`
+
+    spec, order = hint.spec, hint.orders[rank]
+    n, m, last = len(order), spec.microbatches, spec.num_stages - 1
+    row = 3 * m
+    code = np.asarray(hint.codes(rank), dtype=np.int64).reshape(n)
+    stage, slot = code // row, (code // m) % 3
+    fwd, bwd = slot == 0, slot == 1  # slot 1 is B, or I when split; slot 2 is W
+    rank_of = np.append(np.asarray(spec._stage_rank, dtype=np.int64), -1)  # [-1]: no stage
+    after = rank_of[np.where(stage < last, stage + 1, -1)]  # rank of the next stage (-1: none)
+    before = rank_of[stage - 1]  # rank of the previous stage (stage 0 reads [-1]: none)
+    need = np.where(fwd, stage > 0, np.where(bwd, np.where(stage == last, 1, 2), 1))
+    remote = np.where(fwd, (before >= 0) & (before != rank), bwd & (after >= 0) & (after != rank))
+    # Local consumers: F(s) feeds B/I(s) and F(s+1) if that is here; B/I(s) feeds W(s) (split) and
+    # B/I(s-1) if that is here. Positions come from the sorted codes (every code looked up exists).
+    by_code = np.argsort(code, kind="stable")
+    sorted_code = code[by_code]
+
+    def pos_of(wanted: np.ndarray, valid: np.ndarray) -> np.ndarray:
+        at = np.minimum(np.searchsorted(sorted_code, wanted), n - 1)
+        if not (sorted_code[at] == wanted)[valid].all():
+            raise SchedulerError(f"rank {rank}: the hint order lacks a consumer of its own tasks")
+        return np.where(valid, by_code[at], -1)
+
+    own = pos_of(code + m, fwd | (bwd & spec.split))
+    near_f = pos_of(code + row, fwd & (after == rank))
+    near = np.where(fwd, near_f, pos_of(code - row, bwd & (before == rank)))
+    release_slot = 2 if spec.split else 1
+    delta = np.where(fwd, 1, np.where(slot == release_slot, -1, 0))
+    is_forward = fwd.tolist()
+    need_list = need.astype(np.int64).tolist()
+    delta_list = delta.tolist()
+    return _RankPlan(
+        index=dict(zip(order, range(n), strict=True)),
+        delta=delta_list,
+        is_forward=is_forward,
+        releases=(slot == release_slot).tolist(),
+        need=need_list,
+        remote=remote.astype(np.int64).tolist(),
+        feeds=own.tolist(),
+        feeds_too=near.tolist(),
+        peak=max(0, int(np.cumsum(delta).max())) if n else 0,
+        tree=MaxPrefixTree(delta_list),
+        ready=(need == 0).astype(np.uint8).tobytes(),
+        **_priority_fields(hint.priority(rank), need_list, is_forward),
+    )

@@ -52,21 +52,31 @@ def _lagged(spec: PipelineSpec, bwd_lag: Callable[[int], int], w_lag: Callable[[
     microbatch x - bwd_lag(rank), then (split only) W of microbatch x - w_lag(rank); ops whose
     microbatch is out of range are skipped. The lags fix warm-up, steady state and cool-down at once.
     """
-    m_total = spec.microbatches
+    m_total, bwd, split = spec.microbatches, spec.backward_op, spec.split
     orders: Orders = {}
     for rank in range(spec.pp):
         (stage,) = spec.stages_of(rank)
         lag_b, lag_w = bwd_lag(rank), w_lag(rank)
+        fs, bs = _tasks(stage, Op.F, m_total), _tasks(stage, bwd, m_total)
+        ws = _tasks(stage, Op.W, m_total) if split else []
         order: list[Task] = []
+        add = order.append
         for x in range(m_total + max(lag_b, lag_w)):
             if x < m_total:
-                order.append(Task(stage, Op.F, x))
+                add(fs[x])
             if 0 <= x - lag_b < m_total:
-                order.append(Task(stage, spec.backward_op, x - lag_b))
-            if spec.split and 0 <= x - lag_w < m_total:
-                order.append(Task(stage, Op.W, x - lag_w))
+                add(bs[x - lag_b])
+            if split and 0 <= x - lag_w < m_total:
+                add(ws[x - lag_w])
         orders[rank] = order
     return orders
+
+
+def _tasks(stage: int, op: Op, microbatches: int) -> list[Task]:
+    """``[Task(stage, op, 0), ...]`` without a Python-level constructor call per task (the schedules
+    of 128 ranks x 1024 microbatches hold a quarter of a million tasks)."""
+    new = tuple.__new__
+    return [new(Task, (stage, op, mb)) for mb in range(microbatches)]
 
 
 def one_f_one_b(spec: PipelineSpec) -> Orders:

@@ -9,11 +9,15 @@ Events the hook schedules at the current time (zero-duration tasks, zero-latency
 processed next, and the hook runs again after them -- the same loop as :func:`rrfp.run_reference`.
 
 Everything else is SimPy's own: events, timeouts, processes and callbacks behave as in
-``simpy.Environment``; only :meth:`drain` replaces ``run()`` as the main loop.
+``simpy.Environment``; only :meth:`drain` replaces ``run()`` as the main loop. On top, :meth:`call_at`
+queues a plain call ``fn(arg)`` -- a heap entry ``(time, NORMAL, id, fn, arg)`` with no Event object --
+for the model's hot path (one per task and one per message). It draws its id from the same counter as
+the events, so same-time entries still run in the order they were queued, events and calls alike.
 
     env = InstantEnvironment()
     env.on_instant_end = dispatch      # called with no arguments
     env.arm()                          # something changed at env.now: call the hook at the instant's end
+    env.call_at(2.5, print, "hello")   # fn(arg) at t = 2.5, without an Event
     env.drain()                        # run until no event is left
 """
 
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from heapq import heappop, heappush
+from typing import Any
 
 import simpy
 from simpy.events import NORMAL, Event
@@ -44,6 +49,19 @@ class InstantEnvironment(simpy.Environment):
         assert when >= self._now, f"schedule_at({when}) is in the past (now={self._now})"
         heappush(self._queue, (when, priority, next(self._eid), event))
 
+    def call_at(self, when: float, fn: Callable[[Any], object], arg: Any) -> None:
+        """Call ``fn(arg)`` at the absolute time ``when`` (>= now), as a NORMAL-priority event would run."""
+        heappush(self._queue, (when, NORMAL, next(self._eid), fn, arg))
+
+    def step(self) -> None:
+        """SimPy's step, which also runs the plain calls of :meth:`call_at` (for ``run()``)."""
+        queue = self._queue
+        if queue and len(queue[0]) == 5:
+            self._now, _, _, fn, arg = heappop(queue)
+            fn(arg)
+        else:
+            super().step()
+
     def drain(self) -> None:
         """Process events until none is left, calling the hook at the end of each armed instant."""
         queue = self._queue
@@ -51,13 +69,17 @@ class InstantEnvironment(simpy.Environment):
             self.armed = False
             self.on_instant_end()
         while queue:
-            now, _, _, event = heappop(queue)
-            self._now = now
-            callbacks, event.callbacks = event.callbacks, None
-            for callback in callbacks:  # type: ignore[union-attr]
-                callback(event)
-            if not event._ok and not hasattr(event, "_defused"):
-                raise event._value  # a failed, undefused event crashes the run, as in SimPy
+            entry = heappop(queue)
+            now = self._now = entry[0]
+            if len(entry) == 5:  # a plain call (call_at)
+                entry[3](entry[4])
+            else:
+                event = entry[3]
+                callbacks, event.callbacks = event.callbacks, None
+                for callback in callbacks:  # type: ignore[union-attr]
+                    callback(event)
+                if not event._ok and not hasattr(event, "_defused"):
+                    raise event._value  # a failed, undefused event crashes the run, as in SimPy
             if self.armed and (not queue or queue[0][0] != now):
                 self.armed = False
                 self.on_instant_end()

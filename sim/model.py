@@ -1,11 +1,13 @@
 """The SimPy cluster model: PP x TP x DP ranks driving :class:`rrfp.RankScheduler` through its interface.
 
 One *worker* per (pipeline rank, DP replica) owns the schedulers of its TP group's members (one when
-tp = 1). Workers are SimPy callbacks rather than processes, and messages are plain timeouts with a
-callback (no process per message): that keeps the event count at about one per task and one per message.
-Durations are looked up, per iteration, from numpy arrays turned into Python lists once per rank. The
-common case (tp = 1, eager, no contention, no trace) completes tasks through a pre-wired fast path
-(``on_done_fast``); the tests hold it to the general path's results.
+tp = 1). Workers are SimPy callbacks rather than processes, and a task's completion and a message's
+arrival are plain calls on the event heap (:meth:`InstantEnvironment.call_at`: no Event object, no
+process): one heap entry per task and one per message. Durations are looked up, per iteration, from
+numpy arrays turned into Python lists once per rank. The common case (tp = 1, eager, no contention, no
+trace) completes tasks through a pre-wired fast path (``on_done_fast``); the tests hold it to the
+general path's results. Building a model and running it hold the garbage collector
+(:func:`rrfp.hints.gc_paused`): at 128 ranks x 1024 microbatches its passes cost more than the work.
 
 Per iteration (:meth:`ClusterModel.run` runs several back to back):
 
@@ -43,14 +45,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from heapq import heappush
 
 import numpy as np
-from simpy.events import Event, Timeout
+from simpy.events import NORMAL, Event
 
 import rrfp
-from rrfp.hints import Hint
+from rrfp.hints import Hint, gc_paused
 from rrfp.policies import Policy
-from rrfp.scheduler import RankScheduler
+from rrfp.scheduler import RankScheduler, _rank_plan
 from rrfp.task import Op, Task
 from rrfp.trace import TraceRecorder
 from rrfp.workload import IterationSample
@@ -79,36 +82,48 @@ class ModelRun:
 
 
 class _RankPlan:
-    """Static, per pipeline rank: its order and where each task's outputs go (shared by replicas)."""
+    """Static, per pipeline rank: its order and where each task's outputs go (shared by replicas).
+
+    Built from the hint's integer task codes (:meth:`rrfp.Hint.codes`) with numpy: no Task object is
+    created, and each message payload carries the consumer's own Task from its rank's order."""
 
     def __init__(self, hint: Hint, rank: int) -> None:
         spec = hint.spec
+        self.spec = spec  # not the hint: the hint's memo holds this plan
         self.order: tuple[Task, ...] = hint.orders[rank]
-        self.pos: dict[Task, int] = {t: p for p, t in enumerate(self.order)}
-        self.stage = np.array([t.stage for t in self.order], dtype=np.intp)
-        self.mb = np.array([t.mb for t in self.order], dtype=np.intp)
-        self.opcode = np.array([_OP_CODE[t.op] for t in self.order], dtype=np.intp)
+        self.pos: dict[Task, int] = _rank_plan(hint, rank).index  # the scheduler's own (shared) index
+        m, row, last = spec.microbatches, 3 * spec.microbatches, spec.num_stages - 1
+        code = np.asarray(hint.codes(rank), dtype=np.intp)
+        self.stage = code // row
+        self.mb = code % m
+        slot = (code // m) % 3  # 0 = F, 1 = B (I when split), 2 = W
+        self.opcode = np.choose(slot, [0, _OP_CODE[spec.backward_op], 3]).astype(np.intp)
         self.direction = (self.opcode != 0).astype(np.intp)  # comm multiplier index: 0 fwd, 1 gradient
-        # The DAG is the same for every microbatch, so ask the spec once per (stage, op), at microbatch 0.
-        out: dict[tuple[int, Op], list[tuple[int, Task]]] = {}
-        into: dict[tuple[int, Op], tuple[int, ...]] = {}
-        for s, op in {(t.stage, t.op) for t in self.order}:
-            task = Task(s, op, 0)
-            out[s, op] = spec.remote_consumers(task)
-            into[s, op] = tuple(spec.rank_of(d.stage) for d in spec.deps(task) if spec.is_remote(d, task))
-        # (destination pipeline rank, (member 0, consumer task)) per message out of each position: the
-        # payload is what the destination's on_arrive reads. () for a task with no remote output.
-        none: tuple[tuple[int, tuple[int, Task]], ...] = ()
-        self.remote = [none] * len(self.order)
-        for p, t in enumerate(self.order):
-            if outs := out[t.stage, t.op]:
-                self.remote[p] = tuple((dest, (0, Task(c.stage, c.op, t.mb))) for dest, c in outs)
-        self._into = into
+        # One message at most per task: F(s) -> F(s+1), B/I(s) -> B/I(s-1), when that stage is elsewhere.
+        rank_of = np.append(np.asarray(spec._stage_rank, dtype=np.intp), -1)  # [-1]: no stage
+        dest = np.where(
+            slot == 0, rank_of[np.where(self.stage < last, self.stage + 1, -1)],
+            np.where(slot == 1, rank_of[self.stage - 1], -1),
+        )  # fmt: skip
+        dest = np.where(dest != rank, dest, -1)
+        sends = np.flatnonzero(dest >= 0)
+        target = np.where(slot == 0, code + row, code - row)[sends]
+        task_of = hint.tasks_by_code()
+        # Per position: the pipeline rank its message goes to (-1: none) and the consumer task there.
+        self.dest: list[int] = dest.tolist()
+        consumer = np.full(len(code), None, dtype=object)
+        consumer[sends] = task_of[target]
+        self.consumer: list[Task | None] = consumer.tolist()
 
     @cached_property
     def receives(self) -> dict[tuple[int, int], list[Task]]:
         """Rendezvous only: the tasks that receive from each (source rank, direction), in order."""
-        return receive_orders(self.order, [self._into[t.stage, t.op] for t in self.order])
+        spec = self.spec
+        into: dict[tuple[int, Op], tuple[int, ...]] = {}
+        for s, op in {(t.stage, t.op) for t in self.order}:  # the same for every microbatch: ask once
+            task = Task(s, op, 0)
+            into[s, op] = tuple(spec.rank_of(d.stage) for d in spec.deps(task) if spec.is_remote(d, task))
+        return receive_orders(self.order, [into[t.stage, t.op] for t in self.order])
 
 
 class _Worker:
@@ -116,27 +131,35 @@ class _Worker:
 
     __slots__ = (
         "agree_cost", "arrive", "blocked", "busy", "busy_time", "d", "dirty", "dispatch", "done_cb", "dur",
-        "env", "finish", "gids", "model", "peers", "plan", "r", "scheds", "started_at", "tx",
+        "eid", "env", "finish", "gids", "model", "peers", "plan", "pos", "queue", "r", "scheds", "started_at",
+        "tx",
     )  # fmt: skip
 
     def __init__(self, model: ClusterModel, r: int, d: int, scheds: list[RankScheduler]) -> None:
         self.model, self.env, self.r, self.d = model, model.env, r, d
         self.plan: _RankPlan = model.plans[r]
+        self.pos = self.plan.pos
         self.scheds = scheds
         tp = len(scheds)
         self.gids = [(d * model.pp + r) * tp + t for t in range(tp)]
         self.agree_cost = model.agree_cost
         self.dur: list[float] = []  # group duration (slowest member) by position, this iteration
         self.tx: list[list[float]] = []  # per member: transfer time of the message out of each position
-        self.arrive: list[Callable[[Event], None]] = []  # on_arrive of each pipeline rank of the replica
+        self.arrive: list[Callable[[Task], None]] = []  # on_arrive_fast of each pipeline rank of the replica
+        self.use(model.env)
         self.peers: list[_Worker] = []  # every pipeline rank's worker of this replica (announcements)
         # Bound once: the hot path neither branches on tp nor creates a bound method per event.
         if model.clocked:
-            self.dispatch = self.dispatch_clocked
+            self.dispatch = self.dispatch_clocked if tp == 1 else self.dispatch_clocked_group
         else:
             self.dispatch = self.dispatch_one if tp == 1 else self.dispatch_group
         self.done_cb = self.on_done
         self.reset()
+
+    def use(self, env: InstantEnvironment) -> None:
+        """Run in ``env``. The hot path queues its calls straight onto ``env``'s heap, as
+        :meth:`InstantEnvironment.call_at` does (same entry, same id counter), without the method call."""
+        self.env, self.queue, self.eid = env, env._queue, env._eid
 
     def reset(self) -> None:
         for s in self.scheds:
@@ -164,12 +187,12 @@ class _Worker:
         if task is None:
             return
         sched.start(task)
-        pos = self.plan.pos[task]
+        pos = self.pos[task]
         d = self.dur[pos]
         self.busy = True
         self.busy_time += d
-        self.started_at = self.env._now
-        Timeout(self.env, d, pos).callbacks.append(self.done_cb)
+        now = self.started_at = self.env._now
+        heappush(self.queue, (now + d, NORMAL, next(self.eid), self.done_cb, pos))
 
     def dispatch_group(self) -> None:
         """tp > 1: the members' ready views go through the TP agreement rule; the task lasts the
@@ -181,14 +204,15 @@ class _Worker:
             return
         for s in self.scheds:
             s.start(task)
-        pos = self.plan.pos[task]
+        pos = self.pos[task]
         d = self.dur[pos]
         self.busy = True
         self.busy_time += d
-        self.started_at = self.env._now + self.agree_cost
-        Timeout(self.env, self.agree_cost + d, pos).callbacks.append(self.done_cb)
+        now = self.env._now
+        self.started_at = now + self.agree_cost
+        self.env.call_at(now + (self.agree_cost + d), self.done_cb, pos)
 
-    def dispatch_clocked(self) -> None:
+    def dispatch_clocked_group(self) -> None:
         """A policy with a clock: tick every member, pick (alone or through the TP rule), then announce
         the task's cross-rank outputs to their consumers' schedulers -- the header precedes the payload."""
         if self.busy or self.blocked:
@@ -202,20 +226,43 @@ class _Worker:
             return
         for s in scheds:
             s.start(task)
-        pos = self.plan.pos[task]
+        pos = self.pos[task]
         d = self.dur[pos]
         cost = self.agree_cost if len(scheds) > 1 else 0.0
         self.busy = True
         self.busy_time += d
         self.started_at = now + cost
-        for dest, (_, consumer) in self.plan.remote[pos]:
+        dest = self.plan.dest[pos]
+        if dest >= 0:
+            consumer = self.plan.consumer[pos]
             for s in self.peers[dest].scheds:
                 s.announce(consumer, self.started_at)
-        Timeout(self.env, cost + d, pos).callbacks.append(self.done_cb)
+        self.env.call_at(now + (cost + d), self.done_cb, pos)
 
-    def on_done(self, event: Event) -> None:
-        """The running task ended on every member: complete it, send its outputs, post the next recv."""
-        pos: int = event._value
+    def dispatch_clocked(self) -> None:
+        """:meth:`dispatch_clocked_group` for tp = 1 (no TP rule, no agreement cost): the same calls."""
+        if self.busy or self.blocked:
+            return
+        now = self.env._now
+        sched = self.scheds[0]
+        sched.tick(now)
+        task = sched.next()
+        if task is None:
+            return
+        sched.start(task)
+        pos = self.pos[task]
+        d = self.dur[pos]
+        self.busy = True
+        self.busy_time += d
+        self.started_at = now
+        dest = self.plan.dest[pos]
+        if dest >= 0:
+            self.peers[dest].scheds[0].announce(self.plan.consumer[pos], now)
+        heappush(self.queue, (now + d, NORMAL, next(self.eid), self.done_cb, pos))
+
+    def on_done(self, pos: int) -> None:
+        """The running task at ``pos`` ended on every member: complete it, send its outputs, post the
+        next receives."""
         plan = self.plan
         task = plan.order[pos]
         for s in self.scheds:
@@ -224,7 +271,7 @@ class _Worker:
         model = self.model
         if model.recorder is not None:
             model.record_compute(self, task, self.started_at, self.env._now)
-        if plan.remote[pos]:
+        if plan.dest[pos] >= 0:
             model.send(self, pos)
         if model.rendezvous is not None:
             model.rendezvous.post_receives(self)
@@ -233,20 +280,17 @@ class _Worker:
         else:
             self.mark()
 
-    def on_done_fast(self, event: Event) -> None:
+    def on_done_fast(self, pos: int) -> None:
         """:meth:`on_done` for the common case -- tp = 1, eager sends, no contention, no trace -- with
         the messages pre-wired (:meth:`wire`); the tests hold both paths to the same results."""
-        pos: int = event._value
-        sched = self.scheds[0]
-        sched.complete(self.plan.order[pos])
+        sched, plan = self.scheds[0], self.plan
+        sched.complete(plan.order[pos])
         self.busy = False
         env = self.env
-        outs = self.plan.remote[pos]
-        if outs:
-            tx = self.tx[0][pos]
-            arrive = self.arrive
-            for dest, payload in outs:
-                Timeout(env, tx, payload).callbacks.append(arrive[dest])
+        dest = plan.dest[pos]
+        if dest >= 0:
+            arrival = env._now + self.tx[0][pos]
+            heappush(self.queue, (arrival, NORMAL, next(self.eid), self.arrive[dest], plan.consumer[pos]))
         if sched.done:
             self.finish = env._now
         elif not self.dirty:
@@ -256,7 +300,7 @@ class _Worker:
 
     def wire(self, replica: list[_Worker]) -> None:
         """Pre-bind the arrival callback of every pipeline rank of this replica."""
-        self.arrive = [w.on_arrive for w in replica]
+        self.arrive = [w.on_arrive_fast for w in replica]
         self.peers = replica
 
     def on_arrive(self, event: Event) -> None:
@@ -264,6 +308,14 @@ class _Worker:
         now: its completion (or unblocking) marks it."""
         t, task = event._value
         self.scheds[t].deliver(task)
+        if not (self.busy or self.blocked or self.dirty):
+            self.dirty = True
+            self.model.dirty.append(self)
+            self.env.armed = True
+
+    def on_arrive_fast(self, task: Task) -> None:
+        """:meth:`on_arrive` on the fast path (tp = 1: member 0), called with the consumer itself."""
+        self.scheds[0].deliver(task)
         if not (self.busy or self.blocked or self.dirty):
             self.dirty = True
             self.model.dirty.append(self)
@@ -301,7 +353,20 @@ class ClusterModel:
         self.allreduce_cost = cluster.allreduce_time()  # s; a replay sets the recorded one
         self.env = InstantEnvironment()
         self.env.on_instant_end = self._dispatch_dirty
-        plans: dict[int, _RankPlan] = hint.memo.setdefault("sim_rank_plans", {})  # shared by policies
+        with gc_paused():
+            self._build(hint, policy, budget)
+        for row in self.workers:
+            for w in row:
+                w.wire(row)
+        self.dirty: list[_Worker] = []
+        self.recorder: TraceRecorder | None = None
+        self.iteration = 0
+        self._link_free: dict[tuple[int, int], float] = {}
+        self._msg_id = 0
+
+    def _build(self, hint: Hint, policy: str | Policy, budget: Mapping[int, int] | None) -> None:
+        # Shared by every policy on this order (and hint: a plan does not read the priorities).
+        plans: dict[int, _RankPlan] = hint.orders_memo.setdefault("sim_rank_plans", {})
         for r in range(self.pp):
             if r not in plans:
                 plans[r] = _RankPlan(hint, r)
@@ -313,14 +378,6 @@ class ClusterModel:
             ]
             for d in range(self.dp)
         ]
-        for row in self.workers:
-            for w in row:
-                w.wire(row)
-        self.dirty: list[_Worker] = []
-        self.recorder: TraceRecorder | None = None
-        self.iteration = 0
-        self._link_free: dict[tuple[int, int], float] = {}
-        self._msg_id = 0
 
     # -- coordinates -----------------------------------------------------------------------------
     def coords(self, rank: int) -> tuple[int, int, int]:
@@ -336,8 +393,14 @@ class ClusterModel:
     # -- running ---------------------------------------------------------------------------------
     def run(self, samples: Samples, recorder: TraceRecorder | None = None) -> ModelRun:
         """Simulate ``len(samples)`` iterations back to back; ``samples[i][d][t]`` feeds member t of
-        replica d in iteration i. Raises :class:`rrfp.DeadlockError` if a rank can never finish."""
+        replica d in iteration i. Raises :class:`rrfp.DeadlockError` if a rank can never finish.
+        The garbage collector is held meanwhile (the run makes no reference cycles; see
+        :func:`rrfp.hints.gc_paused`)."""
         self._check_samples(samples)
+        with gc_paused():
+            return self._run(samples, recorder)
+
+    def _run(self, samples: Samples, recorder: TraceRecorder | None) -> ModelRun:
         self.recorder = recorder
         self._msg_id = 0
         self.env = InstantEnvironment()  # every run starts at t = 0 (same floats, run after run)
@@ -345,7 +408,7 @@ class ClusterModel:
         fast = self.tp == 1 and self.rendezvous is None and not self.contention and recorder is None
         for row in self.workers:
             for w in row:
-                w.env = self.env
+                w.use(self.env)
                 w.done_cb = w.on_done_fast if fast else w.on_done
         n = len(samples)
         busy = np.zeros((n, self.dp, self.pp))
@@ -451,7 +514,8 @@ class ClusterModel:
         """Send the outputs of ``w``'s task at ``pos`` to their consumers, member t to member t."""
         now = self.env._now
         replica = self.workers[w.d]
-        for dest_r, (_, consumer) in w.plan.remote[pos]:
+        dest_r, consumer = w.plan.dest[pos], w.plan.consumer[pos]
+        if dest_r >= 0:
             dest = replica[dest_r]
             for t in range(len(w.scheds)):
                 if self.rendezvous is not None:
