@@ -1,6 +1,6 @@
 """Executor study (CPU, gloo): fixed vs rrfp vs backfill vs torch.distributed.pipelining, via ``rrfp-run``.
 
-    .venv/bin/python benchmarks/exec_study.py                    # 3 launches, ~5-8 minutes here
+    .venv/bin/python benchmarks/exec_study.py                    # 4 launches, ~12-15 minutes here
     .venv/bin/python benchmarks/exec_study.py --iterations 4 --only real
 
 Launches (each one ``rrfp-run ... --json``; trials run interleaved, one iteration each in turn, so machine
@@ -9,7 +9,9 @@ load hits them alike; every trial of a launch shares workers, weights, data and 
 * ``real``        -- a GPT-style model on 4 pipeline ranks (real compute, gloo), no injected jitter;
 * ``real-jitter`` -- the same with injected lognormal jitter, CV 0.5 (each task sleeps X * inject-ms);
 * ``synthetic``   -- 16 ranks, no model: tasks sleep durations sampled as rrfp-sim does (F = 1, B = 2
-  time units of ``--time-unit-ms``), lognormal CV 0.5; torch's schedules need a model, so no torch row.
+  time units of ``--time-unit-ms``), lognormal CV 0.5; torch's schedules need a model, so no torch row;
+* ``real-jitter-long`` -- ``real-jitter`` with 3x the injected scale and fewer trials: longer tasks, so
+  the runtime's fixed per-task cost (thread hand-offs on 2 oversubscribed cores) weighs less.
 
 Trials: fixed and rrfp on 1F1B at 1x, rrfp and backfill at 2x, the zero-bubble hint ZB-H1 fixed and
 rrfp/backfill at 2x, the class hint BFW with rrfp/backfill at 2x, and torch:1F1B (real launches).
@@ -45,6 +47,7 @@ TRIALS = (
     "fixed/1f1b,rrfp/1f1b,rrfp/1f1b@2x,backfill/1f1b@2x,fixed/zb-h1,rrfp/zb-h1@2x,backfill/zb-h1@2x,"
     "rrfp/bfw@2x,backfill/bfw@2x"
 )
+LONG_TRIALS = "fixed/1f1b,rrfp/1f1b@2x,rrfp/zb-h1@2x,backfill/zb-h1@2x,rrfp/bfw@2x"
 MODEL = [
     "--hidden",
     "128",
@@ -65,7 +68,10 @@ def launches(args: argparse.Namespace) -> dict[str, list[str]]:
     jitter = ["--jitter", "lognormal", "--cv", "0.5", "--inject-ms", str(args.inject_ms)]
     synth = ["--gpus", "16", "--synthetic", "--microbatches", "32", "--time-unit-ms", str(args.time_unit_ms),
              "--trials", TRIALS, *jitter[:4], *it]  # fmt: skip
-    return {"real": real, "real-jitter": real + jitter, "synthetic": synth}
+    # Longer tasks: the same jitter at 3x the scale, so the loop's fixed per-task cost weighs less.
+    long = ["--gpus", "4", *MODEL, "--trials", LONG_TRIALS, "--baseline", "torch:1F1B", *it, *jitter[:4]]
+    long += ["--inject-ms", str(3 * args.inject_ms)]
+    return {"real": real, "real-jitter": real + jitter, "synthetic": synth, "real-jitter-long": long}
 
 
 def run(flags: list[str], timeout: float) -> dict[str, Any]:
@@ -122,7 +128,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--inject-ms", type=float, default=20.0, help="jitter scale of the real-jitter launch")
     ap.add_argument("--time-unit-ms", type=float, default=5.0, help="synthetic: ms per cost unit")
-    ap.add_argument("--only", default=None, help="comma list of launches: real, real-jitter, synthetic")
+    ap.add_argument("--only", default=None, help="comma list of launch names (see above)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     ap.add_argument("--out", type=Path, default=Path("results/exec_study"))
     args = ap.parse_args()

@@ -15,9 +15,10 @@ Two questions, both through ``rrfp-sim --replay`` (rrfp.sim.replay):
 
 Shipped traces: traces/*.parquet (see traces/README.md for how they were recorded). Fresh: one
 ``rrfp-run`` launch recorded now (fixed, rrfp at 1x and 2x, backfill at 2x on 1F1B; same settings as the
-shipped gpt traces), written to results/fidelity/fresh.parquet. The executor does not call the
-scheduler's timing hooks, so its backfill runs the no-clock rule while the replay's backfill plans with a
-clock (announcements) -- part of any backfill error below is that difference, not the timing model.
+shipped gpt traces), written to results/fidelity/fresh.parquet. The executor's backfill runs its
+no-clock rule in the warm-up, then plans with the warm-up's measured mean costs (rrfp/exec/calibrate.py);
+the replay's backfill plans with the whole trace's mean costs from the first iteration on -- part of any
+backfill error below is that difference, not the timing model.
 
 Writes results/fidelity/{fidelity.csv, fidelity.png}. Timings of real runs: they vary from run to run.
 """

@@ -4,7 +4,9 @@
 those come from the workload model; here they come from the warm-up: every rank meters its compute per
 (stage, op) and the send-to-arrival time of its incoming messages (:class:`CostMeter`, fed by the
 runtime loop), then :func:`calibrate` all-gathers the meters over the control group and builds one
-``Backfill`` with the merged means on every rank. Until then the runtime neither ticks nor announces,
+``Backfill`` with the merged means on every rank. A task's expected cost is its mean compute time plus
+the loop's mean per-task overhead (picking, delivering, posting sends): what a task really occupies a
+rank for, so a task moved into a wait is not costed short. Until then the runtime neither ticks nor announces,
 so backfill runs its no-clock rule (any awaited input may land at any moment: it only moves tasks in
 front of fillers), which is safe but cautious.
 """
@@ -33,6 +35,9 @@ class CostMeter:
     task_count: dict[tuple[int, str], int] = field(default_factory=lambda: defaultdict(int))
     msg_sum: float = 0.0
     msg_count: int = 0
+    loop_sum: float = 0.0
+    """Dispatch-loop time that was neither compute nor waiting, summed over iterations."""
+    loop_tasks: int = 0
 
     def task(self, task: Task, seconds: float) -> None:
         key = (task.stage, task.op.value)
@@ -43,12 +48,19 @@ class CostMeter:
         self.msg_sum += max(0.0, seconds)
         self.msg_count += 1
 
+    def loop(self, overhead: float, tasks: int) -> None:
+        """One iteration's loop overhead (seconds) over its ``tasks`` tasks."""
+        self.loop_sum += max(0.0, overhead)
+        self.loop_tasks += tasks
+
     def merge(self, other: CostMeter) -> None:
         for key, v in other.task_sum.items():
             self.task_sum[key] += v
             self.task_count[key] += other.task_count[key]
         self.msg_sum += other.msg_sum
         self.msg_count += other.msg_count
+        self.loop_sum += other.loop_sum
+        self.loop_tasks += other.loop_tasks
 
     def means(self) -> dict[tuple[int, str], float]:
         """Mean seconds per (stage, op letter)."""
@@ -58,6 +70,11 @@ class CostMeter:
     def latency(self) -> float:
         return self.msg_sum / self.msg_count if self.msg_count else 0.0
 
+    @property
+    def overhead(self) -> float:
+        """Mean loop overhead per task (seconds)."""
+        return self.loop_sum / self.loop_tasks if self.loop_tasks else 0.0
+
     def plain(self) -> dict[str, Any]:
         """Picklable without the defaultdict factories (they are lambdas)."""
         return {
@@ -65,6 +82,8 @@ class CostMeter:
             "task_count": dict(self.task_count),
             "msg_sum": self.msg_sum,
             "msg_count": self.msg_count,
+            "loop_sum": self.loop_sum,
+            "loop_tasks": self.loop_tasks,
         }
 
     @classmethod
@@ -73,6 +92,7 @@ class CostMeter:
         meter.task_sum.update(d["task_sum"])
         meter.task_count.update(d["task_count"])
         meter.msg_sum, meter.msg_count = d["msg_sum"], d["msg_count"]
+        meter.loop_sum, meter.loop_tasks = d["loop_sum"], d["loop_tasks"]
         return meter
 
 
@@ -99,22 +119,27 @@ def calibrate(
     meter: CostMeter, group: Any, template: Backfill, num_stages: int, ops: set[Op]
 ) -> tuple[Backfill, dict[str, Any]]:
     """Every rank's meter merged (a collective on ``group``); a Backfill like ``template`` planning with
-    the measured means (the same on every rank), and those means in milliseconds for the result row."""
+    the measured means plus the mean loop overhead (the same on every rank), and those costs in
+    milliseconds for the result row."""
     world = dist.get_world_size(group)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, meter.plain(), group=group)
     merged = CostMeter()
     for d in gathered:
         merged.merge(CostMeter.from_plain(d))
-    table = cost_table(merged.means(), num_stages, ops)
+    overhead = merged.overhead
+    means = {k: v + overhead for k, v in merged.means().items()}
+    table = cost_table(means, num_stages, ops)
     policy = Backfill(
         expected=lambda t: table[t.op][t.stage],
         latency=merged.latency,
         window=template.window,
         margin=template.margin,
+        announce_delay=merged.latency,  # announcements travel like messages
     )
     info = {
         "latency_ms": 1e3 * merged.latency,
-        "mean_ms": {f"{s}{k}": 1e3 * v for (s, k), v in sorted(merged.means().items())},
+        "overhead_ms": 1e3 * overhead,
+        "mean_ms": {f"{s}{k}": 1e3 * v for (s, k), v in sorted(means.items())},
     }
     return policy, info

@@ -135,6 +135,7 @@ class PipelineRuntime:
             self._record_sends()
         self.runner.finish()
         self.stats.loop, self.stats.flush = t1 - t0, time.monotonic() - t1
+        self.meter.loop(self.stats.overhead_per_task * self.stats.tasks, self.stats.tasks)
         return self.stats
 
     def _execute(self, task: Task) -> None:
@@ -175,8 +176,11 @@ class PipelineRuntime:
         transport = self.ctx.transport
         if transport is None:
             return
+        announced = transport.announcements
+        while announced:  # only this thread pops, so non-empty stays non-empty
+            self._accept(announced.popleft())
         inbox = transport.inbox
-        while not inbox.empty():  # only this thread takes items, so non-empty stays non-empty
+        while not inbox.empty():
             self._accept(inbox.get_nowait())
 
     def _wait_for_arrival(self) -> None:
@@ -192,7 +196,7 @@ class PipelineRuntime:
         end = time.monotonic()
         self.stats.wait += end - start
         self._record("wait", None, start, end)
-        self._accept(item)
+        self._accept(item)  # the loop drains announcements and further arrivals before it picks
 
     def _accept(self, item: Arrival | Announce | ChannelFailure) -> None:
         if isinstance(item, ChannelFailure):

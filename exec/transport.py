@@ -10,8 +10,12 @@ always sends two). On gloo a posted ``irecv`` cannot be
 polled (``is_completed()`` stays False until ``wait()``, and a timed-out wait closes the connection --
 DESIGN.md §5), so each inbound channel has a receiver thread doing *blocking* receives (header, then a
 payload of the announced shape) into one ``queue.Queue``; the runtime loop waits on that queue with the
-fault timeout and calls ``deliver()``. Sends are ``isend`` from the compute thread (so compute never
-blocks on a peer); their handles are kept and reaped once complete (at the latest at the flush).
+fault timeout and calls ``deliver()``. Sends never block the compute thread on a peer; their handles are
+kept and reaped once complete (at the latest at the flush). On gloo, posting a send is itself slow on
+an oversubscribed CPU (the call takes the channel's pair lock and often writes the socket in the
+caller: 0.3-3 ms measured here on 2 cores), so the compute thread only packs the message and hands it
+to one *sender thread* per rank, which posts the sends in order (per-channel FIFO is kept: one thread
+posts them all). With NCCL, posting is an enqueue on the NCCL stream, so the compute thread posts it.
 
 With NCCL the receiver threads run on their own CUDA streams, so a pending receive never
 makes the compute stream wait, and a received payload is fully written before the runtime sees it.
@@ -26,6 +30,7 @@ rank's CLOCK_MONOTONIC minus rank 0's, 0 on one host), converted back to the rec
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import queue
 import threading
@@ -152,7 +157,9 @@ class Transport:
         self.me_global = to_global(me)
         self.offset = 0.0
         """This rank's CLOCK_MONOTONIC minus rank 0's (seconds); the worker sets it."""
-        self.inbox: queue.Queue[Arrival | Announce | ChannelFailure] = queue.Queue()
+        self.inbox: queue.Queue[Arrival | ChannelFailure] = queue.Queue()
+        self.announcements: deque[Announce] = deque()
+        """Received announcements, oldest first (appended by receiver threads, popped by the loop)."""
         self.sent: list[SendRecord] = []
         # (global rank, group, the peer's rank inside the two-member group) per peer.
         self._out = {dst: _endpoint(to_global(dst), g) for (src, dst), g in channels.items() if src == me}
@@ -166,6 +173,15 @@ class Transport:
         # are reaped at the flush -- the buffers are activations the sender holds for its backward
         # anyway, or gradients it would free at the end of the iteration).
         self._pending: deque[tuple[tuple[Any, ...], tuple[torch.Tensor, ...], int]] = deque()
+        # gloo: the sender thread's queue of (bufs, group, group peer, global peer, trace record or None).
+        self._outbox: queue.SimpleQueue[Any] | None = queue.SimpleQueue() if self._packed else None
+        self._queued = self._posted = 0
+        self._posted_cv = threading.Condition()
+        self._send_error: str | None = None
+        self._sender = None
+        if self._outbox is not None:
+            self._sender = threading.Thread(target=self._send_loop, name="rrfp-send", daemon=True)
+            self._sender.start()
         self._threads = [
             threading.Thread(target=self._receive, args=ep, name=f"rrfp-recv-{ep[0]}", daemon=True)
             for ep in inbound.values()
@@ -174,7 +190,7 @@ class Transport:
             t.start()
 
     # -- sending (compute thread) -----------------------------------------------------------
-    def send(self, dst: int, trial: int, iteration: int, task: Task, tensor: torch.Tensor) -> SendRecord:
+    def send(self, dst: int, trial: int, iteration: int, task: Task, tensor: torch.Tensor) -> None:
         """Post ``tensor`` as the input of ``task`` on pipeline rank ``dst`` (never waits for the peer)."""
         peer, group, group_peer = self._out[dst]
         payload = tensor.detach().contiguous()
@@ -191,13 +207,8 @@ class Transport:
         else:
             bufs = (torch.tensor(head, dtype=torch.int64, device=self.device), payload)
         self._cap_out[dst] = max(self._cap_out[dst], HEADER_BYTES + nbytes)
-        # ProcessGroup.send directly: dist.isend's Python checks cost more than the send itself.
-        works = tuple(group.send([b], group_peer, 0) for b in bufs)
-        end = time.monotonic()  # handed to the transport: the send's end in the trace schema
-        self._pending.append((works, bufs, peer))
-        record = SendRecord(peer, trial, iteration, task, msg, nbytes, start, end)
-        self.sent.append(record)
-        return record
+        record = SendRecord(peer, trial, iteration, task, msg, nbytes, start, 0.0)
+        self._post(bufs, group, group_peer, peer, record)
 
     def announce(self, dst: int, trial: int, iteration: int, task: Task, since: float) -> None:
         """Tell pipeline rank ``dst`` that the producer of ``task``'s input started at ``since``
@@ -205,7 +216,40 @@ class Transport:
         peer, group, group_peer = self._out[dst]
         values = encode_announce(trial, iteration, task, self._wire(since))
         head = torch.tensor(values, dtype=torch.int64, device=self.device)
-        self._pending.append(((group.send([head], group_peer, 0),), (head,), peer))
+        self._post((head,), group, group_peer, peer, None)
+
+    def _post(
+        self, bufs: tuple[torch.Tensor, ...], group: Any, group_peer: int, peer: int, record: Any
+    ) -> None:
+        """Post now (NCCL) or hand to the sender thread (gloo); ``record``'s end is set when posted."""
+        if self._outbox is None:
+            self._post_now(bufs, group, group_peer, peer, record)
+            return
+        self._queued += 1
+        self._outbox.put((bufs, group, group_peer, peer, record))
+
+    def _post_now(
+        self, bufs: tuple[torch.Tensor, ...], group: Any, group_peer: int, peer: int, record: Any
+    ) -> None:
+        # ProcessGroup.send directly: dist.isend's Python checks cost more than the send itself.
+        works = tuple(group.send([b], group_peer, 0) for b in bufs)
+        self._pending.append((works, bufs, peer))
+        if record is not None:  # handed to the transport: the send's end in the trace schema
+            self.sent.append(dataclasses.replace(record, end=time.monotonic()))
+
+    def _send_loop(self) -> None:
+        """The sender thread: post queued sends in order until told to stop (None)."""
+        assert self._outbox is not None
+        while (item := self._outbox.get()) is not None:
+            try:
+                if self._send_error is None:
+                    self._post_now(*item)
+            except Exception as e:  # the peer died: report once, keep counting so flush() can end
+                self._send_error = f"send to rank {item[3]} failed: {_one_line(e)}"
+                self.inbox.put(ChannelFailure(item[3], "send", _one_line(e)))
+            with self._posted_cv:
+                self._posted += 1
+                self._posted_cv.notify_all()
 
     def _wire(self, t: float) -> int:
         """Microseconds on rank 0's clock."""
@@ -224,6 +268,15 @@ class Transport:
     def flush(self, timeout: float) -> None:
         """Wait until every posted send completed; LostPeerError-worthy failures propagate."""
         deadline = time.monotonic() + timeout
+        with self._posted_cv:  # first, everything handed to the sender thread is posted
+            while self._posted < self._queued:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    n = self._queued - self._posted
+                    raise TransportError(f"{n} sends not even posted after {timeout:g} s")
+                self._posted_cv.wait(left)
+        if self._send_error is not None:
+            raise TransportError(self._send_error)
         while self._pending:
             works, _, peer = self._pending[0]
             left = deadline - time.monotonic()
@@ -246,6 +299,9 @@ class Transport:
         for _, group, group_peer in self._out.values():
             group.send([torch.tensor(close, dtype=torch.int64, device=self.device)], group_peer, 0).wait()
         deadline = time.monotonic() + timeout
+        if self._outbox is not None and self._sender is not None:
+            self._outbox.put(None)
+            self._sender.join(max(0.0, deadline - time.monotonic()))
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
 
@@ -274,7 +330,11 @@ class Transport:
             return -1
         if values[0] == KIND_ANNOUNCE:
             trial, iteration, task, since_us = decode_announce(values)
-            self.inbox.put(Announce(peer, trial, iteration, task, self._local(since_us)))
+            # Not through the inbox: an announcement never makes a task runnable, and it only brings an
+            # expected arrival closer, so a policy that refused to move a task still refuses -- waking
+            # the loop for it would cost a thread hand-off for nothing. The loop reads these when an
+            # input arrives or a task completes.
+            self.announcements.append(Announce(peer, trial, iteration, task, self._local(since_us)))
             return cap
         trial, iteration, task, msg, dtype, shape, sent_us = decode_header(values)
         payload = torch.empty(shape, dtype=dtype, device=self.device)

@@ -12,7 +12,9 @@ The rule. The rank's hint order is a reservation list. At each decision the poli
 a task whose cross-rank input is still on its way, the expected arrival:
 
 * announced (the producer started at ``since``): ``since + E[producer] + latency``, at least now;
-* not announced (the producer has not started): ``now + E[producer] + latency`` -- a lower bound;
+* not announced (the producer has not started): ``now + E[producer] + latency`` -- a lower bound; where
+  announcements take time to arrive (``announce_delay``, the executor's message time), the producer may
+  have started that long ago: ``now - announce_delay + E[producer] + latency``;
 * no clock (a driver that never ticks nor announces): now -- the input may land any moment.
 
 A ready, admissible task X within ``window`` positions of the head may run now, ahead of the head, only
@@ -84,6 +86,11 @@ class BackfillError(ValueError):
     """A backfill parameter or cost-model value out of range; the message names it and the rule."""
 
 
+def _check_seconds(name: str, value: object) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+        raise BackfillError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
+
+
 def unit_costs(task: Task) -> float:
     """The workload default's mean costs: F = I = W = 1 s, B = I + W = 2 s, on every stage."""
     return _UNIT[task.op]
@@ -125,12 +132,15 @@ class Backfill(Policy):
         latency: float = 0.0,
         window: int = 32,
         margin: float = 0.0,
+        announce_delay: float = 0.0,
     ) -> None:
         """``expected``: mean seconds per task (default :func:`unit_costs`); ``latency``: mean seconds a
         message takes (latency + bytes / bandwidth); ``window``: how many hint positions past the head a
-        task may come from; ``margin``: moved tasks are costed at ``(1 + margin)`` x their mean."""
-        if not (isinstance(latency, (int, float)) and math.isfinite(latency) and latency >= 0):
-            raise BackfillError(f"latency must be a finite number of seconds >= 0, got {latency!r}")
+        task may come from; ``margin``: moved tasks are costed at ``(1 + margin)`` x their mean;
+        ``announce_delay``: seconds an announcement may take to arrive (0 in the simulator, where the
+        driver announces at the producer's start)."""
+        _check_seconds("latency", latency)
+        _check_seconds("announce_delay", announce_delay)
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise BackfillError(f"window must be an integer >= 1 hint positions, got {window!r}")
         if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin >= 0):
@@ -139,6 +149,7 @@ class Backfill(Policy):
         self.latency = float(latency)
         self.window = window
         self.margin = float(margin)
+        self.announce_delay = float(announce_delay)
 
     # -- Policy interface -------------------------------------------------------------------
     def pick(self, s: RankScheduler) -> Task | None:
@@ -216,13 +227,14 @@ class Backfill(Policy):
         work = 0.0  # expected work of the unstarted positions passed so far
         guard = math.inf  # min over the non-fillers passed of (their start - now - work before them)
         cost, filler, arrive = plan.cost, plan.filler, plan.arrive
+        unannounced = now - self.announce_delay  # the earliest start of a producer not yet heard of
         for pos in range(s.head, max(candidates) + 1):
             if s.started(pos):
                 continue
             eta = now
             if timed and s.awaiting(pos):
                 since = s.since(pos)
-                eta = max(now, (now if since is None else since) + arrive[pos])
+                eta = max(now, (unannounced if since is None else since) + arrive[pos])
             begin = cursor if cursor > eta else eta
             cursor = begin + cost[pos]
             if pos in wanted:

@@ -7,7 +7,7 @@ Pieces run without processes where they can (a scripted transport); one launch c
 from __future__ import annotations
 
 import queue
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import pytest
 import torch
@@ -47,10 +47,13 @@ def test_cost_meter_merges_ranks_and_fills_halves() -> None:
     a.message(0.002)
     b.message(0.004)
     b.message(-1.0)  # clock noise never makes a message take negative time
+    a.loop(0.003, 2)
+    b.loop(0.001, 2)
     merged = CostMeter.from_plain(a.plain())
     merged.merge(CostMeter.from_plain(b.plain()))
     assert merged.means() == {(0, "F"): pytest.approx(0.020), (1, "B"): pytest.approx(0.040)}
     assert merged.latency == pytest.approx(0.002)
+    assert merged.overhead == pytest.approx(0.001)
     means = {(0, "F"): 1.0, (0, "B"): 4.0, (1, "F"): 2.0, (1, "I"): 3.0, (1, "W"): 1.0}
     table = cost_table(means, 2, {Op.F, Op.B})
     assert table[Op.B] == [4.0, 4.0] and table[Op.I][0] == 2.0 and table[Op.W][0] == 2.0
@@ -63,6 +66,7 @@ class _ScriptedTransport:
 
     def __init__(self) -> None:
         self.inbox: queue.Queue = queue.Queue()
+        self.announcements: deque = deque()
         self.log: list[tuple[str, Task, float | None]] = []
 
     def send(self, dst: int, trial: int, iteration: int, task: Task, tensor: torch.Tensor) -> None:
@@ -100,7 +104,7 @@ def _last_rank_runtime(clocked: bool) -> tuple[PipelineRuntime, _ScriptedTranspo
     transport = _ScriptedTransport()
     for mb in range(3):
         task = Task(1, Op.F, mb)
-        transport.inbox.put(Announce(0, 0, 0, task, since=100.0 + mb))
+        transport.announcements.append(Announce(0, 0, 0, task, since=100.0 + mb))
         transport.inbox.put(Arrival(0, 0, 0, task, torch.zeros(1), mb, 0.0, 5.0 + mb, sent=4.5 + mb))
     ctx = RankContext(rank=1, pp_rank=1, to_global=lambda p: p, transport=transport, timeout=5)  # type: ignore[arg-type]
     runner = SyntheticRunner(hint.spec, WorkloadConfig(), 0.1, seed=0, replica=0)
@@ -124,6 +128,7 @@ def test_clocked_loop_ticks_announces_before_sending_and_meters() -> None:
     assert set(means) == {(1, "F"), (1, "B")} and all(v > 0 for v in means.values())
     assert runtime.meter.latency == pytest.approx(0.5)  # arrival end - sent, for every message
     assert runtime.meter.msg_count == 3 and sum(runtime.meter.task_count.values()) == 6
+    assert runtime.meter.loop_tasks == 6 and runtime.meter.loop_sum >= 0
 
 
 def test_unclocked_loop_neither_ticks_nor_announces() -> None:

@@ -7,6 +7,7 @@ import itertools
 import queue
 import random
 import time
+from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -145,6 +146,7 @@ def test_compare_finds_the_worst_tensor_and_slices_tp_shards() -> None:
 class _FakeTransport:
     def __init__(self) -> None:
         self.inbox: queue.Queue = queue.Queue()
+        self.announcements: deque = deque()
 
     def send(self, *args: object) -> None:
         raise AssertionError("nothing may be sent before the first input arrived")

@@ -130,6 +130,20 @@ def test_announcements_and_latency_set_the_expected_arrival(
     assert s.ready() == ([] if expected is None else [T(expected)])
 
 
+@pytest.mark.parametrize(
+    ("delay", "expected"),
+    [
+        (0.0, "1F2"),  # not heard of: starts now at the earliest, lands >= 4.0
+        (1.0, "1F2"),  # may have started at 1.0 unheard: lands >= 3.0, when 1F2 would end
+        (1.5, None),  # may have started at 0.5: lands >= 2.5, before 1F2 would end
+    ],
+)
+def test_an_announcement_still_on_its_way_counts_as_sent(delay: float, expected: str | None) -> None:
+    s = rank1_waiting_for_1b0(Backfill(announce_delay=delay))
+    s.tick(2.0)
+    assert s.next() == (None if expected is None else T(expected))
+
+
 def test_a_ready_filler_yields_to_critical_work_only_within_memory() -> None:
     # bfw pp=3 m=3, rank 1: 1F0 1F1 1I0 1W0 1F2 1I1 ... After 1F0, 1F1, 1I0 the head 1W0 (a filler: W
     # sends nothing) is ready; 1F2's activation has arrived. With a slot to spare 1F2 goes first (its
@@ -291,6 +305,8 @@ def test_the_exact_guarantee_is_not_vacuous() -> None:
         ({"window": 0}, "window"),
         ({"window": 2.5}, "window"),
         ({"margin": -0.1}, "margin"),
+        ({"announce_delay": -1.0}, "announce_delay"),
+        ({"announce_delay": float("inf")}, "announce_delay"),
     ],
 )
 def test_bad_parameters_raise_a_typed_error(kwargs: dict[str, float], match: str) -> None:
