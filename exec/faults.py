@@ -155,9 +155,13 @@ def fail_from(e: BaseException) -> None:
     die(f"crashed: {_one_line(e)}", CRASH_EXIT)
 
 
+PEER_ERRORS = ("Connection closed by peer", "Connection reset", "Broken pipe", "Timed out", "timed out")
+"""Texts of gloo errors that mean the other end is gone."""
+
+
 def _is_peer_error(e: BaseException) -> bool:
     text = str(e)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset", "Timed out", "timed out"))
+    return any(s in text for s in PEER_ERRORS)
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rrfp.exec.faults import LostPeerError
 from rrfp.task import Op, Task
 
 HEADER_LEN = 16
@@ -177,7 +178,7 @@ class Transport:
         self._outbox: queue.SimpleQueue[Any] | None = queue.SimpleQueue() if self._packed else None
         self._queued = self._posted = 0
         self._posted_cv = threading.Condition()
-        self._send_error: str | None = None
+        self._send_error: tuple[int, str] | None = None  # (peer, what failed)
         self._sender = None
         if self._outbox is not None:
             self._sender = threading.Thread(target=self._send_loop, name="rrfp-send", daemon=True)
@@ -245,7 +246,7 @@ class Transport:
                 if self._send_error is None:
                     self._post_now(*item)
             except Exception as e:  # the peer died: report once, keep counting so flush() can end
-                self._send_error = f"send to rank {item[3]} failed: {_one_line(e)}"
+                self._send_error = (item[3], f"send channel failed: {_one_line(e)}")
                 self.inbox.put(ChannelFailure(item[3], "send", _one_line(e)))
             with self._posted_cv:
                 self._posted += 1
@@ -275,8 +276,8 @@ class Transport:
                     n = self._queued - self._posted
                     raise TransportError(f"{n} sends not even posted after {timeout:g} s")
                 self._posted_cv.wait(left)
-        if self._send_error is not None:
-            raise TransportError(self._send_error)
+        if self._send_error is not None:  # a peer is gone: a fault, not a crash of this rank
+            raise LostPeerError(self._send_error[0], self._send_error[1])
         while self._pending:
             works, _, peer = self._pending[0]
             left = deadline - time.monotonic()
