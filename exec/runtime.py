@@ -8,12 +8,12 @@ One iteration::
         pick: sched.next() -- or, with TP, rrfp.agree() over the group's ready() views
         nothing to run -> block on the inbox (fault timeout), deliver, loop
         start -> [announce] -> compute (+ injected sleep) -> complete -> post sends / hand over locally
+    wait for the sends; write gradients
 
 Clocked policies (``backfill``, once :mod:`rrfp.exec.calibrate` has measured the costs): the loop ticks
 the scheduler's clock before each pick, announces each start to the ranks that consume the task's
 outputs (a header-only message ahead of the payload), and hands received announcements to
 ``sched.announce``.
-    wait for the sends; write gradients
 
 TP members must run the same task in the same order, because their compute contains collectives.
 Every pick all-gathers (candidates, ready-by-inputs) over the TP group's gloo twin and applies
