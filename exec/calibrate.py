@@ -116,11 +116,17 @@ def cost_table(means: dict[tuple[int, str], float], num_stages: int, ops: set[Op
 
 
 def calibrate(
-    meter: CostMeter, group: Any, template: Backfill, num_stages: int, ops: set[Op]
+    meter: CostMeter,
+    group: Any,
+    template: Backfill,
+    num_stages: int,
+    ops: set[Op],
+    announced_ops: frozenset[Op] | None = None,
 ) -> tuple[Backfill, dict[str, Any]]:
     """Every rank's meter merged (a collective on ``group``); a Backfill like ``template`` planning with
     the measured means plus the mean loop overhead (the same on every rank), and those costs in
-    milliseconds for the result row."""
+    milliseconds for the result row. ``announced_ops``: the ops whose starts the runtime announces (None:
+    all)."""
     world = dist.get_world_size(group)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, meter.plain(), group=group)
@@ -136,6 +142,7 @@ def calibrate(
         window=template.window,
         margin=template.margin,
         announce_delay=merged.latency,  # announcements travel like messages
+        announced_ops=announced_ops,
     )
     info = {
         "latency_ms": 1e3 * merged.latency,
@@ -143,3 +150,11 @@ def calibrate(
         "mean_ms": {f"{s}{k}": 1e3 * v for (s, k), v in sorted(means.items())},
     }
     return policy, info
+
+
+ANNOUNCED_OPS: dict[str, frozenset[Op] | None] = {
+    "all": None,
+    "backward": frozenset({Op.B, Op.I}),
+    "none": frozenset(),
+}
+"""--announce choice -> the ops whose starts are announced (None: every op)."""

@@ -71,7 +71,7 @@ def build_config(o: dict[str, Any]) -> RunConfig:
         dump_dir=o["dump_dir"], jitter=o["jitter"], cv=cv, inject_ms=o["inject_ms"],
         synthetic=o["synthetic"], costs=o["costs"], workload=o["workload"], time_unit_ms=o["time_unit_ms"],
         trace_out=o["trace_out"], json=o["json"], backend=o["backend"], threads=o["threads"], lr=o["lr"],
-        start_method=o["start_method"],
+        start_method=o["start_method"], announce=o["announce"],
     )  # fmt: skip
 
 
@@ -124,6 +124,9 @@ _O = click.option
 @_O("--jitter", default="none", show_default=True, help="Injected jitter distribution (rrfp.jitter).")
 @_O("--cv", type=float, default=None, help=f"Jitter CV (default {DEFAULT_CV} with --jitter).")
 @_O("--inject-ms", type=float, default=0.0, show_default=True, help="Sleep X*this ms per task (B: I+W).")
+@_O(
+    "--announce", default="all", show_default=True, help="backfill: announce starts of all, backward or none."
+)
 @_O("--synthetic", is_flag=True, help="No model: tasks sleep durations sampled as rrfp-sim does.")
 @_O("--costs", default="F=1,B=2", show_default=True, help="--synthetic: per-op mean costs (time units).")
 @_O("--workload", default="language", show_default=True, help="--synthetic: language or multimodal.")

@@ -13,6 +13,11 @@ from itertools import product
 
 MODELS = ("gpt", "multimodal")
 BACKENDS = ("auto", "gloo", "nccl")
+ANNOUNCE = ("all", "backward", "none")
+"""--announce: backfill hears of the starts of every task, of backward (B/I) tasks only, or of none; an
+input whose producer is not announced counts as arriving any moment (the cautious no-clock reading).
+Fewer announcements are fewer messages: on an oversubscribed CPU they cost more than they gain
+(BENCHMARKS.md section 3)."""
 START_METHODS = ("fork", "spawn", "forkserver")
 TORCH_BASELINE_PREFIX = "torch:"
 
@@ -179,6 +184,8 @@ class RunConfig:
     """torch intra-op threads per worker (None: cores / local workers, at least 1)."""
     lr: float = 1e-2
     """SGD learning rate of the optimizer step."""
+    announce: str = "all"
+    """backfill: whose starts are announced -- all, backward (B/I only) or none (see ANNOUNCE)."""
     start_method: str | None = None
     """How the local launcher starts workers; None: forkserver with a CPU-only torch (see
     rrfp.exec.launch.default_start_method), spawn with a CUDA build."""
@@ -217,6 +224,8 @@ class RunConfig:
             raise ExecConfigError(
                 f"--start-method {self.start_method!r} is unknown: choose {', '.join(START_METHODS)}"
             )
+        if self.announce not in ANNOUNCE:
+            raise ExecConfigError(f"--announce {self.announce!r} is unknown: choose {', '.join(ANNOUNCE)}")
         if not self.policies or not self.hints:
             raise ExecConfigError("--policy and --hint need at least one name each")
         baselines = self.baselines or any(t.is_baseline for t in self.explicit_trials)

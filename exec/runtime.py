@@ -166,7 +166,9 @@ class PipelineRuntime:
         """The header goes out before the payload: consumers on other ranks learn ``task`` started."""
         remote = self._remote.get(task)
         if remote is None:
-            remote = self._remote[task] = self.spec.remote_consumers(task)
+            ops = getattr(self.sched.policy, "announced_ops", None)
+            heard = ops is None or task.op in ops
+            remote = self._remote[task] = self.spec.remote_consumers(task) if heard else []
         for dst, consumer in remote:
             assert self.ctx.transport is not None
             self.ctx.transport.announce(dst, self.trial, self.iteration, consumer, start)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from rrfp.budget import resolve_budget
 from rrfp.exec import faults
-from rrfp.exec.calibrate import calibrate
+from rrfp.exec.calibrate import ANNOUNCED_OPS, calibrate
 from rrfp.exec.check import digest, local_grads
 from rrfp.exec.config import Trial
 from rrfp.exec.data import make_batch
@@ -112,8 +112,9 @@ class RrfpTrial:
         the all-gather is a collective over the control group)."""
         spec = self.sched.hint.spec
         ops = {t.op for order in self.sched.hint.orders.values() for t in order}
+        announced = ANNOUNCED_OPS[self.cfg.announce]
         policy, info = calibrate(
-            self.runtime.meter, self.worker.groups.ctrl, self.sched.policy, spec.num_stages, ops
+            self.runtime.meter, self.worker.groups.ctrl, self.sched.policy, spec.num_stages, ops, announced
         )
         self.sched.policy, self.out.calibration = policy, info
         self.runtime.clocked = True

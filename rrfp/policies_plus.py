@@ -12,6 +12,7 @@ The rule. The rank's hint order is a reservation list. At each decision the poli
 a task whose cross-rank input is still on its way, the expected arrival:
 
 * announced (the producer started at ``since``): ``since + E[producer] + latency``, at least now;
+* never announced (its op is not in ``announced_ops``): now -- it may land any moment;
 * not announced (the producer has not started): ``now + E[producer] + latency`` -- a lower bound; where
   announcements take time to arrive (``announce_delay``, the executor's message time), the producer may
   have started that long ago: ``now - announce_delay + E[producer] + latency``;
@@ -133,12 +134,14 @@ class Backfill(Policy):
         window: int = 32,
         margin: float = 0.0,
         announce_delay: float = 0.0,
+        announced_ops: frozenset[Op] | None = None,
     ) -> None:
         """``expected``: mean seconds per task (default :func:`unit_costs`); ``latency``: mean seconds a
         message takes (latency + bytes / bandwidth); ``window``: how many hint positions past the head a
         task may come from; ``margin``: moved tasks are costed at ``(1 + margin)`` x their mean;
         ``announce_delay``: seconds an announcement may take to arrive (0 in the simulator, where the
-        driver announces at the producer's start)."""
+        driver announces at the producer's start); ``announced_ops``: the ops whose starts the driver
+        announces (None: all) -- an input produced by any other op may land any moment."""
         _check_seconds("latency", latency)
         _check_seconds("announce_delay", announce_delay)
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -150,6 +153,11 @@ class Backfill(Policy):
         self.window = window
         self.margin = float(margin)
         self.announce_delay = float(announce_delay)
+        if announced_ops is not None and not (
+            isinstance(announced_ops, frozenset) and all(isinstance(op, Op) for op in announced_ops)
+        ):
+            raise BackfillError(f"announced_ops must be None or a frozenset of Op, got {announced_ops!r}")
+        self.announced_ops = announced_ops
 
     # -- Policy interface -------------------------------------------------------------------
     def pick(self, s: RankScheduler) -> Task | None:
@@ -279,6 +287,8 @@ class Backfill(Policy):
         cost = self._costs(s.tasks)
         source_cost = iter(self._costs(hint.tasks_by_code()[source].tolist()))  # in position order
         arrive = [next(source_cost) + self.latency if has else 0.0 for has in has_source.tolist()]
+        if self.announced_ops is not None:  # unheard-of producers: their inputs may land any moment
+            arrive = [a if t.op in self.announced_ops else 0.0 for a, t in zip(arrive, s.tasks, strict=True)]
         return _Plan(self, cost, filler.tolist(), arrive)
 
     def _costs(self, tasks: Sequence[Task]) -> list[float]:

@@ -144,6 +144,17 @@ def test_an_announcement_still_on_its_way_counts_as_sent(delay: float, expected:
     assert s.next() == (None if expected is None else T(expected))
 
 
+@pytest.mark.parametrize(
+    ("ops", "expected"), [(None, "1F2"), (frozenset({Op.B}), "1F2"), (frozenset(), None)]
+)
+def test_inputs_of_ops_never_announced_may_land_any_moment(
+    ops: frozenset | None, expected: str | None
+) -> None:
+    s = rank1_waiting_for_1b0(Backfill(announced_ops=ops))
+    s.tick(2.0)  # 2B0 has not been announced: >= 2 s away if B starts are announced, else imminent
+    assert s.next() == (None if expected is None else T(expected))
+
+
 def test_a_ready_filler_yields_to_critical_work_only_within_memory() -> None:
     # bfw pp=3 m=3, rank 1: 1F0 1F1 1I0 1W0 1F2 1I1 ... After 1F0, 1F1, 1I0 the head 1W0 (a filler: W
     # sends nothing) is ready; 1F2's activation has arrived. With a slot to spare 1F2 goes first (its
@@ -307,6 +318,7 @@ def test_the_exact_guarantee_is_not_vacuous() -> None:
         ({"margin": -0.1}, "margin"),
         ({"announce_delay": -1.0}, "announce_delay"),
         ({"announce_delay": float("inf")}, "announce_delay"),
+        ({"announced_ops": {"B"}}, "announced_ops"),
     ],
 )
 def test_bad_parameters_raise_a_typed_error(kwargs: dict[str, float], match: str) -> None:
