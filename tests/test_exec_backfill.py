@@ -99,7 +99,9 @@ class _SpyScheduler(rrfp.RankScheduler):
         super().announce(task, since)
 
 
-def _last_rank_runtime(clocked: bool) -> tuple[PipelineRuntime, _ScriptedTransport, _SpyScheduler]:
+def _last_rank_runtime(
+    clocked: bool, policy: object = "backfill"
+) -> tuple[PipelineRuntime, _ScriptedTransport, _SpyScheduler]:
     hint = rrfp.make_hint("1f1b", 2, 3)
     transport = _ScriptedTransport()
     for mb in range(3):
@@ -109,7 +111,7 @@ def _last_rank_runtime(clocked: bool) -> tuple[PipelineRuntime, _ScriptedTranspo
     ctx = RankContext(rank=1, pp_rank=1, to_global=lambda p: p, transport=transport, timeout=5)  # type: ignore[arg-type]
     runner = SyntheticRunner(hint.spec, WorkloadConfig(), 0.1, seed=0, replica=0)
     runner.begin(0)
-    sched = _SpyScheduler(hint, 1, "backfill")
+    sched = _SpyScheduler(hint, 1, policy)
     runtime = PipelineRuntime(ctx, sched, runner, 0, Injector("none", 0.0, 0.0, 0, 0))
     runtime.clocked = clocked
     runtime.run_iteration(0)
@@ -129,6 +131,14 @@ def test_clocked_loop_ticks_announces_before_sending_and_meters() -> None:
     assert runtime.meter.latency == pytest.approx(0.5)  # arrival end - sent, for every message
     assert runtime.meter.msg_count == 3 and sum(runtime.meter.task_count.values()) == 6
     assert runtime.meter.loop_tasks == 6 and runtime.meter.loop_sum >= 0
+
+
+def test_only_the_announced_ops_are_announced() -> None:
+    """--announce none/backward: the loop announces only starts of ops the policy hears of."""
+    from rrfp.policies_plus import Backfill
+
+    _, transport, _ = _last_rank_runtime(clocked=True, policy=Backfill(announced_ops=frozenset({Op.F})))
+    assert [kind for kind, _, _ in transport.log] == ["send"] * 3  # rank 1's B starts go unannounced
 
 
 def test_unclocked_loop_neither_ticks_nor_announces() -> None:
