@@ -64,6 +64,7 @@ MODEL = [
 
 def launches(args: argparse.Namespace) -> dict[str, list[str]]:
     it = ["--iterations", str(args.iterations), "--warmup", str(args.warmup), "--seed", "0"]
+    it += ["--announce", args.announce]
     real = ["--gpus", "4", *MODEL, "--trials", TRIALS, "--baseline", "torch:1F1B", *it]
     jitter = ["--jitter", "lognormal", "--cv", "0.5", "--inject-ms", str(args.inject_ms)]
     synth = ["--gpus", "16", "--synthetic", "--microbatches", "32", "--time-unit-ms", str(args.time_unit_ms),
@@ -129,6 +130,7 @@ def main() -> None:
     ap.add_argument("--inject-ms", type=float, default=20.0, help="jitter scale of the real-jitter launch")
     ap.add_argument("--time-unit-ms", type=float, default=5.0, help="synthetic: ms per cost unit")
     ap.add_argument("--only", default=None, help="comma list of launch names (see above)")
+    ap.add_argument("--announce", default="all", help="rrfp-run --announce for backfill: all, backward, none")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     ap.add_argument("--out", type=Path, default=Path("results/exec_study"))
     args = ap.parse_args()
