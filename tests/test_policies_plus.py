@@ -245,15 +245,19 @@ def check_run(
             assert start >= where[dep][1] + (lat if spec.is_remote(dep, task) else 0.0) - 1e-12
 
 
+CASES = {
+    "hint": hints(),
+    "seed": st.integers(0, 2**32 - 1),
+    "mode": st.sampled_from(["integer", "uniform", "heavy"]),
+    "factor": st.sampled_from(["1x", "1.5x", "2x", "3x"]),
+    "lat": st.sampled_from([0.0, 0.25, 1.0]),
+    "window": st.integers(1, 64),
+}
+"""A random pipeline, durations, budget, latency and window for the two properties below."""
+
+
 @settings(max_examples=examples(150))
-@given(
-    hint=hints(),
-    seed=st.integers(0, 2**32 - 1),
-    mode=st.sampled_from(["integer", "uniform", "heavy"]),
-    factor=st.sampled_from(["1x", "1.5x", "2x", "3x"]),
-    lat=st.sampled_from([0.0, 0.25, 1.0]),
-    window=st.integers(1, 64),
-)
+@given(**CASES)
 def test_backfill_completes_within_budget_with_a_mismatched_cost_model(
     hint: rrfp.Hint, seed: int, mode: str, factor: str, lat: float, window: int
 ) -> None:
@@ -265,14 +269,7 @@ def test_backfill_completes_within_budget_with_a_mismatched_cost_model(
 
 
 @settings(max_examples=examples(150))
-@given(
-    hint=hints(),
-    seed=st.integers(0, 2**32 - 1),
-    mode=st.sampled_from(["integer", "uniform", "heavy"]),
-    factor=st.sampled_from(["1x", "1.5x", "2x", "3x"]),
-    lat=st.sampled_from([0.0, 0.25, 1.0]),
-    window=st.integers(1, 64),
-)
+@given(**CASES)
 def test_backfill_with_an_exact_cost_model_is_never_slower_than_fixed(
     hint: rrfp.Hint, seed: int, mode: str, factor: str, lat: float, window: int
 ) -> None:
