@@ -52,10 +52,14 @@ class _Watch:
     dump_dir: Path | None = None
     describe: Callable[[], dict[str, Any]] | None = None
     exit_code: int | None = None  # set by the first die()
+    dumper: int | None = None  # the thread writing the first die()'s dump
 
 
 _watch = _Watch()
 _dying = threading.Lock()
+_dumped = threading.Event()
+DUMP_WAIT_S = 5.0
+"""How long a second die() (the launcher's SIGTERM) waits for the first one's dump to be written."""
 
 
 def default_dump_dir(run_id: str | None = None) -> str:
@@ -125,17 +129,21 @@ def thread_stacks() -> dict[str, list[str]]:
 def die(reason: str, code: int, linger: float = 0.0, **extra: Any) -> None:
     """Dump, print one line on stderr, and exit the process (no teardown that could hang).
 
-    Only the first call dumps: a SIGTERM that arrives while a fault is being handled exits at once
-    with the fault's code. ``linger`` seconds between dump and exit let the launcher notice the rank
-    that failed first (it reports whichever dead worker it sees first).
+    Only the first call dumps: a SIGTERM that arrives while a fault is being handled exits with the
+    fault's code once that dump is written (seen in CI: exiting at once lost both survivors' dumps).
+    ``linger`` seconds between dump and exit let the launcher notice the rank that failed first (it
+    reports whichever dead worker it sees first).
     """
     with _dying:
         first = _watch.exit_code is None
         if first:
-            _watch.exit_code = code
+            _watch.exit_code, _watch.dumper = code, threading.get_ident()
     if not first:
+        if _watch.dumper != threading.get_ident():  # the dumping thread itself cannot wait for it
+            _dumped.wait(DUMP_WAIT_S)
         os._exit(_watch.exit_code or code)
     path = write_dump(reason, **extra)
+    _dumped.set()
     where = f"; dump: {path}" if path else ""
     print(f"rrfp-run rank {_watch.rank}: {reason}{where}", file=sys.stderr, flush=True)
     if linger > 0:
@@ -165,6 +173,8 @@ def _is_peer_error(e: BaseException) -> bool:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    if _watch.exit_code is not None:
+        return  # a die() is under way (perhaps in the frame this interrupted); it exits once dumped
     die(SIGTERM_REASON, SIGTERM_EXIT)
 
 

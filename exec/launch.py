@@ -108,12 +108,14 @@ def failure_report(failures: dict[int, Any], dump_dir: str, world: int) -> str:
     """
     secondary_codes = {FAULT_EXIT, SIGTERM_EXIT, -signal.SIGTERM}
     dumped = _dumped_ranks(dump_dir)
+    undumped = set(range(world)) - dumped if dumped else set()
+    # A recorded crash or kill is the cause. A rank without a dump is the cause only when nothing
+    # else is: the launcher's SIGTERM can also stop a survivor before it writes one.
     primary = {r for r, f in failures.items() if f.exitcode not in secondary_codes}
-    primary |= set(range(world)) - dumped if dumped else set()
-    primary = primary or set(failures)
+    primary = primary or undumped or set(failures)
     parts = [f"rank {r} {_how(failures.get(r))}" for r in sorted(primary)]
     text = "rrfp-run: job failed: " + "; ".join(parts)
-    rest = sorted((set(failures) | dumped) - primary)
+    rest = sorted((set(failures) | dumped | undumped) - primary)
     if rest:
         text += f"; ranks {', '.join(map(str, rest))} stopped after losing it"
     if dumped:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import queue
 import random
+import subprocess
+import sys
 import time
 from collections import deque
 from pathlib import Path
@@ -197,6 +199,34 @@ def test_failure_report_finds_the_rank_without_a_dump(tmp_path: Path) -> None:
     text = failure_report({1: SimpleNamespace(exitcode=3)}, str(tmp_path), 4)
     assert text.startswith("rrfp-run: job failed: rank 2 died without writing a dump")
     assert "ranks 0, 1, 3 stopped after losing it; 3 dumps in" in text
+
+
+def test_failure_report_puts_the_killed_rank_before_survivors_stopped_without_a_dump(tmp_path: Path) -> None:
+    """The launcher SIGTERMed ranks 1 and 3 before they wrote a dump: rank 2's SIGKILL is the cause
+    (seen once in CI: the report named rank 1 first)."""
+    (tmp_path / "rank0.json").write_text("{}")
+    text = failure_report({2: SimpleNamespace(exitcode=-9)}, str(tmp_path), 4)
+    assert text.startswith("rrfp-run: job failed: rank 2 was killed by SIGKILL; ranks 0, 1, 3 stopped")
+
+
+_SIGTERM_DURING_DUMP = """
+import os, signal, sys, time
+from rrfp.exec import faults
+faults.install(1, sys.argv[1])
+def slow_state():
+    os.kill(os.getpid(), signal.SIGTERM)  # the launcher stops the job while this rank dumps its fault
+    time.sleep(0.5)
+    return {"state": "written"}
+faults.watch(slow_state)
+faults.die("lost rank 2: gone", faults.FAULT_EXIT)
+"""
+
+
+def test_sigterm_while_a_fault_dumps_waits_for_the_dump(tmp_path: Path) -> None:
+    args = [sys.executable, "-c", _SIGTERM_DURING_DUMP, str(tmp_path)]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert '"state": "written"' in (tmp_path / "rank1.json").read_text()
 
 
 def test_injected_jitter_is_common_random_numbers() -> None:
