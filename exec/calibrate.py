@@ -122,11 +122,12 @@ def calibrate(
     num_stages: int,
     ops: set[Op],
     announced_ops: frozenset[Op] | None = None,
+    board: bool = False,
 ) -> tuple[Backfill, dict[str, Any]]:
     """Every rank's meter merged (a collective on ``group``); a Backfill like ``template`` planning with
     the measured means plus the mean loop overhead (the same on every rank), and those costs in
     milliseconds for the result row. ``announced_ops``: the ops whose starts the runtime announces (None:
-    all)."""
+    all); ``board``: starts are read off the shared-memory board, which has no delay (rrfp.exec.board)."""
     world = dist.get_world_size(group)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, meter.plain(), group=group)
@@ -141,7 +142,7 @@ def calibrate(
         latency=merged.latency,
         window=template.window,
         margin=template.margin,
-        announce_delay=merged.latency,  # announcements travel like messages
+        announce_delay=0.0 if board else merged.latency,  # announcement messages travel like payloads
         announced_ops=announced_ops,
     )
     info = {
@@ -153,6 +154,7 @@ def calibrate(
 
 
 ANNOUNCED_OPS: dict[str, frozenset[Op] | None] = {
+    "board": None,
     "all": None,
     "backward": frozenset({Op.B, Op.I}),
     "none": frozenset(),

@@ -125,7 +125,10 @@ _O = click.option
 @_O("--cv", type=float, default=None, help=f"Jitter CV (default {DEFAULT_CV} with --jitter).")
 @_O("--inject-ms", type=float, default=0.0, show_default=True, help="Sleep X*this ms per task (B: I+W).")
 @_O(
-    "--announce", default="all", show_default=True, help="backfill: announce starts of all, backward or none."
+    "--announce",
+    default="auto",
+    show_default=True,
+    help="How backfill hears of starts: board (shared memory), all, backward, none; auto: board on one host.",
 )
 @_O("--synthetic", is_flag=True, help="No model: tasks sleep durations sampled as rrfp-sim does.")
 @_O("--costs", default="F=1,B=2", show_default=True, help="--synthetic: per-op mean costs (time units).")

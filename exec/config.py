@@ -13,11 +13,13 @@ from itertools import product
 
 MODELS = ("gpt", "multimodal")
 BACKENDS = ("auto", "gloo", "nccl")
-ANNOUNCE = ("all", "backward", "none")
-"""--announce: backfill hears of the starts of every task, of backward (B/I) tasks only, or of none; an
-input whose producer is not announced counts as arriving any moment (the cautious no-clock reading).
-Fewer announcements are fewer messages: on an oversubscribed CPU they cost more than they gain
-(BENCHMARKS.md section 3)."""
+ANNOUNCE = ("auto", "board", "all", "backward", "none")
+"""--announce: how backfill hears that a producer on another rank started. ``board``: every start is
+written to a shared-memory board that consumers read when they need to (one host only, no messages,
+rrfp.exec.board). ``all``, ``backward``, ``none``: a header-only message per start of every task, of
+backward (B/I) tasks only, or of none -- an input whose producer is not announced counts as arriving any
+moment (the cautious no-clock reading). Messages cost: on an oversubscribed CPU more than they gain
+(BENCHMARKS.md section 3). ``auto``: ``board`` when every rank is on one host, else ``all``."""
 START_METHODS = ("fork", "spawn", "forkserver")
 TORCH_BASELINE_PREFIX = "torch:"
 
@@ -184,8 +186,8 @@ class RunConfig:
     """torch intra-op threads per worker (None: cores / local workers, at least 1)."""
     lr: float = 1e-2
     """SGD learning rate of the optimizer step."""
-    announce: str = "all"
-    """backfill: whose starts are announced -- all, backward (B/I only) or none (see ANNOUNCE)."""
+    announce: str = "auto"
+    """backfill: how starts are announced -- auto, board, all, backward (B/I only) or none (see ANNOUNCE)."""
     start_method: str | None = None
     """How the local launcher starts workers; None: forkserver with a CPU-only torch (see
     rrfp.exec.launch.default_start_method), spawn with a CUDA build."""

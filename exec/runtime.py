@@ -11,9 +11,10 @@ One iteration::
     wait for the sends; write gradients
 
 Clocked policies (``backfill``, once :mod:`rrfp.exec.calibrate` has measured the costs): the loop ticks
-the scheduler's clock before each pick, announces each start to the ranks that consume the task's
-outputs (a header-only message ahead of the payload), and hands received announcements to
-``sched.announce``.
+the scheduler's clock before each pick and tells consumers on other ranks when each task starts. With a
+start board (every rank on one host, rrfp.exec.board) it writes the start into shared memory and the
+scheduler reads producers' starts from there when its policy asks (``sched.listen``); otherwise it
+sends a header-only announcement ahead of the payload and hands received ones to ``sched.announce``.
 
 TP members must run the same task in the same order, because their compute contains collectives.
 Every pick all-gathers (candidates, ready-by-inputs) over the TP group's gloo twin and applies
@@ -34,10 +35,12 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from rrfp.exec.board import StartBoard, board_tag
 from rrfp.exec.calibrate import CostMeter
 from rrfp.exec.faults import LostPeerError, WaitTimeoutError
 from rrfp.exec.synthetic import Injector
 from rrfp.exec.transport import Announce, Arrival, ChannelFailure, Transport
+from rrfp.hints import task_codes
 from rrfp.scheduler import RankScheduler
 from rrfp.task import Task
 from rrfp.tp import agree
@@ -95,6 +98,10 @@ class RankContext:
     origin: float = 0.0
     """time.monotonic() of this rank that maps to trace time 0."""
     early: dict[tuple[int, int], list[Arrival | Announce]] = field(default_factory=lambda: defaultdict(list))
+    board: StartBoard | None = None
+    """Shared-memory start times (every rank on one host); None: announce by message."""
+    board_base: int = 0
+    """This pipeline replica's first slot on the board."""
 
 
 class PipelineRuntime:
@@ -112,12 +119,20 @@ class PipelineRuntime:
         self.clocked = False
         """Tick the scheduler's clock and announce producer starts (set once costs are calibrated)."""
         self._remote: dict[Task, list[tuple[int, Task]]] = {}
+        self._tag = 0  # this iteration's tag on the start board
+        self._slots: list[int] = []  # board slot per position of this rank's order
+        self._sources: list[int] = []  # board slot of each position's cross-rank producer (-1: none)
+        if ctx.board is not None:
+            self._slots, self._sources = board_slots(self.sched, ctx.board_base)
 
     # -- one iteration --------------------------------------------------------------------------
     def run_iteration(self, iteration: int) -> LoopStats:
         """Run every task of this rank for ``iteration`` (the runner was begun by the caller)."""
         sched, self.iteration, self.stats = self.sched, iteration, LoopStats()
         sched.reset()
+        self._tag = board_tag(self.trial, iteration)
+        if self.clocked and self.ctx.board is not None:
+            sched.listen(self._board_since)
         self.injector.begin(iteration, self.spec.num_stages, self.spec.microbatches)
         t0 = time.monotonic()
         for arrival in self.ctx.early.pop((self.trial, iteration), []):
@@ -163,7 +178,12 @@ class PipelineRuntime:
         self._record("compute", task, start, end)
 
     def _announce(self, task: Task, start: float) -> None:
-        """The header goes out before the payload: consumers on other ranks learn ``task`` started."""
+        """Consumers on other ranks learn ``task`` started: on the board, or by a header that goes out
+        before the payload."""
+        board = self.ctx.board
+        if board is not None:
+            board.post(self._slots[self.sched.index[task]], self._tag, start)
+            return
         remote = self._remote.get(task)
         if remote is None:
             ops = getattr(self.sched.policy, "announced_ops", None)
@@ -172,6 +192,11 @@ class PipelineRuntime:
         for dst, consumer in remote:
             assert self.ctx.transport is not None
             self.ctx.transport.announce(dst, self.trial, self.iteration, consumer, start)
+
+    def _board_since(self, pos: int) -> float | None:
+        """The scheduler's pull source: when the producer of ``pos``'s cross-rank input started."""
+        slot = self._sources[pos]
+        return None if slot < 0 or self.ctx.board is None else self.ctx.board.read(slot, self._tag)
 
     # -- arrivals -------------------------------------------------------------------------------
     def _drain(self) -> None:
@@ -298,3 +323,17 @@ class PipelineRuntime:
             "suspects": suspects,
             "messages_for_later": {f"trial {t} it {i}": len(v) for (t, i), v in self.ctx.early.items()},
         }
+
+
+def board_slots(sched: RankScheduler, base: int) -> tuple[list[int], list[int]]:
+    """(the board slot of each position of ``sched``'s order, the slot of each position's cross-rank
+    producer or -1): slots are ``base`` + task codes (``Hint.codes``); a task has at most one cross-rank
+    input (F(s) reads F(s-1), B/I(s) reads B/I(s+1))."""
+    hint = sched.hint
+    spec = hint.spec
+    codes = hint.codes(sched.rank)
+    sources = []
+    for task in sched.tasks:
+        remote = [d for d in spec.deps(task) if spec.is_remote(d, task)]
+        sources.append(base + task_codes(spec, remote)[0] if remote else -1)
+    return [base + c for c in codes], sources

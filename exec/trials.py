@@ -112,10 +112,12 @@ class RrfpTrial:
         the all-gather is a collective over the control group)."""
         spec = self.sched.hint.spec
         ops = {t.op for order in self.sched.hint.orders.values() for t in order}
-        announced = ANNOUNCED_OPS[self.cfg.announce]
+        how = self.worker.announce  # --announce with auto decided
         policy, info = calibrate(
-            self.runtime.meter, self.worker.groups.ctrl, self.sched.policy, spec.num_stages, ops, announced
-        )
+            self.runtime.meter, self.worker.groups.ctrl, self.sched.policy, spec.num_stages, ops,
+            ANNOUNCED_OPS[how], board=how == "board",
+        )  # fmt: skip
+        info["announce"] = how
         self.sched.policy, self.out.calibration = policy, info
         self.runtime.clocked = True
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rrfp.exec import faults
+from rrfp.exec.board import BoardError, open_board
 from rrfp.exec.check import Reference, compare, reference
 from rrfp.exec.config import RunConfig, Trial, switch_interval
 from rrfp.exec.report import announce, emit
@@ -35,6 +36,7 @@ from rrfp.exec.topology import CTRL_MIN_TIMEOUT_S, Topology, build_groups, pick_
 from rrfp.exec.topology import topology_from_env as _topology_from_env
 from rrfp.exec.transport import Transport
 from rrfp.exec.trials import RrfpTrial, TrialOutcome
+from rrfp.hints import make_hint
 
 
 def worker_main(cfg: RunConfig, dump_dir: str) -> list[dict[str, Any]] | None:
@@ -72,12 +74,19 @@ class Worker:
         if cfg.pp > 1:
             to_global = self.topo.global_rank
             self.transport = Transport(self.groups.channels, self.topo.pp_rank, to_global, self.device)
-        self.offset = clock_offset(self.groups.ctrl)
+        one_host = same_host(self.groups.ctrl)
+        self.offset = 0.0 if one_host else _ping_pong(self.groups.ctrl, 8)
         if self.transport is not None:
             self.transport.offset = self.offset  # times on the wire are on rank 0's clock
+        self.announce = resolve_announce(cfg, one_host)
+        board, base = None, 0
+        if self.announce == "board":
+            slots = board_slots_per_pipeline(cfg)
+            board = open_board(self.groups.ctrl, slots * cfg.tp * cfg.dp)
+            base = slots * (self.topo.dp_rank * cfg.tp + self.topo.tp_rank)
         self.ctx = RankContext(
             self.topo.rank, self.topo.pp_rank, self.topo.global_rank, self.transport,
-            self.groups.tp_ctrl, cfg.timeout,
+            self.groups.tp_ctrl, cfg.timeout, board=board, board_base=base,
         )  # fmt: skip
         self.reference: Reference | None = None
 
@@ -124,6 +133,8 @@ class Worker:
         if self.transport is not None:
             self.transport.close(self.cfg.timeout)
         dist.barrier(group=self.groups.ctrl)
+        if self.ctx.board is not None:
+            self.ctx.board.close()
         dist.destroy_process_group()
 
     def _start_clock(self) -> None:
@@ -190,20 +201,35 @@ def _per_pp(outs: list[TrialOutcome], value: Any) -> list[Any]:
     return [value(o) for o in sorted(outs, key=lambda o: o.coords[0]) if o.coords[1:] == (0, 0)]
 
 
-def clock_offset(group: Any, rounds: int = 8) -> float:
-    """This rank's CLOCK_MONOTONIC minus rank 0's (0 on one host, where all ranks share the clock).
-
-    Across hosts: ``rounds`` ping-pongs with rank 0 over the control group; the offset from the round
-    trip with the smallest delay (NTP's estimate: the midpoint of the exchange).
-    """
+def same_host(group: Any) -> bool:
+    """Do all ranks of ``group`` run on this host (a collective)?"""
     hosts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    if len(set(hosts)) == 1:
-        return 0.0
-    return _ping_pong(group, rounds)
+    return len(set(hosts)) == 1
+
+
+def resolve_announce(cfg: RunConfig, one_host: bool) -> str:
+    """--announce with ``auto`` decided: the start board when every rank is on one host and some trial
+    runs backfill, else announcement messages; ``board`` across hosts is an error."""
+    if cfg.announce == "board" and not one_host:
+        raise BoardError("--announce board needs every rank on one host; use all, backward or none")
+    if cfg.announce != "auto":
+        return cfg.announce
+    clocked = any(t.policy == "backfill" for t in cfg.trials if not t.is_baseline)
+    return "board" if one_host and clocked and cfg.pp > 1 else "all"
+
+
+def board_slots_per_pipeline(cfg: RunConfig) -> int:
+    """Slots one pipeline replica needs on the start board: the most task codes of any trial's hint."""
+    hints = {t.hint for t in cfg.trials if not t.is_baseline}
+    specs = [make_hint(h, cfg.pp, cfg.microbatches, cfg.virtual_stages).spec for h in hints]
+    return max((s.num_stages * 3 * s.microbatches for s in specs), default=1)
 
 
 def _ping_pong(group: Any, rounds: int) -> float:
+    """This rank's CLOCK_MONOTONIC minus rank 0's across hosts: ``rounds`` ping-pongs with rank 0 over
+    ``group``; the offset from the round trip with the smallest delay (NTP's estimate: the midpoint of
+    the exchange)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     best_delay, best_offset = float("inf"), 0.0
     buf = torch.zeros(1, dtype=torch.float64)

@@ -138,7 +138,7 @@ class Hint:
         slot 0 = F, 1 = B/I, 2 = W: the form the setup code walks the DAG in (memoised)."""
         codes: dict[int, list[int]] = self.orders_memo.setdefault("codes", {})
         if rank not in codes:
-            codes[rank] = _codes(self.spec, self.orders[rank])
+            codes[rank] = task_codes(self.spec, self.orders[rank])
         return codes[rank]
 
     def tasks_by_code(self) -> Any:
@@ -333,7 +333,8 @@ _SPEC_SLOTS = {  # split -> the slot of each op the spec has
 }
 
 
-def _codes(spec: PipelineSpec, order: Sequence[Task]) -> list[int]:
+def task_codes(spec: PipelineSpec, order: Sequence[Task]) -> list[int]:
+    """Each task as its int code ``(stage * 3 + slot) * microbatches + mb`` (see :meth:`Hint.codes`)."""
     m, slot = spec.microbatches, _OP_SLOT
     return [(s * 3 + slot[op]) * m + mb for s, op, mb in order]
 
@@ -366,7 +367,7 @@ def _check_rank_tasks(spec: PipelineSpec, rank: int, order: Sequence[Task]) -> l
         return codes  # the common case; the walk below only runs to name what is wrong
     expected = spec.rank_tasks(rank)
     if len(order) == len(expected) and set(order) == set(expected):
-        return _codes(spec, order)
+        return task_codes(spec, order)
     seen: set[Task] = set()
     for step, task in enumerate(order):
         if not spec.has_task(task):
@@ -384,7 +385,7 @@ def _check_rank_tasks(spec: PipelineSpec, rank: int, order: Sequence[Task]) -> l
     if missing:
         shown = ", ".join(map(str, missing[:5]))
         raise HintError(f"rank {rank}: {len(missing)} tasks missing from its order ({shown}...)")
-    return _codes(spec, order)  # unreachable: an order the walk accepts has the expected task set
+    return task_codes(spec, order)  # unreachable: an order the walk accepts has the expected task set
 
 
 def _check_no_deadlock(spec: PipelineSpec, orders: Orders, coded: dict[int, list[int]]) -> None:

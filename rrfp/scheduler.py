@@ -18,7 +18,10 @@ Optional timing hooks, for policies that plan around inputs still on their way (
 a message-driven driver may call ``sched.tick(now)`` before ``next()`` (its clock, seconds) and
 ``sched.announce(task, since)`` when the producer of a cross-rank input of ``task`` starts computing
 (the sender's header goes out before its payload). A driver that ticks must announce every such start;
-one that does neither loses nothing but that information.
+one that does neither loses nothing but that information. Instead of pushing announcements, a driver
+may ``sched.listen(source)``: ``source(pos)`` returns the start of the producer of ``pos``'s cross-rank
+input, or None while it has not started, and is asked only when a policy wants to know (the executor
+reads a same-host shared-memory board this way, rrfp.exec.board).
 
 Ready tasks sit in two heaps keyed by priority (forwards, everything else) with lazy invalidation.
 Only forwards take memory, so only forwards can be refused by hint-safe admission (see segtree.py).
@@ -26,6 +29,7 @@ Only forwards take memory, so only forwards can be refused by hint-safe admissio
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from heapq import heappop, heappush
 from typing import Any
@@ -64,6 +68,7 @@ class RankScheduler:
         self.now: float | None = None
         """Driver clock (s) at the latest :meth:`tick`; None if the driver never ticks."""
         self.policy_state: object = None
+        self._source: Callable[[int], float | None] | None = None
         """Per-scheduler scratch space for the policy (e.g. its static plan of this rank)."""
         peak = plan.peak
         self.budget = peak if budget is None else budget
@@ -213,9 +218,18 @@ class RankScheduler:
         """Is a cross-rank input of the task at ``pos`` still to be delivered?"""
         return self._remote[pos] > 0
 
+    def listen(self, source: Callable[[int], float | None] | None) -> None:
+        """Optional: pull announcements from ``source(pos)`` (see the module docstring); None stops."""
+        self._source = source
+
     def since(self, pos: int) -> float | None:
         """When the producer of ``pos``'s cross-rank input was announced to start; None if never."""
-        return self._since.get(pos)
+        value = self._since.get(pos)
+        if value is None and self._source is not None:
+            value = self._source(pos)
+            if value is not None:
+                self._since[pos] = value  # a start, once seen, stays (until reset)
+        return value
 
     def waiting(self) -> list[tuple[Task, int]]:
         """Unstarted tasks still missing inputs, with how many (for fault dumps)."""

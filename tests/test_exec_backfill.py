@@ -147,22 +147,28 @@ def test_unclocked_loop_neither_ticks_nor_announces() -> None:
     assert sched.ticks == [] and sched.announced == {} and sched.now is None
 
 
-def test_calibrated_backfill_runs_clocked_on_gloo(tmp_path) -> None:
-    """4 ranks: backfill is calibrated after the warm-up, then runs clocked iterations with announcements
-    under heavy jitter; gradients check, costs are the measured ones, and no task starts before its inputs
-    were computed (the merged trace shares one clock on one host)."""
+@pytest.mark.parametrize("announce", ["auto", "all"])
+def test_calibrated_backfill_runs_clocked_on_gloo(tmp_path, announce: str) -> None:
+    """4 ranks: backfill is calibrated after the warm-up, then runs clocked iterations -- starts on the
+    shared-memory board (auto, one host) or in announcement messages (all) -- under heavy jitter;
+    gradients check, costs are the measured ones, no task starts before its inputs were computed (the
+    merged trace shares one clock on one host), and no board file is left behind."""
+    from rrfp.exec.board import shared_dir
     from rrfp.trace import read_trace
 
+    boards = set(shared_dir().glob("rrfp-board-*"))
     trace = tmp_path / "bf.parquet"
     result = rrfp_run(
         "--gpus", "4", "--check", "--trials", "backfill/1f1b@2x,backfill/zb-h1@2x", "--warmup", "1",
         "--iterations", "2", "--jitter", "lognormal", "--cv", "1.0", "--inject-ms", "3",
-        "--trace-out", str(trace),
+        "--trace-out", str(trace), "--announce", announce,
     )  # fmt: skip
+    assert set(shared_dir().glob("rrfp-board-*")) <= boards
     assert result["ok"] and len(result["trials"]) == 2
     for row in result["trials"]:
         assert row["check"]["ok"], row["check"]
         cal = row["calibration"]
+        assert cal["announce"] == ("board" if announce == "auto" else "all")
         ops = "FB" if row["hint"] == "1f1b" else "FIW"
         assert set(cal["mean_ms"]) == {f"{s}{op}" for s in range(4) for op in ops}
         # every task sleeps 3 ms x (a mean-1 draw) on top of real compute; B and I/W likewise

@@ -29,7 +29,7 @@ BAD = [
     (["--gpus", "2", "--timeout", "0"], "--timeout must be > 0"),
     (["--gpus", "2", "--trials", "rrfp"], "--trials item 'rrfp' is not"),
     (["--gpus", "2", "--trials", "rrfp/1f1b@0.5x"], "below 1x"),
-    (["--gpus", "2", "--announce", "some"], "--announce 'some' is unknown: choose all, backward, none"),
+    (["--gpus", "2", "--announce", "some"], "--announce 'some' is unknown: choose auto, board, all"),
 ]
 
 

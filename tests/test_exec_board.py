@@ -1,0 +1,138 @@
+"""The same-host start board: slots shared between mappings, tags per iteration, the scheduler's pull hook,
+the runtime writing starts and reading producers' starts, and --announce resolution."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import rrfp
+from rrfp.exec.board import BoardError, StartBoard, board_tag, shared_dir
+from rrfp.exec.runtime import PipelineRuntime, RankContext, board_slots
+from rrfp.exec.synthetic import Injector, SyntheticRunner
+from rrfp.exec.transport import Arrival
+from rrfp.exec.worker import resolve_announce
+from rrfp.hints import task_codes
+from rrfp.task import Op, Task
+from rrfp.workload import WorkloadConfig
+
+
+def test_a_start_posted_in_one_mapping_is_read_in_another(tmp_path) -> None:
+    path = tmp_path / "board"
+    writer = StartBoard(path, 10, epoch=1000.0, create=True)
+    reader = StartBoard(path, 10, epoch=1000.0)
+    tag = board_tag(2, 7)
+    assert reader.read(3, tag) is None  # a fresh board: nothing started
+    writer.post(3, tag, 1012.345678)
+    assert reader.read(3, tag) == pytest.approx(1012.345678, abs=1e-6)
+    assert reader.read(3, board_tag(2, 8)) is None  # the next iteration: not started yet
+    assert reader.read(4, tag) is None
+    writer.post(3, tag, 999.0)  # before the epoch: clamped, never negative or another tag
+    assert reader.read(3, tag) == 1000.0
+    writer.close()
+    reader.close()
+    with pytest.raises(FileExistsError):
+        StartBoard(path, 10, epoch=0.0, create=True)  # never adopts someone else's file
+
+
+def test_tags_differ_between_nearby_iterations_and_trials() -> None:
+    tags = {board_tag(t, i) for t in range(8) for i in range(500)}
+    assert len(tags) == 8 * 500 and min(tags) >= 1 and max(tags) < 1 << 22
+    assert shared_dir().is_dir()
+
+
+def test_scheduler_pulls_starts_only_when_asked_and_keeps_them() -> None:
+    hint = rrfp.make_hint("1f1b", 2, 3)
+    sched = rrfp.RankScheduler(hint, 1, "backfill")
+    asked: list[int] = []
+    starts = {0: None, 1: 5.0}
+
+    def source(pos: int) -> float | None:
+        asked.append(pos)
+        return starts.get(pos)
+
+    sched.listen(source)
+    assert asked == []  # listening alone reads nothing
+    assert sched.since(0) is None and sched.since(1) == 5.0
+    starts[1] = 6.0
+    assert sched.since(1) == 5.0 and asked == [0, 1]  # a start, once seen, is kept
+    sched.reset()
+    assert sched.since(1) == 6.0  # a new iteration asks again
+    sched.listen(None)
+    assert sched.since(0) is None and asked == [0, 1, 1]
+
+
+def test_board_slots_name_each_positions_cross_rank_producer() -> None:
+    hint = rrfp.make_hint("1f1b", 2, 3)
+    sched = rrfp.RankScheduler(hint, 1, "backfill")
+    slots, sources = board_slots(sched, base=100)
+    assert slots == [100 + c for c in hint.codes(1)]
+    for task, source in zip(sched.tasks, sources, strict=True):
+        # rank 1 holds the last stage: its F reads 0F, its B reads nothing from another rank
+        want = 100 + task_codes(hint.spec, [Task(0, Op.F, task.mb)])[0] if task.op is Op.F else -1
+        assert source == want, task
+
+
+class _Transport:
+    def __init__(self) -> None:
+        import queue
+        from collections import deque
+
+        self.inbox: queue.Queue = queue.Queue()
+        self.announcements: deque = deque()
+        self.sent: list[Task] = []
+
+    def send(self, dst: int, trial: int, iteration: int, task: Task, tensor: torch.Tensor) -> None:
+        self.sent.append(task)
+
+    def announce(self, *args: object) -> None:
+        raise AssertionError("with a board, nothing is announced by message")
+
+    def reap(self) -> None: ...
+
+    def flush(self, timeout: float) -> None: ...
+
+    def take_sent(self) -> list:
+        return []
+
+
+def test_clocked_runtime_posts_its_starts_and_reads_its_producers(tmp_path) -> None:
+    """Rank 1 of a pp = 2 pipeline: rank 0 (played here) posted its forwards' starts; rank 1's scheduler
+    reads them through the board, and rank 1's own starts land in their slots."""
+    hint = rrfp.make_hint("1f1b", 2, 3)
+    board = StartBoard(tmp_path / "board", 3 * 2 * 3, epoch=0.0, create=True)
+    transport = _Transport()
+    for mb in range(3):
+        board.post(task_codes(hint.spec, [Task(0, Op.F, mb)])[0], board_tag(0, 0), 10.0 + mb)
+        arrival = Arrival(0, 0, 0, Task(1, Op.F, mb), torch.zeros(1), mb, 0.0, 1.0, sent=0.5)
+        transport.inbox.put(arrival)
+    ctx = RankContext(1, 1, lambda p: p, transport, timeout=5, board=board)  # type: ignore[arg-type]
+    runner = SyntheticRunner(hint.spec, WorkloadConfig(), 0.1, seed=0, replica=0)
+    runner.begin(0)
+    sched = rrfp.RankScheduler(hint, 1, "backfill")
+    runtime = PipelineRuntime(ctx, sched, runner, 0, Injector("none", 0.0, 0.0, 0, 0))
+    runtime.clocked = True
+    runtime.run_iteration(0)
+    sched.reset()  # nothing cached: the scheduler now asks the board the runtime wired it to
+    for pos, task in enumerate(sched.tasks):
+        assert sched.since(pos) == (10.0 + task.mb if task.op is Op.F else None), task
+    for task in sched.tasks:  # every start of rank 1 is on the board, in this iteration's tag
+        assert board.read(task_codes(hint.spec, [task])[0], board_tag(0, 0)) is not None, task
+    assert len(transport.sent) == 3
+    board.close()
+
+
+def _cfg(announce: str, policy: str = "backfill", pp: int = 4) -> SimpleNamespace:
+    trial = SimpleNamespace(policy=policy, is_baseline=False)
+    return SimpleNamespace(announce=announce, trials=[trial], pp=pp)
+
+
+def test_announce_auto_takes_the_board_on_one_host_for_backfill_only() -> None:
+    assert resolve_announce(_cfg("auto"), one_host=True) == "board"  # type: ignore[arg-type]
+    assert resolve_announce(_cfg("auto"), one_host=False) == "all"  # type: ignore[arg-type]
+    assert resolve_announce(_cfg("auto", policy="rrfp"), one_host=True) == "all"  # type: ignore[arg-type]
+    assert resolve_announce(_cfg("none"), one_host=True) == "none"  # type: ignore[arg-type]
+    with pytest.raises(BoardError, match="one host"):
+        resolve_announce(_cfg("board"), one_host=False)  # type: ignore[arg-type]
