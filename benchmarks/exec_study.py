@@ -13,10 +13,13 @@ load hits them alike; every trial of a launch shares workers, weights, data and 
 * ``real-jitter-long`` -- ``real-jitter`` with 3x the injected scale and fewer trials: longer tasks, so
   the runtime's fixed per-task cost (thread hand-offs on 2 oversubscribed cores) weighs less.
 
-Trials: fixed and rrfp on 1F1B at 1x, rrfp and backfill at 2x, the zero-bubble hint ZB-H1 fixed and
-rrfp/backfill at 2x, the class hint BFW with rrfp/backfill at 2x, and torch:1F1B (real launches).
-backfill runs its no-clock rule in the warm-up, is then calibrated on the warm-up's measured mean costs
-and message time (rrfp/exec/calibrate.py), and runs clocked (ticks, announcements) from then on.
+Trials: on each of 1F1B and the zero-bubble hints ZB-H1 and ZB-H2, fixed at 1x and rrfp and backfill at
+2x; rrfp on the class hint BFW at 2x; torch:1F1B (real launches). ("2x" is twice the hint's own peak per
+rank, capped by the microbatches there are: ZB-H1 and ZB-H2 at 2x may hold all 8 on every rank, 1F1B at
+2x holds 8, 6, 4, 2 -- the result rows' ``peak_activations`` say what each trial held.) backfill runs its
+no-clock rule in the warm-up, is then calibrated on the warm-up's measured mean costs and message time
+(rrfp/exec/calibrate.py), and runs clocked from then on: it reads producers' starts off the same-host
+start board (``--announce auto``, rrfp/exec/board.py) or from announcement messages.
 
 Per trial: median and mean iteration time over ``--iterations`` (after ``--warmup``); the rate relative
 to torch:1F1B (or to fixed/1f1b without torch), > 1 = faster, both as the ratio of medians and paired
@@ -44,10 +47,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_exec import paired_rate  # noqa: E402
 
 TRIALS = (
-    "fixed/1f1b,rrfp/1f1b,rrfp/1f1b@2x,backfill/1f1b@2x,fixed/zb-h1,rrfp/zb-h1@2x,backfill/zb-h1@2x,"
-    "rrfp/bfw@2x,backfill/bfw@2x"
+    "fixed/1f1b,rrfp/1f1b@2x,backfill/1f1b@2x,fixed/zb-h1,rrfp/zb-h1@2x,backfill/zb-h1@2x,"
+    "fixed/zb-h2,rrfp/zb-h2@2x,backfill/zb-h2@2x,rrfp/bfw@2x"
 )
-LONG_TRIALS = "fixed/1f1b,rrfp/1f1b@2x,rrfp/zb-h1@2x,backfill/zb-h1@2x,rrfp/bfw@2x"
+LONG_TRIALS = "fixed/1f1b,rrfp/1f1b@2x,rrfp/zb-h1@2x,backfill/zb-h1@2x,rrfp/zb-h2@2x,rrfp/bfw@2x"
 MODEL = [
     "--hidden",
     "128",
@@ -130,7 +133,7 @@ def main() -> None:
     ap.add_argument("--inject-ms", type=float, default=20.0, help="jitter scale of the real-jitter launch")
     ap.add_argument("--time-unit-ms", type=float, default=5.0, help="synthetic: ms per cost unit")
     ap.add_argument("--only", default=None, help="comma list of launch names (see above)")
-    ap.add_argument("--announce", default="all", help="rrfp-run --announce for backfill: all, backward, none")
+    ap.add_argument("--announce", default="auto", help="rrfp-run --announce (auto, board, all, ...)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     ap.add_argument("--out", type=Path, default=Path("results/exec_study"))
     args = ap.parse_args()
