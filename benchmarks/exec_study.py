@@ -14,12 +14,14 @@ load hits them alike; every trial of a launch shares workers, weights, data and 
   the runtime's fixed per-task cost (thread hand-offs on 2 oversubscribed cores) weighs less.
 
 Trials: on each of 1F1B and the zero-bubble hints ZB-H1 and ZB-H2, fixed at 1x and rrfp and backfill at
-2x; rrfp on the class hint BFW at 2x; torch:1F1B (real launches). ("2x" is twice the hint's own peak per
-rank, capped by the microbatches there are: ZB-H1 and ZB-H2 at 2x may hold all 8 on every rank, 1F1B at
-2x holds 8, 6, 4, 2 -- the result rows' ``peak_activations`` say what each trial held.) backfill runs its
-no-clock rule in the warm-up, is then calibrated on the warm-up's measured mean costs and message time
-(rrfp/exec/calibrate.py), and runs clocked from then on: it reads producers' starts off the same-host
-start board (``--announce auto``, rrfp/exec/board.py) or from announcement messages.
+2x; rrfp on 1F1B at 1x (greedy at equal memory); rrfp on the class hint BFW at 2x; torch:1F1B (real
+launches). ("2x" is twice the hint's own peak per rank, capped by the microbatches there are: ZB-H1 and
+ZB-H2 at 2x may hold all 8 on every rank, 1F1B at 2x holds 8, 6, 4, 2 -- the result rows'
+``peak_activations`` say what each trial held.) backfill runs its no-clock rule in the warm-up, is then
+calibrated on the warm-up's measured mean costs and message time (rrfp/exec/calibrate.py), and runs
+clocked from then on: it reads producers' starts off the same-host start board (``--announce auto``,
+rrfp/exec/board.py) or from announcement messages. ``vs_fixed``: the paired rate against fixed on the
+same hint in the same launch.
 
 Per trial: median and mean iteration time over ``--iterations`` (after ``--warmup``); the rate relative
 to torch:1F1B (or to fixed/1f1b without torch), > 1 = faster, both as the ratio of medians and paired
@@ -47,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_exec import paired_rate  # noqa: E402
 
 TRIALS = (
-    "fixed/1f1b,rrfp/1f1b@2x,backfill/1f1b@2x,fixed/zb-h1,rrfp/zb-h1@2x,backfill/zb-h1@2x,"
+    "fixed/1f1b,rrfp/1f1b,rrfp/1f1b@2x,backfill/1f1b@2x,fixed/zb-h1,rrfp/zb-h1@2x,backfill/zb-h1@2x,"
     "fixed/zb-h2,rrfp/zb-h2@2x,backfill/zb-h2@2x,rrfp/bfw@2x"
 )
 LONG_TRIALS = "fixed/1f1b,rrfp/1f1b@2x,rrfp/zb-h1@2x,backfill/zb-h1@2x,rrfp/zb-h2@2x,rrfp/bfw@2x"
@@ -90,15 +92,20 @@ def rows(name: str, flags: list[str], result: dict[str, Any]) -> list[dict[str, 
     trials = result["trials"]
     ref = next((t for t in trials if t["policy"] == "torch"), None) or trials[0]
     base = ref["iteration_time"]
+    fixed = {t["hint"]: t["iteration_time"]["values"] for t in trials if t["policy"] == "fixed"}
     out = []
     for t in trials:
         it = t["iteration_time"]
         paired, low, high = paired_rate(base["values"], it["values"])
+        # against fixed on the same hint at its own budget: the question backfill's guarantee answers
+        same = fixed.get(t["hint"]) if t["policy"] not in ("fixed", "torch") else None
+        vs_fixed = paired_rate(same, it["values"]) if same else (None, None, None)
         cal = t.get("calibration") or {}
         out.append({
             "launch": name, "trial": t["label"], "median_s": it["median"], "mean_s": it["mean"],
             "n": len(it["values"]), "rate_vs": ref["label"], "rate": base["median"] / it["median"],
             "paired_rate": paired, "paired_low": low, "paired_high": high,
+            "vs_fixed": vs_fixed[0], "vs_fixed_low": vs_fixed[1], "vs_fixed_high": vs_fixed[2],
             "loop_us_per_task": t["loop_overhead_us_per_task"], "msg_ms": cal.get("latency_ms"),
             "peak_activations": ",".join(map(str, t["peak_activations"])),
             "command": "rrfp-run " + " ".join(flags),
@@ -136,6 +143,7 @@ def main() -> None:
     ap.add_argument("--announce", default="auto", help="rrfp-run --announce (auto, board, all, ...)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     ap.add_argument("--out", type=Path, default=Path("results/exec_study"))
+    ap.add_argument("--tabulate", action="store_true", help="re-read --out's launches instead of running")
     args = ap.parse_args()
     todo = launches(args)
     if args.only:
@@ -143,8 +151,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     table: list[dict[str, Any]] = []
     for name, flags in tqdm(todo.items(), desc="exec_study", unit="launch", file=sys.stderr):
-        result = run(flags, args.timeout)
-        (args.out / f"{name}.json").write_text(json.dumps(result, indent=1))
+        saved = args.out / f"{name}.json"
+        if args.tabulate:
+            result = json.loads(saved.read_text())
+        else:
+            result = run(flags, args.timeout)
+            saved.write_text(json.dumps(result, indent=1))
         table += rows(name, flags, result)
     frame = pd.DataFrame(table)
     frame.to_csv(args.out / "trials.csv", index=False)
@@ -153,6 +165,7 @@ def main() -> None:
         for name, g in frame.groupby("launch", sort=False):
             print(f"\n== {name}: {g['command'].iloc[0]}")
             cols = ["trial", "median_s", "rate", "paired_rate", "paired_low", "paired_high"]
+            cols += ["vs_fixed", "vs_fixed_low", "vs_fixed_high"]
             cols += ["loop_us_per_task", "msg_ms", "peak_activations"]
             print(g[cols].round(4).to_string(index=False))
     print(f"-> {args.out}/")
