@@ -20,11 +20,12 @@ Per iteration (:meth:`ClusterModel.run` runs several back to back):
   member t: transfer time = (latency + bytes / bandwidth) x the sampled comm multiplier. With
   ``contention`` a link direction carries one transfer at a time (FIFO).
 * **Timing hooks.** For a policy that plans with a clock (``policy.needs_clock``, e.g. ``backfill``) a
-  worker ticks each member's scheduler before asking it, and a start announces every cross-rank output
-  to the consumer's scheduler (member t to member t, ``since`` = the compute start), as
-  :func:`rrfp.run_reference` does. (Which rank is asked first at an instant does not matter: an
-  announcement made now equals the bound a policy assumes for an unannounced producer.) Other
-  policies take none of this: their hot path is unchanged.
+  worker ticks each member's scheduler before asking it, and records each task's start; a consumer's
+  scheduler reads its producer's start when its policy asks (``RankScheduler.listen``) -- the same
+  information as :func:`rrfp.run_reference`'s announcement at every start (``since`` = the compute
+  start), without a call per task. (Which rank is asked first at an instant does not matter: a start
+  now equals the bound a policy assumes for a producer that has not started.) Other policies take none
+  of this: their hot path is unchanged.
 * **Send semantics.** ``eager``: a send never blocks compute. ``rendezvous`` (fixed only): Megatron's
   batched blocking P2P (:mod:`rrfp.sim.rendezvous`): a transfer starts only once the receiver has
   posted the matching receive, which it does at its communication points (after a task, one receive
@@ -81,6 +82,19 @@ class ModelRun:
     """Seconds from the iteration's start to the end of each (iteration, dp, pipeline rank)'s last task."""
 
 
+def _code_positions(hint: Hint) -> np.ndarray:
+    """Each task code's position in its rank's order (memoised on the hint; -1 where no task)."""
+    where = hint.orders_memo.get("sim_code_positions")
+    if where is None:
+        spec = hint.spec
+        where = np.full(spec.num_stages * 3 * spec.microbatches, -1, dtype=np.intp)
+        for rank in hint.orders:
+            codes = hint.codes(rank)
+            where[codes] = np.arange(len(codes), dtype=np.intp)
+        hint.orders_memo["sim_code_positions"] = where
+    return where
+
+
 class _RankPlan:
     """Static, per pipeline rank: its order and where each task's outputs go (shared by replicas).
 
@@ -90,6 +104,8 @@ class _RankPlan:
     def __init__(self, hint: Hint, rank: int) -> None:
         spec = hint.spec
         self.spec = spec  # not the hint: the hint's memo holds this plan
+        self.rank = rank
+        self._sources: tuple[list[int], list[int]] | None = None
         self.order: tuple[Task, ...] = hint.orders[rank]
         self.pos: dict[Task, int] = _rank_plan(hint, rank).index  # the scheduler's own (shared) index
         m, row, last = spec.microbatches, 3 * spec.microbatches, spec.num_stages - 1
@@ -115,6 +131,27 @@ class _RankPlan:
         consumer[sends] = task_of[target]
         self.consumer: list[Task | None] = consumer.tolist()
 
+    def sources(self, hint: Hint) -> tuple[list[int], list[int]]:
+        """Clocked policies only (memoised): per position, the pipeline rank of its cross-rank producer
+        (-1: none) and that producer's position in its rank's order (F(s) reads F(s-1), B/I(s) reads
+        B/I(s+1)). ``hint`` is this plan's hint (not kept: the hint's memo holds the plan)."""
+        if self._sources is not None:
+            return self._sources
+        spec = hint.spec
+        m, row, last = spec.microbatches, 3 * spec.microbatches, spec.num_stages - 1
+        code = np.asarray(hint.codes(self.rank), dtype=np.intp)
+        stage, slot = code // row, (code // m) % 3
+        rank_of = np.append(np.asarray(spec._stage_rank, dtype=np.intp), -1)  # [-1]: no stage
+        after = rank_of[np.where(stage < last, stage + 1, -1)]
+        src = np.where(slot == 0, rank_of[stage - 1], np.where(slot == 1, after, -1))
+        src = np.where(src != self.rank, src, -1)
+        has = src >= 0
+        src_code = np.where(slot == 0, code - row, code + row)
+        where = _code_positions(hint)
+        pos = np.where(has, where[np.where(has, src_code, 0)], -1)
+        self._sources = (src.tolist(), pos.tolist())
+        return self._sources
+
     @cached_property
     def receives(self) -> dict[tuple[int, int], list[Task]]:
         """Rendezvous only: the tasks that receive from each (source rank, direction), in order."""
@@ -132,7 +169,7 @@ class _Worker:
     __slots__ = (
         "agree_cost", "arrive", "blocked", "busy", "busy_time", "d", "dirty", "dispatch", "done_cb", "dur",
         "eid", "env", "finish", "gids", "model", "peers", "plan", "pos", "queue", "r", "scheds", "started_at",
-        "tx",
+        "starts", "tx",
     )  # fmt: skip
 
     def __init__(self, model: ClusterModel, r: int, d: int, scheds: list[RankScheduler]) -> None:
@@ -148,6 +185,9 @@ class _Worker:
         self.arrive: list[Callable[[Task], None]] = []  # on_arrive_fast of each pipeline rank of the replica
         self.use(model.env)
         self.peers: list[_Worker] = []  # every pipeline rank's worker of this replica (announcements)
+        # Clocked policies: when each position started this iteration (None: not yet). Consumers' schedulers
+        # read it when their policy asks (RankScheduler.listen), instead of an announce() per start.
+        self.starts: list[float | None] = [None] * len(self.plan.order) if model.clocked else []
         # Bound once: the hot path neither branches on tp nor creates a bound method per event.
         if model.clocked:
             self.dispatch = self.dispatch_clocked if tp == 1 else self.dispatch_clocked_group
@@ -164,6 +204,8 @@ class _Worker:
     def reset(self) -> None:
         for s in self.scheds:
             s.reset()
+        if self.starts:
+            self.starts[:] = [None] * len(self.starts)  # in place: consumers' sources hold this list
         self.busy = False
         self.blocked = 0  # rendezvous sends not yet delivered
         self.dirty = False
@@ -213,8 +255,8 @@ class _Worker:
         self.env.call_at(now + (self.agree_cost + d), self.done_cb, pos)
 
     def dispatch_clocked_group(self) -> None:
-        """A policy with a clock: tick every member, pick (alone or through the TP rule), then announce
-        the task's cross-rank outputs to their consumers' schedulers -- the header precedes the payload."""
+        """A policy with a clock: tick every member, pick (alone or through the TP rule), then record the
+        start, which the consumers' schedulers read (:meth:`wire`) -- the header precedes the payload."""
         if self.busy or self.blocked:
             return
         now = self.env._now
@@ -232,11 +274,7 @@ class _Worker:
         self.busy = True
         self.busy_time += d
         self.started_at = now + cost
-        dest = self.plan.dest[pos]
-        if dest >= 0:
-            consumer = self.plan.consumer[pos]
-            for s in self.peers[dest].scheds:
-                s.announce(consumer, self.started_at)
+        self.starts[pos] = self.started_at  # what consumers on other ranks read as this task's start
         self.env.call_at(now + (cost + d), self.done_cb, pos)
 
     def dispatch_clocked(self) -> None:
@@ -255,9 +293,7 @@ class _Worker:
         self.busy = True
         self.busy_time += d
         self.started_at = now
-        dest = self.plan.dest[pos]
-        if dest >= 0:
-            self.peers[dest].scheds[0].announce(self.plan.consumer[pos], now)
+        self.starts[pos] = now
         heappush(self.queue, (now + d, NORMAL, next(self.eid), self.done_cb, pos))
 
     def on_done(self, pos: int) -> None:
@@ -299,9 +335,20 @@ class _Worker:
             env.armed = True
 
     def wire(self, replica: list[_Worker]) -> None:
-        """Pre-bind the arrival callback of every pipeline rank of this replica."""
+        """Pre-bind the arrival callback of every pipeline rank of this replica; with a clocked policy,
+        let each scheduler read its producers' starts off their workers."""
         self.arrive = [w.on_arrive_fast for w in replica]
         self.peers = replica
+        if self.model.clocked:
+            src_rank, src_pos = self.plan.sources(self.model.hint)
+            starts = [w.starts for w in replica]
+
+            def source(pos: int) -> float | None:
+                r = src_rank[pos]
+                return None if r < 0 else starts[r][src_pos[pos]]
+
+            for s in self.scheds:
+                s.listen(source)
 
     def on_arrive(self, event: Event) -> None:
         """A message for member ``t``'s ``task`` arrived. A busy (or blocked) stream needs no dispatch
