@@ -203,18 +203,25 @@ class Backfill(Policy):
         """Ready, admissible positions after the head within the window (most waits have none).
 
         Once a forward is refused, every later forward is too (its prefix of the hint order contains the
-        refused one's), so at most one failing admission query per call."""
+        refused one's), so at most one failing admission query per call; and once no ready non-forward
+        is left to find, the scan stops (a first stage's many ready forwards are not walked)."""
         out: list[int] = []
         blocked = False
         is_forward = s.is_forward
+        others = s.ready_others() - (1 if s.is_ready(head) and not is_forward[head] else 0)
         end = min(len(s.tasks), head + self.window)
         pos = s.next_ready(head + 1, end)  # only the ready positions: skip the rest at C speed
         while pos >= 0:
-            if not (is_forward[pos] and blocked):
-                if is_forward[pos] and not s.admissible(pos):
-                    blocked = True
-                else:
+            if not is_forward[pos]:
+                out.append(pos)
+                others -= 1
+            elif not blocked:
+                if s.admissible(pos):
                     out.append(pos)
+                else:
+                    blocked = True
+            if blocked and others <= 0:
+                break
             pos = s.next_ready(pos + 1, end)
         return out
 

@@ -68,6 +68,7 @@ class RankScheduler:
         self.now: float | None = None
         """Driver clock (s) at the latest :meth:`tick`; None if the driver never ticks."""
         self.policy_state: object = None
+        self._ready_forwards0 = sum(1 for r, f in zip(plan.ready, self.is_forward, strict=True) if r and f)
         self._source: Callable[[int], float | None] | None = None
         """Per-scheduler scratch space for the policy (e.g. its static plan of this rank)."""
         peak = plan.peak
@@ -94,6 +95,7 @@ class RankScheduler:
         self._oheap: list[int] = list(plan.oheap)
         self._ready = bytearray(plan.ready)  # 1 where ready and not started: what next_ready() finds
         self._ready_count = plan.ready.count(1)
+        self._ready_forwards = self._ready_forwards0
 
     # -- events from the driver -----------------------------------------------------------
     def deliver(self, task: Task) -> None:
@@ -108,7 +110,11 @@ class RankScheduler:
         remote[pos] -= 1
         need[pos] -= 1
         if need[pos] == 0:  # ready: into its heap (inlined: once per task)
-            heappush(self._fheap if self.is_forward[pos] else self._oheap, self.prio[pos])
+            if self.is_forward[pos]:
+                heappush(self._fheap, self.prio[pos])
+                self._ready_forwards += 1
+            else:
+                heappush(self._oheap, self.prio[pos])
             self._ready[pos] = 1
             self._ready_count += 1
 
@@ -129,14 +135,22 @@ class RankScheduler:
         if c >= 0:
             need[c] -= 1
             if need[c] == 0:  # ready: into its heap
-                heappush(self._fheap if self.is_forward[c] else self._oheap, self.prio[c])
+                if self.is_forward[c]:
+                    heappush(self._fheap, self.prio[c])
+                    self._ready_forwards += 1
+                else:
+                    heappush(self._oheap, self.prio[c])
                 self._ready[c] = 1
                 self._ready_count += 1
         c = self._feeds_too[pos]
         if c >= 0:
             need[c] -= 1
             if need[c] == 0:
-                heappush(self._fheap if self.is_forward[c] else self._oheap, self.prio[c])
+                if self.is_forward[c]:
+                    heappush(self._fheap, self.prio[c])
+                    self._ready_forwards += 1
+                else:
+                    heappush(self._oheap, self.prio[c])
                 self._ready[c] = 1
                 self._ready_count += 1
 
@@ -155,6 +169,7 @@ class RankScheduler:
         self._ready[pos] = 0
         self._ready_count -= 1
         if self.is_forward[pos]:
+            self._ready_forwards -= 1
             self.held += 1
             if self.held > self.peak:
                 self.peak = self.held
@@ -210,6 +225,10 @@ class RankScheduler:
         """The first ready, unstarted position in ``[lo, hi)``, or -1 (a C-level scan: cheap to call
         once per decision over a window of positions)."""
         return self._ready.find(1, lo, hi)
+
+    def ready_others(self) -> int:
+        """How many ready, unstarted tasks are not forwards (so never refused by admission)."""
+        return self._ready_count - self._ready_forwards
 
     def started(self, pos: int) -> bool:
         return bool(self._started[pos])

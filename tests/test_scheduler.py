@@ -226,6 +226,8 @@ def test_admission_matches_the_brute_force_oracle_in_random_states(
             for pos in range(len(s.tasks)):
                 if s.is_ready(pos) and s.is_forward[pos]:
                     assert s.admissible(pos) == hint_fits(s, started[r], pos), (r, s.tasks[pos])
+            others = [p for p in range(len(s.tasks)) if s.is_ready(p) and not s.is_forward[p]]
+            assert s.ready_others() == len(others), r  # backfill's scan stops on this count
             # Sometimes stay idle a while (another event may come first), but never all ranks at once.
             if (task := s.next()) is not None and (rng.random() < 0.7 or not running):
                 s.start(task)
