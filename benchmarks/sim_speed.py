@@ -10,7 +10,8 @@ For every size PP x M (pipeline ranks x microbatches) it measures, in this one p
   eager, lognormal CV 0.3 compute jitter (backfill with the workload's mean costs).
 
 Timing is CPU time (``time.process_time``: the machine is shared, wall time measures the neighbours),
-best of ``--repeat`` runs (default 3 below 100k tasks, else 1). ``run`` simulates one iteration; ``setup``
+best of ``--repeat`` runs (default 3 below 100k tasks, else 1; a run under 50 ms is timed as the mean of
+a batch of runs lasting about 50 ms, after one untimed first run). ``run`` simulates one iteration; ``setup``
 builds the hint and the model (once per experiment, then only ``run`` per replication); ``total`` is
 setup plus the first run, i.e. the whole cost of simulating one iteration from nothing. Peak memory is
 a second, untimed pass under ``tracemalloc`` (Python + numpy allocations of setup and run together;
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import sys
 import time
 import tracemalloc
@@ -50,15 +52,23 @@ WORKLOAD = WorkloadConfig(costs="F=1,B=2", jitter="lognormal", cv=0.3)
 BIG = 100_000  # tasks: one timed repeat above this
 
 
-def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, float]:
-    """(best, first) CPU seconds of ``repeat`` calls."""
-    times = []
-    for _ in range(repeat):
+def timed(fn: Callable[[], Any], repeat: int, batch_s: float = 0.05) -> tuple[float, float]:
+    """(best, first) CPU seconds per call. A call shorter than ``batch_s`` is timed in batches that last
+    about that long (best per-call mean of ``repeat`` batches): a single 1 ms run is mostly timer and
+    cache noise -- the 4 x 16 points swung from 0.4x to 0.7x the bare model between runs."""
+    gc.collect()
+    c0 = time.process_time()
+    fn()
+    first = time.process_time() - c0
+    batch = 1 if first >= batch_s else min(1000, math.ceil(batch_s / max(first, 1e-6)))
+    times = [first] if batch == 1 else []
+    while len(times) < repeat:
         gc.collect()
         c0 = time.process_time()
-        fn()
-        times.append(time.process_time() - c0)
-    return min(times), times[0]
+        for _ in range(batch):
+            fn()
+        times.append((time.process_time() - c0) / batch)
+    return min(times), first
 
 
 def peak_mib(fn: Callable[[], Any]) -> float:
