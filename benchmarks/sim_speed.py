@@ -10,10 +10,10 @@ For every size PP x M (pipeline ranks x microbatches) it measures, in this one p
   eager, lognormal CV 0.3 compute jitter (backfill with the workload's mean costs).
 
 Timing is CPU time (``time.process_time``: the machine is shared, wall time measures the neighbours),
-best of ``--repeat`` runs (default 3 below 100k tasks, else 1; a run under 50 ms is timed as the mean of
-a batch of runs lasting about 50 ms, after one untimed first run). ``run`` simulates one iteration; ``setup``
-builds the hint and the model (once per experiment, then only ``run`` per replication); ``total`` is
-setup plus the first run, i.e. the whole cost of simulating one iteration from nothing. Peak memory is
+best of ``--repeat`` runs (default 3 below 100k tasks, else 1), the policies of a size taking turns (a
+run under 50 ms is timed as the mean of a batch lasting about 50 ms). ``run`` simulates one iteration;
+``setup`` builds the hint and the model (once per experiment, then only ``run`` per replication); ``total``
+is setup plus the first run, i.e. the whole cost of simulating one iteration from nothing. Peak memory is
 a second, untimed pass under ``tracemalloc`` (Python + numpy allocations of setup and run together;
 the interpreter and imported modules are not counted). The 1,024-rank point is PP16 x TP8 x DP8, m = 64
 (TP agreement and the DP all-reduce on; no bare counterpart: the bare model has neither).
@@ -31,6 +31,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,23 +53,16 @@ WORKLOAD = WorkloadConfig(costs="F=1,B=2", jitter="lognormal", cv=0.3)
 BIG = 100_000  # tasks: one timed repeat above this
 
 
-def timed(fn: Callable[[], Any], repeat: int, batch_s: float = 0.05) -> tuple[float, float]:
-    """(best, first) CPU seconds per call. A call shorter than ``batch_s`` is timed in batches that last
-    about that long (best per-call mean of ``repeat`` batches): a single 1 ms run is mostly timer and
-    cache noise -- the 4 x 16 points swung from 0.4x to 0.7x the bare model between runs."""
+BATCH_S = 0.05  # s: a run shorter than this is timed as the mean of a batch lasting about this long
+
+
+def cpu_per_call(fn: Callable[[], Any], calls: int = 1) -> float:
+    """Mean CPU seconds per call over ``calls`` back-to-back calls."""
     gc.collect()
     c0 = time.process_time()
-    fn()
-    first = time.process_time() - c0
-    batch = 1 if first >= batch_s else min(1000, math.ceil(batch_s / max(first, 1e-6)))
-    times = [first] if batch == 1 else []
-    while len(times) < repeat:
-        gc.collect()
-        c0 = time.process_time()
-        for _ in range(batch):
-            fn()
-        times.append((time.process_time() - c0) / batch)
-    return min(times), first
+    for _ in range(calls):
+        fn()
+    return (time.process_time() - c0) / calls
 
 
 def peak_mib(fn: Callable[[], Any]) -> float:
@@ -98,25 +92,52 @@ def _build_and_run(pp: int, m: int, policy: str, tp: int, dp: int) -> None:
     model.run(samples)
 
 
-def measure(pp: int, m: int, policy: str, repeat: int, tp: int = 1, dp: int = 1) -> dict[str, Any]:
-    tasks = 2 * pp * m * tp * dp
+def measure_size(pp: int, m: int, policies: list[str], repeat: int, tp: int = 1, dp: int = 1) -> list[dict]:
+    """Every policy at one size. First, policy by policy and from nothing (no other model alive, so the
+    hint is built too): setup, the first run, and peak memory. Then, when ``repeat`` > 1, the timed runs
+    alternate between the policies round by round, so the machine's swings in speed hit them alike (a
+    run under BATCH_S is timed as the mean of a batch lasting about that long: a single 1 ms run is timer
+    and cache noise). ``run_cpu_s``: the best of ``repeat`` (the first run, when ``repeat`` is 1)."""
+    rows = [_from_nothing(pp, m, policy, tp, dp) for policy in policies]
+    if repeat > 1:
+        runs = []
+        for row in rows:
+            fn = (
+                partial(run_bare, pp, m)
+                if row["policy"] == "bare"
+                else partial(_run, *build(pp, m, row["policy"], tp, dp))
+            )
+            batch = max(1, min(1000, math.ceil(BATCH_S / max(row["run_cpu_s"], 1e-6))))
+            runs.append((row, fn, batch, []))
+        for _ in range(repeat):
+            for _, fn, batch, times in runs:
+                times.append(cpu_per_call(fn, batch))
+        for row, _, _, times in runs:
+            row["run_cpu_s"] = min(times)
+    for row in rows:
+        row["tasks_per_s"] = row["tasks"] / row["run_cpu_s"]
+    return rows
+
+
+def _run(model: ClusterModel, samples: list) -> None:
+    model.run(samples)
+
+
+def _from_nothing(pp: int, m: int, policy: str, tp: int, dp: int) -> dict[str, Any]:
     row: dict[str, Any] = {"pp": pp, "m": m, "tp": tp, "dp": dp, "ranks": pp * tp * dp, "policy": policy,
-                           "tasks": tasks}  # fmt: skip
+                           "tasks": 2 * pp * m * tp * dp, "setup_cpu_s": 0.0}  # fmt: skip
     if policy == "bare":
-        row["setup_cpu_s"] = 0.0
-        row["run_cpu_s"], first = timed(lambda: run_bare(pp, m), repeat)
-        row["total_cpu_s"] = first
-        row["peak_mib"] = peak_mib(lambda: run_bare(pp, m))
+        row["run_cpu_s"] = cpu_per_call(partial(run_bare, pp, m))
+        row["peak_mib"] = peak_mib(partial(run_bare, pp, m))
     else:
         gc.collect()  # the previous point's models and hints go: setup starts from nothing
         c0 = time.process_time()
         model, samples = build(pp, m, policy, tp, dp)
         row["setup_cpu_s"] = time.process_time() - c0
-        row["run_cpu_s"], first = timed(lambda: model.run(samples), repeat)
-        row["total_cpu_s"] = row["setup_cpu_s"] + first
+        row["run_cpu_s"] = cpu_per_call(partial(model.run, samples))
         del model, samples
-        row["peak_mib"] = peak_mib(lambda: _build_and_run(pp, m, policy, tp, dp))
-    row["tasks_per_s"] = tasks / row["run_cpu_s"]
+        row["peak_mib"] = peak_mib(partial(_build_and_run, pp, m, policy, tp, dp))
+    row["total_cpu_s"] = row["setup_cpu_s"] + row["run_cpu_s"]
     return row
 
 
@@ -167,13 +188,14 @@ def main() -> None:
         plot(pd.read_csv(args.out / "speed.csv"), args.out / "speed.png")
         return
     sizes = [tuple(int(x) for x in s.lower().split("x")) for s in args.sizes.split(",")]
-    points = [(pp, m, pol, 1, 1) for pp, m in sizes for pol in args.policies.split(",")]
+    policies = args.policies.split(",")
+    points = [(pp, m, policies, 1, 1) for pp, m in sizes]
     if not args.no_big:
-        points += [(16, 64, pol, 8, 8) for pol in args.policies.split(",") if pol != "bare"]
+        points.append((16, 64, [p for p in policies if p != "bare"], 8, 8))
     rows = []
-    for pp, m, pol, tp, dp in tqdm(points, desc="sim_speed", unit="point", file=sys.stderr):
+    for pp, m, pols, tp, dp in tqdm(points, desc="sim_speed", unit="size", file=sys.stderr):
         repeat = args.repeat or (3 if 2 * pp * m * tp * dp < BIG else 1)
-        rows.append(measure(pp, m, pol, repeat, tp, dp))
+        rows += measure_size(pp, m, pols, repeat, tp, dp)
     frame = pd.DataFrame(rows)
     bare = frame[frame["policy"] == "bare"].set_index(["pp", "m"])["tasks_per_s"]
     frame["vs_bare"] = [
