@@ -70,10 +70,11 @@ MODEL = [
 def launches(args: argparse.Namespace) -> dict[str, list[str]]:
     it = ["--iterations", str(args.iterations), "--warmup", str(args.warmup), "--seed", "0"]
     it += ["--announce", args.announce]
-    real = ["--gpus", "4", *MODEL, "--trials", TRIALS, "--baseline", "torch:1F1B", *it]
+    trials = args.trials or TRIALS
+    real = ["--gpus", "4", *MODEL, "--trials", trials, "--baseline", "torch:1F1B", *it]
     jitter = ["--jitter", "lognormal", "--cv", "0.5", "--inject-ms", str(args.inject_ms)]
     synth = ["--gpus", "16", "--synthetic", "--microbatches", "32", "--time-unit-ms", str(args.time_unit_ms),
-             "--trials", TRIALS, *jitter[:4], *it]  # fmt: skip
+             "--trials", trials, *jitter[:4], *it]  # fmt: skip
     # Longer tasks: the same jitter at 3x the scale, so the loop's fixed per-task cost weighs less.
     long = ["--gpus", "4", *MODEL, "--trials", LONG_TRIALS, "--baseline", "torch:1F1B", *it, *jitter[:4]]
     long += ["--inject-ms", str(3 * args.inject_ms)]
@@ -140,6 +141,7 @@ def main() -> None:
     ap.add_argument("--inject-ms", type=float, default=20.0, help="jitter scale of the real-jitter launch")
     ap.add_argument("--time-unit-ms", type=float, default=5.0, help="synthetic: ms per cost unit")
     ap.add_argument("--only", default=None, help="comma list of launch names (see above)")
+    ap.add_argument("--trials", default=None, help="rrfp-run --trials for real, real-jitter and synthetic")
     ap.add_argument("--announce", default="auto", help="rrfp-run --announce (auto, board, all, ...)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     ap.add_argument("--out", type=Path, default=Path("results/exec_study"))
