@@ -242,20 +242,26 @@ class Backfill(Policy):
         work = 0.0  # expected work of the unstarted positions passed so far
         guard = math.inf  # min over the non-fillers passed of (their start - now - work before them)
         cost, filler, arrive = plan.cost, plan.filler, plan.arrive
+        started, awaiting, since_of = s.started, s.awaiting, s.since  # bound once: this is the hot loop
         unannounced = now - self.announce_delay  # the earliest start of a producer not yet heard of
         for pos in range(s.head, max(candidates) + 1):
-            if s.started(pos):
+            if started(pos):
                 continue
             eta = now
-            if timed and s.awaiting(pos):
-                since = s.since(pos)
-                eta = max(now, (unannounced if since is None else since) + arrive[pos])
+            if timed and awaiting(pos):
+                since = since_of(pos)
+                eta = (unannounced if since is None else since) + arrive[pos]
+                if eta < now:
+                    eta = now
             begin = cursor if cursor > eta else eta
             cursor = begin + cost[pos]
             if pos in wanted:
-                room[pos] = min(guard, cursor - now - work)
+                slack = cursor - now - work
+                room[pos] = guard if guard < slack else slack
             if not filler[pos]:
-                guard = min(guard, begin - now - work)
+                slack = begin - now - work
+                if slack < guard:
+                    guard = slack
             work += cost[pos]
         return room
 
