@@ -188,6 +188,13 @@ class Backfill(Policy):
         others = self._runnable(s, head)
         if not others:
             return [head] if head_ready else []
+        if not head_ready and not plan.filler[head]:
+            # Every room is at most the waiting critical head's slack (it is the first protected
+            # position): when no candidate fits into that, skip the walk (most waits end here).
+            bound = self._head_slack(s, plan) + _EPS
+            scale = 1.0 + self.margin
+            if all(plan.cost[p] * scale > bound for p in others):
+                return []
         room = self._room(s, plan, others)
         runnable = [head, *others] if head_ready else others
         out: list[int] = []
@@ -224,6 +231,16 @@ class Backfill(Policy):
                 break
             pos = s.next_ready(pos + 1, end)
         return out
+
+    def _head_slack(self, s: RankScheduler, plan: _Plan) -> float:
+        """How long from now until the (unstarted) head can start: its expected input arrival as
+        :meth:`_room` computes it, 0 without a clock or an awaited cross-rank input."""
+        head, now = s.head, s.now
+        if now is None or not s.awaiting(head):
+            return 0.0
+        since = s.since(head)
+        eta = (now - self.announce_delay if since is None else since) + plan.arrive[head]
+        return eta - now if eta > now else 0.0
 
     def _room(self, s: RankScheduler, plan: _Plan, candidates: list[int]) -> dict[int, float]:
         """For each candidate position j, the longest task (s) that may move from j to now.
