@@ -68,9 +68,9 @@ class RankScheduler:
         self.now: float | None = None
         """Driver clock (s) at the latest :meth:`tick`; None if the driver never ticks."""
         self.policy_state: object = None
-        self._ready_forwards0 = sum(1 for r, f in zip(plan.ready, self.is_forward, strict=True) if r and f)
-        self._source: Callable[[int], float | None] | None = None
         """Per-scheduler scratch space for the policy (e.g. its static plan of this rank)."""
+        self._ready_forwards0 = sum(1 for r, f in zip(plan.ready, self.is_forward, strict=True) if r and f)
+        self._source: Callable[[int], float | None] | None = None  # listen(): pulled announcements
         peak = plan.peak
         self.budget = peak if budget is None else budget
         if self.budget < peak:
