@@ -168,7 +168,7 @@ class _Worker:
 
     __slots__ = (
         "agree_cost", "arrive", "blocked", "busy", "busy_time", "d", "dirty", "dispatch", "done_cb", "dur",
-        "eid", "env", "finish", "gids", "model", "peers", "plan", "pos", "queue", "r", "scheds", "started_at",
+        "eid", "env", "finish", "gids", "model", "plan", "pos", "queue", "r", "scheds", "started_at",
         "starts", "tx",
     )  # fmt: skip
 
@@ -184,7 +184,6 @@ class _Worker:
         self.tx: list[list[float]] = []  # per member: transfer time of the message out of each position
         self.arrive: list[Callable[[Task], None]] = []  # on_arrive_fast of each pipeline rank of the replica
         self.use(model.env)
-        self.peers: list[_Worker] = []  # every pipeline rank's worker of this replica (announcements)
         # Clocked policies: when each position started this iteration (None: not yet). Consumers' schedulers
         # read it when their policy asks (RankScheduler.listen), instead of an announce() per start.
         self.starts: list[float | None] = [None] * len(self.plan.order) if model.clocked else []
@@ -338,7 +337,6 @@ class _Worker:
         """Pre-bind the arrival callback of every pipeline rank of this replica; with a clocked policy,
         let each scheduler read its producers' starts off their workers."""
         self.arrive = [w.on_arrive_fast for w in replica]
-        self.peers = replica
         if self.model.clocked:
             src_rank, src_pos = self.plan.sources(self.model.hint)
             starts = [w.starts for w in replica]
