@@ -109,14 +109,8 @@ class RankScheduler:
             raise SchedulerError(f"rank {self.rank}: {task} got more cross-rank inputs than it needs")
         remote[pos] -= 1
         need[pos] -= 1
-        if need[pos] == 0:  # ready: into its heap (inlined: once per task)
-            if self.is_forward[pos]:
-                heappush(self._fheap, self.prio[pos])
-                self._ready_forwards += 1
-            else:
-                heappush(self._oheap, self.prio[pos])
-            self._ready[pos] = 1
-            self._ready_count += 1
+        if need[pos] == 0:
+            self._now_ready(pos)
 
     def complete(self, task: Task) -> None:
         """This rank finished ``task``: free its memory and wake its local consumers."""
@@ -134,25 +128,23 @@ class RankScheduler:
         c = self._feeds[pos]  # its local consumers, written out twice: this runs once per task
         if c >= 0:
             need[c] -= 1
-            if need[c] == 0:  # ready: into its heap
-                if self.is_forward[c]:
-                    heappush(self._fheap, self.prio[c])
-                    self._ready_forwards += 1
-                else:
-                    heappush(self._oheap, self.prio[c])
-                self._ready[c] = 1
-                self._ready_count += 1
+            if need[c] == 0:
+                self._now_ready(c)
         c = self._feeds_too[pos]
         if c >= 0:
             need[c] -= 1
             if need[c] == 0:
-                if self.is_forward[c]:
-                    heappush(self._fheap, self.prio[c])
-                    self._ready_forwards += 1
-                else:
-                    heappush(self._oheap, self.prio[c])
-                self._ready[c] = 1
-                self._ready_count += 1
+                self._now_ready(c)
+
+    def _now_ready(self, pos: int) -> None:
+        """``pos`` has all its inputs: into its heap, the ready set and the counts (once per task)."""
+        if self.is_forward[pos]:
+            heappush(self._fheap, self.prio[pos])
+            self._ready_forwards += 1
+        else:
+            heappush(self._oheap, self.prio[pos])
+        self._ready[pos] = 1
+        self._ready_count += 1
 
     def start(self, task: Task) -> None:
         """The driver commits ``task``; it must be ready and admissible."""
