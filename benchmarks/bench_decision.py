@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 
 import rrfp
-from rrfp.task import Op, Task
+from rrfp.plan.task import Op, Task
 
 MEAN_COST = {Op.F: 1.0, Op.B: 2.0, Op.I: 1.0, Op.W: 1.0}  # per-op mean durations (arbitrary units)
 
@@ -70,7 +70,7 @@ def timed_iteration(
         if not events:
             break
         now = events[0][0]
-        while events and events[0][0] == now:  # same-instant rule, as in rrfp.driver
+        while events and events[0][0] == now:  # same-instant rule, as in rrfp.dispatch.driver
             _, kind, _, rank, task = heapq.heappop(events)
             if kind == 1:
                 scheds[rank].deliver(task)

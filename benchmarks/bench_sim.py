@@ -31,7 +31,7 @@ import numpy as np
 
 import rrfp
 from rrfp.sim import ClusterConfig, ClusterModel
-from rrfp.workload import WorkloadConfig, sample_for
+from rrfp.workload.model import WorkloadConfig, sample_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bare_simpy import run_bare

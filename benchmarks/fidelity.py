@@ -34,8 +34,8 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
-from rrfp.replay import load_replay
 from rrfp.sim.replay import run_replay
+from rrfp.traces.replay import load_replay
 
 BIN = Path(sys.executable).parent
 TRACES = Path("traces")

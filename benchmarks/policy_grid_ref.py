@@ -1,11 +1,11 @@
 """Policy grid on the reference driver: ``rrfp`` and ``backfill`` against ``fixed`` at equal memory.
 
 Issue 6, item 2: a policy that is never worse than ``fixed`` at equal memory. Every cell runs ``fixed``,
-``rrfp`` and ``backfill`` (rrfp.policies_plus) through :func:`rrfp.run_reference` on the same sampled
-durations (common random numbers: replication i of a cell draws from ``rrfp.rng.streams(seed, i)``, whatever
+``rrfp`` and ``backfill`` (rrfp.dispatch.backfill) through :func:`rrfp.run_reference` on the same sampled
+durations (common random numbers: replication i of a cell draws from ``streams(seed, i)``, whatever
 the policy) and at the same per-rank activation budget, and prints the paired speedup over ``fixed``
 (mean and the low end of its 95% t-interval) and each policy's iteration time over the lower bound
-(:func:`rrfp.metrics.lower_bound`, realised durations).
+(:func:`rrfp.study.metrics.lower_bound`, realised durations).
 
 Base point: pp = 8, m = 32, language workload (F = I = W = 1 s per microbatch per rank), lognormal jitter
 CV 0.3, budget 1x (each rank's hint peak), no message latency. One factor at a time, for every hint
@@ -37,10 +37,10 @@ from pathlib import Path
 import numpy as np
 
 import rrfp
-from rrfp.metrics import lower_bound, paired_speedup
-from rrfp.policies_plus import Backfill, expected_costs
-from rrfp.rng import streams
-from rrfp.workload import WorkloadConfig, sample_for
+from rrfp.dispatch.backfill import Backfill, expected_costs
+from rrfp.study.metrics import lower_bound, paired_speedup
+from rrfp.workload.model import WorkloadConfig, sample_for
+from rrfp.workload.rng import streams
 
 HINTS = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "bf", "bfw")
 FACTORS = ("base", "jitter", "workload", "budget", "latency")

@@ -40,10 +40,10 @@ import pandas as pd
 from tqdm import tqdm
 
 import rrfp
-from rrfp.policies_plus import Backfill
+from rrfp.dispatch.backfill import Backfill
 from rrfp.sim import ClusterConfig, ClusterModel
 from rrfp.sim.experiment import expected_cost_model
-from rrfp.workload import WorkloadConfig, sample_for
+from rrfp.workload.model import WorkloadConfig, sample_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bare_simpy import run_bare

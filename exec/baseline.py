@@ -29,7 +29,7 @@ from rrfp.exec.data import Microbatch, make_batch
 from rrfp.exec.model import Stage, build_stage
 from rrfp.exec.synthetic import Injector
 from rrfp.exec.trials import TrialOutcome
-from rrfp.task import Op
+from rrfp.plan.task import Op
 
 V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 

@@ -1,6 +1,6 @@
 """Same-host announcements: task start times on a shared-memory board instead of messages.
 
-``backfill`` plans with the start time of each producer whose output it awaits (rrfp.policies_plus). Over
+``backfill`` plans with the start time of each producer whose output it awaits (rrfp.dispatch.backfill). Over
 the network that is an announcement message per task start (exec/transport.py), and on an oversubscribed
 CPU those messages cost more than they gain (BENCHMARKS.md §3: 16 ranks on 2 cores lost 6-8% to them).
 When every rank runs on one host there is a cheaper medium: a file in ``/dev/shm`` that every rank maps.

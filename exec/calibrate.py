@@ -1,6 +1,6 @@
 """Expected costs for ``backfill`` in the executor, measured on the run itself.
 
-``backfill`` plans with mean task costs and the mean message time (rrfp.policies_plus). In the simulator
+``backfill`` plans with mean task costs and the mean message time (rrfp.dispatch.backfill). In the simulator
 those come from the workload model; here they come from the warm-up: every rank meters its compute per
 (stage, op) and the send-to-arrival time of its incoming messages (:class:`CostMeter`, fed by the
 runtime loop), then :func:`calibrate` all-gathers the meters over the control group and builds one
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rrfp.policies_plus import Backfill
-from rrfp.task import Op, Task
+from rrfp.dispatch.backfill import Backfill
+from rrfp.plan.task import Op, Task
 
 
 class CalibrationError(RuntimeError):

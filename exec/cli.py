@@ -121,7 +121,9 @@ _O = click.option
 @_O("--deterministic", is_flag=True, help="Add microbatch gradients in microbatch order.")
 @_O("--timeout", type=float, default=60.0, show_default=True, help="Seconds any wait may last.")
 @_O("--dump-dir", default=None, help="Where fault dumps go (default: a temp dir).")
-@_O("--jitter", default="none", show_default=True, help="Injected jitter distribution (rrfp.jitter).")
+@_O(
+    "--jitter", default="none", show_default=True, help="Injected jitter distribution (rrfp.workload.jitter)."
+)
 @_O("--cv", type=float, default=None, help=f"Jitter CV (default {DEFAULT_CV} with --jitter).")
 @_O("--inject-ms", type=float, default=0.0, show_default=True, help="Sleep X*this ms per task (B: I+W).")
 @_O(

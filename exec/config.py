@@ -163,7 +163,7 @@ class RunConfig:
     dump_dir: str | None = None
     """Where fault dumps go (None: a fresh temp dir chosen by the launcher)."""
     jitter: str = "none"
-    """Injected jitter family (rrfp.jitter) for real compute."""
+    """Injected jitter family (rrfp.workload.jitter) for real compute."""
     cv: float = 0.0
     """Injected jitter CV."""
     inject_ms: float = 0.0
@@ -171,9 +171,9 @@ class RunConfig:
     synthetic: bool = False
     """No model: each task sleeps its duration sampled as rrfp-sim samples it."""
     costs: str = "F=1,B=2"
-    """--synthetic: mean per-op costs in time units (rrfp.workload.parse_costs)."""
+    """--synthetic: mean per-op costs in time units (rrfp.workload.model.parse_costs)."""
     workload: str = "language"
-    """--synthetic: workload preset (rrfp.workload)."""
+    """--synthetic: workload preset (rrfp.workload.model)."""
     time_unit_ms: float = 10.0
     """--synthetic: milliseconds per cost unit."""
     trace_out: str | None = None

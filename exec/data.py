@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from rrfp import rng as rngs
 from rrfp.exec.config import ModelConfig
+from rrfp.workload import rng as rngs
 
 IMAGE_RATE_SIGMA = 0.8  # lognormal sigma of the per-microbatch image rate (heavy right tail)
 

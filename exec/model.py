@@ -23,7 +23,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from rrfp import rng as rngs
 from rrfp.exec.config import ExecConfigError, ModelConfig
 from rrfp.exec.data import Microbatch
 from rrfp.exec.layers import (
@@ -34,6 +33,7 @@ from rrfp.exec.layers import (
     TPContext,
     full_weight,
 )
+from rrfp.workload import rng as rngs
 
 
 def unit_generator(seed: int, unit: str) -> torch.Generator:

@@ -6,13 +6,13 @@ combination (exit 2) in a second instead of failing inside N workers.
 
 from __future__ import annotations
 
-from rrfp.budget import resolve_budget
+from rrfp.dispatch.policies import get_policy
 from rrfp.exec.config import ExecConfigError, RunConfig, switch_interval
 from rrfp.exec.model import partition
-from rrfp.hints import make_hint
-from rrfp.jitter import make_distribution
-from rrfp.policies import get_policy
-from rrfp.workload import WorkloadConfig
+from rrfp.plan.budget import resolve_budget
+from rrfp.plan.hints import make_hint
+from rrfp.workload.jitter import make_distribution
+from rrfp.workload.model import WorkloadConfig
 
 TORCH_SINGLE = ("GPipe", "1F1B")
 TORCH_MULTI = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")

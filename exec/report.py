@@ -29,7 +29,7 @@ def write_merged_trace(frames: list[Any], path: str) -> None:
     """Concatenate every rank's frame (times already on rank 0's clock) and write it."""
     import pandas as pd
 
-    from rrfp.trace import write_trace
+    from rrfp.traces.trace import write_trace
 
     frame = pd.concat(frames, ignore_index=True)
     for col in ("start", "end"):  # cross-host offset estimates can put an event a hair before 0

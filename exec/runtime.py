@@ -35,16 +35,16 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from rrfp.dispatch.scheduler import RankScheduler
+from rrfp.dispatch.tp import agree
 from rrfp.exec.board import StartBoard, board_tag
 from rrfp.exec.calibrate import CostMeter
 from rrfp.exec.faults import LostPeerError, WaitTimeoutError
 from rrfp.exec.synthetic import Injector
 from rrfp.exec.transport import Announce, Arrival, ChannelFailure, Transport
-from rrfp.hints import task_codes
-from rrfp.scheduler import RankScheduler
-from rrfp.task import Task
-from rrfp.tp import agree
-from rrfp.trace import TraceRecorder
+from rrfp.plan.hints import task_codes
+from rrfp.plan.task import Task
+from rrfp.traces.trace import TraceRecorder
 
 
 class Runner(Protocol):

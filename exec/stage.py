@@ -27,7 +27,7 @@ from torch import nn
 from rrfp.exec.data import Microbatch
 from rrfp.exec.layers import WeightStash
 from rrfp.exec.model import Stage
-from rrfp.task import Op, Task
+from rrfp.plan.task import Op, Task
 
 Grads = dict[nn.Parameter, torch.Tensor]
 

@@ -1,14 +1,14 @@
 """Injected jitter for real compute, and a synthetic mode where compute is only sleeping.
 
 * :class:`Injector` (``--jitter lognormal --cv 0.5 --inject-ms 20``): after a task's real compute the
-  rank sleeps ``X * inject_ms``, X drawn from the simulator's unit-mean distribution (rrfp.jitter).
+  rank sleeps ``X * inject_ms``, X drawn from the simulator's unit-mean distribution (rrfp.workload.jitter).
   As in the simulator's cost model a full backward is its two halves: B sleeps ``(X_I + X_W) *
   inject_ms``, exactly what its I and W tasks sleep under a split hint, so split and unsplit hints
   carry the same injected load. Draws are keyed by (seed, DP replica, iteration) and indexed by
   (stage, op, microbatch), so every policy -- and torch's baseline schedule -- sleeps the same amount
   for the same task (common random numbers), whatever order it runs the tasks in.
 * :class:`SyntheticRunner` (``--synthetic``): no model at all; each task sleeps the duration
-  ``rrfp.workload.sample_iteration`` draws for it -- exactly what rrfp-sim simulates -- scaled by
+  ``rrfp.workload.model.sample_iteration`` draws for it -- exactly what rrfp-sim simulates -- scaled by
   ``--time-unit-ms``, and messages carry one float. Sleeping ranks use no CPU, so 16-32 ranks share
   two cores for scaling experiments.
 """
@@ -20,11 +20,11 @@ import time
 import numpy as np
 import torch
 
-from rrfp import rng as rngs
-from rrfp.jitter import make_distribution
-from rrfp.spec import PipelineSpec
-from rrfp.task import Op, Task
-from rrfp.workload import IterationSample, WorkloadConfig, sample_iteration
+from rrfp.plan.spec import PipelineSpec
+from rrfp.plan.task import Op, Task
+from rrfp.workload import rng as rngs
+from rrfp.workload.jitter import make_distribution
+from rrfp.workload.model import IterationSample, WorkloadConfig, sample_iteration
 
 OP_COLUMNS = {Op.F: (0,), Op.I: (1,), Op.W: (2,), Op.B: (1, 2)}  # B = I + W
 

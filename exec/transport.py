@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from rrfp.exec.faults import LostPeerError
-from rrfp.task import Op, Task
+from rrfp.plan.task import Op, Task
 
 HEADER_LEN = 16
 HEADER_BYTES = HEADER_LEN * 8

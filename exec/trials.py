@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rrfp.budget import resolve_budget
+from rrfp.dispatch.backfill import Backfill
+from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.exec import faults
 from rrfp.exec.calibrate import ANNOUNCED_OPS, calibrate
 from rrfp.exec.check import digest, local_grads
@@ -28,11 +29,10 @@ from rrfp.exec.model import Stage, build_stage
 from rrfp.exec.runtime import PipelineRuntime
 from rrfp.exec.stage import StageRunner
 from rrfp.exec.synthetic import Injector, SyntheticRunner
-from rrfp.hints import make_hint
-from rrfp.policies_plus import Backfill
-from rrfp.scheduler import RankScheduler
-from rrfp.trace import TraceRecorder
-from rrfp.workload import WorkloadConfig
+from rrfp.plan.budget import resolve_budget
+from rrfp.plan.hints import make_hint
+from rrfp.traces.trace import TraceRecorder
+from rrfp.workload.model import WorkloadConfig
 
 
 @dataclass

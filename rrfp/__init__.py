@@ -10,15 +10,15 @@ jitter models, trace schema, metrics) and imports neither simpy nor torch.
     ['1F0', '1B0', '1F1', '1B1', '1F2', '1B2']
 """
 
-from rrfp.budget import BudgetError, hint_peaks, order_peak, resolve_budget
-from rrfp.driver import DeadlockError, Run, run_reference
-from rrfp.hints import Hint, HintError, hint_names, hint_orders, make_hint
-from rrfp.policies import Policy, PolicyError, get_policy, policy_names, register_policy
-from rrfp.policies_plus import Backfill, BackfillError, expected_costs, unit_costs
-from rrfp.scheduler import RankScheduler, SchedulerError
-from rrfp.spec import PipelineSpec, SpecError
-from rrfp.task import Op, Task, TaskFormatError
-from rrfp.tp import agree
+from rrfp.dispatch.backfill import Backfill, BackfillError, expected_costs, unit_costs
+from rrfp.dispatch.driver import DeadlockError, Run, run_reference
+from rrfp.dispatch.policies import Policy, PolicyError, get_policy, policy_names, register_policy
+from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
+from rrfp.dispatch.tp import agree
+from rrfp.plan.budget import BudgetError, hint_peaks, order_peak, resolve_budget
+from rrfp.plan.hints import Hint, HintError, hint_names, hint_orders, make_hint
+from rrfp.plan.spec import PipelineSpec, SpecError
+from rrfp.plan.task import Op, Task, TaskFormatError
 
 __version__ = "0.1.0"
 

@@ -30,8 +30,8 @@ from typing import Any
 import click
 
 import rrfp
-from rrfp.replay import TIMINGS
-from rrfp.workload import WorkloadConfig
+from rrfp.traces.replay import TIMINGS
+from rrfp.workload.model import WorkloadConfig
 
 from .config import ClusterConfig, ExperimentConfig
 
@@ -132,8 +132,8 @@ def build_config(v: dict[str, Any]) -> ExperimentConfig:
 
 
 def _fitted_workload(v: dict[str, Any]) -> Any:
-    """``--workload fit:TRACE[@RUN]``: per-stage cost fits of a trace (rrfp.fit); None otherwise."""
-    from rrfp.fit import fit_trace, parse_fit_spec
+    """``--workload fit:TRACE[@RUN]``: per-stage cost fits of a trace (rrfp.traces.fit); None otherwise."""
+    from rrfp.traces.fit import fit_trace, parse_fit_spec
 
     spec = parse_fit_spec(v["workload"])
     if spec is None:
@@ -263,7 +263,7 @@ def _replay(
     trace_out: str | None, plot: str | None,
 ) -> None:  # fmt: skip
     """``--replay``: the recorded run, then the what-ifs the options ask for."""
-    from rrfp.replay import load_replay
+    from rrfp.traces.replay import load_replay
 
     from .replay import format_replay, replay_json, run_replay
 
@@ -286,8 +286,8 @@ def _replay(
 def _write_trace_outputs(recorders: list[Any], trace_out: str | None, plot: str | None) -> None:
     import pandas as pd
 
-    from rrfp.plot import plot_gantt
-    from rrfp.trace import write_trace
+    from rrfp.traces.plot import plot_gantt
+    from rrfp.traces.trace import write_trace
 
     frame = pd.concat([r.frame() for r in recorders], ignore_index=True)
     if trace_out:

@@ -3,7 +3,7 @@
 * :class:`ClusterConfig` -- the machine: TP and DP degrees, P2P links (latency, bandwidth, contention),
   the fixed baseline's send semantics, the DP gradient size.
 * :class:`ExperimentConfig` -- what to compare: pipeline shape, hints x policies, seeds, iterations,
-  memory budget, the workload (a :class:`rrfp.workload.WorkloadConfig`) and the cluster.
+  memory budget, the workload (a :class:`rrfp.workload.model.WorkloadConfig`) and the cluster.
 
 Both validate at construction and raise :class:`ConfigError` (a ``ValueError``) with a one-line message
 naming the field, the value and the rule. The CLI only fills these dataclasses.
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rrfp
-from rrfp.fit import FittedWorkload
-from rrfp.workload import WorkloadConfig
+from rrfp.traces.fit import FittedWorkload
+from rrfp.workload.model import WorkloadConfig
 
 SEND_MODES = ("eager", "rendezvous")
 BASELINE_POLICY = "fixed"
@@ -129,7 +129,7 @@ class ExperimentConfig:
     memory_budget: str = "1x"
     """Activation budget per rank: a factor of the hint's own peak (``1x``, ``2x``) or a count."""
     workload: WorkloadConfig | FittedWorkload = field(default_factory=_default_workload)
-    """What tasks cost: a workload model, or per-stage fits of a recorded trace (rrfp.fit)."""
+    """What tasks cost: a workload model, or per-stage fits of a recorded trace (rrfp.traces.fit)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:

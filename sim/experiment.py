@@ -7,17 +7,18 @@ hints ``1f1b,bf`` x policies ``fixed,rrfp`` is three runs: fixed/1f1b, rrfp/1f1b
 Pairing: each policy is compared with ``fixed`` on the same hint; a class-priority hint with ``fixed``
 on its reference hint (``hint.reference``: bf, fb -> 1f1b; bfw -> 1f1b too, lowered to the split for
 rrfp; realised durations agree because B = I + W). speedup = baseline / candidate iteration time per
-replication, mean and 95% t-interval over replications (rrfp.metrics.paired_speedup).
+replication, mean and 95% t-interval over replications (rrfp.study.metrics.paired_speedup).
 
 Common random numbers: replication i, iteration k, DP replica d, TP member t draws from
-``SeedSequence(seed, spawn_key=(i, k, crc32(component)))`` (rrfp.rng) with component names suffixed by
+``SeedSequence(seed, spawn_key=(i, k, crc32(component)))`` (rrfp.workload.rng) with component names
+suffixed by
 ``/dp{d}`` (data: sequence lengths, images, stragglers) and ``/dp{d}/tp{t}`` (compute and comm jitter);
 d = t = 0 uses the plain names. A sample depends only on the pipeline shape, never on the hint or
 policy, and is drawn once per replication and shared by every run.
 
 Per run and replication: iteration time (mean over the iterations after the first when there are
 several), throughput (microbatches x dp per second), bubble fraction per pipeline rank, utilisation,
-peak held activations per rank, the lower bound (rrfp.metrics.lower_bound on the realised durations)
+peak held activations per rank, the lower bound (rrfp.study.metrics.lower_bound on the realised durations)
 and policy / LB.
 
     from .experiment import run_experiment
@@ -37,15 +38,15 @@ from typing import Any
 import numpy as np
 
 import rrfp
-from rrfp import metrics
-from rrfp import rng as rngs
-from rrfp.fit import FittedWorkload, _overlap
-from rrfp.hints import Hint
-from rrfp.metrics import lower_bound, paired_speedup, t_interval
-from rrfp.policies_plus import Backfill, CostModel, expected_costs
-from rrfp.spec import PipelineSpec
-from rrfp.trace import TraceRecorder
-from rrfp.workload import IterationSample, WorkloadConfig, sample_iteration
+from rrfp.dispatch.backfill import Backfill, CostModel, expected_costs
+from rrfp.plan.hints import Hint
+from rrfp.plan.spec import PipelineSpec
+from rrfp.study import metrics
+from rrfp.study.metrics import lower_bound, paired_speedup, t_interval
+from rrfp.traces.fit import FittedWorkload, _overlap
+from rrfp.traces.trace import TraceRecorder
+from rrfp.workload import rng as rngs
+from rrfp.workload.model import IterationSample, WorkloadConfig, sample_iteration
 
 from .config import BASELINE_POLICY, ExperimentConfig
 from .model import ClusterModel, ModelRun
@@ -264,7 +265,7 @@ def measure(
     mean_time = float(times.mean())
     stats.iteration_time.append(mean_time)
     stats.throughput.append(metrics.throughput(cfg.m * cfg.cluster.dp, mean_time))
-    fractions = [  # rrfp.metrics' definition, per iteration and DP replica: (iterations * dp, pp)
+    fractions = [  # rrfp.study.metrics' definition, per iteration and DP replica: (iterations * dp, pp)
         list(metrics.bubble_fraction(dict(enumerate(row)), float(t)).values())
         for t, per_dp in zip(times, busy, strict=True)
         for row in per_dp

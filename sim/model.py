@@ -7,7 +7,7 @@ process): one heap entry per task and one per message. Durations are looked up, 
 numpy arrays turned into Python lists once per rank. The common case (tp = 1, eager, no contention, no
 trace) completes tasks through a pre-wired fast path (``on_done_fast``); the tests hold it to the
 general path's results. Building a model and running it hold the garbage collector
-(:func:`rrfp.hints.gc_paused`): at 128 ranks x 1024 microbatches its passes cost more than the work.
+(:func:`rrfp.plan.hints.gc_paused`): at 128 ranks x 1024 microbatches its passes cost more than the work.
 
 Per iteration (:meth:`ClusterModel.run` runs several back to back):
 
@@ -52,12 +52,12 @@ import numpy as np
 from simpy.events import NORMAL, Event
 
 import rrfp
-from rrfp.hints import Hint, gc_paused
-from rrfp.policies import Policy
-from rrfp.scheduler import RankScheduler, _rank_plan
-from rrfp.task import Op, Task
-from rrfp.trace import TraceRecorder
-from rrfp.workload import IterationSample
+from rrfp.dispatch.policies import Policy
+from rrfp.dispatch.scheduler import RankScheduler, _rank_plan
+from rrfp.plan.hints import Hint, gc_paused
+from rrfp.plan.task import Op, Task
+from rrfp.traces.trace import TraceRecorder
+from rrfp.workload.model import IterationSample
 
 from .config import BASELINE_POLICY, ClusterConfig, ConfigError
 from .engine import InstantEnvironment
@@ -440,7 +440,7 @@ class ClusterModel:
         """Simulate ``len(samples)`` iterations back to back; ``samples[i][d][t]`` feeds member t of
         replica d in iteration i. Raises :class:`rrfp.DeadlockError` if a rank can never finish.
         The garbage collector is held meanwhile (the run makes no reference cycles; see
-        :func:`rrfp.hints.gc_paused`)."""
+        :func:`rrfp.plan.hints.gc_paused`)."""
         self._check_samples(samples)
         with gc_paused():
             return self._run(samples, recorder)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rrfp.task import Op, Task
+from rrfp.plan.task import Op, Task
 
 if TYPE_CHECKING:
     from .model import ClusterModel, _Worker

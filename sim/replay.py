@@ -1,6 +1,6 @@
 """Replay a recorded trace in the simulator: fidelity with the run's own policy, what-if with others.
 
-The loader (:func:`rrfp.replay.load_replay`) turns one recorded run into per-task durations and
+The loader (:func:`rrfp.traces.replay.load_replay`) turns one recorded run into per-task durations and
 per-message latencies; this module runs them through :class:`~rrfp.sim.model.ClusterModel` -- the same
 model rrfp-sim uses, with a base transfer time of 1 s so each message's sampled ``comm`` value is its
 latency in seconds, and the recorded DP all-reduce time.
@@ -28,13 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from rrfp.budget import hint_peaks, resolve_budget
-from rrfp.metrics import paired_speedup
-from rrfp.policies_plus import Backfill
-from rrfp.replay import Replay
-from rrfp.task import Op
-from rrfp.trace import TraceRecorder
-from rrfp.workload import IterationSample
+from rrfp.dispatch.backfill import Backfill
+from rrfp.plan.budget import hint_peaks, resolve_budget
+from rrfp.plan.task import Op
+from rrfp.study.metrics import paired_speedup
+from rrfp.traces.replay import Replay
+from rrfp.traces.trace import TraceRecorder
+from rrfp.workload.model import IterationSample
 
 from .config import BASELINE_POLICY, ClusterConfig, ExperimentConfig
 from .experiment import PlannedRun, RunKey, RunStats, measure

@@ -127,7 +127,7 @@ def result_rows(point: dict[str, Any], result: Any) -> list[dict[str, Any]]:
 
 def write_sweep(frame: pd.DataFrame, out: str | Path, plot: str | Path | None, x: str) -> None:
     """Write the CSV (and the plot) atomically; the plot shows speedup vs ``x``."""
-    from rrfp.plot import plot_sweep
+    from rrfp.traces.plot import plot_sweep
 
     from .cli import atomic_write
 

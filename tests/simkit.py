@@ -10,8 +10,8 @@ import numpy as np
 
 import rrfp
 from rrfp.sim import ClusterConfig, ClusterModel
-from rrfp.trace import TraceRecorder
-from rrfp.workload import IterationSample
+from rrfp.traces.trace import TraceRecorder
+from rrfp.workload.model import IterationSample
 
 Timeline = dict[int, list[tuple[str, float, float]]]
 

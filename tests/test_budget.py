@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 import rrfp
-from rrfp.budget import deltas
-from rrfp.hints import CLASS_HINTS, reference_hint_name
-from rrfp.spec import PipelineSpec
-from rrfp.task import Task
+from rrfp.plan.budget import deltas
+from rrfp.plan.hints import CLASS_HINTS, reference_hint_name
+from rrfp.plan.spec import PipelineSpec
+from rrfp.plan.task import Task
 
 
 def tasks(text: str) -> list[Task]:

@@ -1,4 +1,4 @@
-"""Schedules in torch's CSV format (rrfp.csvio): round trips, torch interop, and bad files.
+"""Schedules in torch's CSV format (rrfp.plan.csvio): round trips, torch interop, and bad files.
 
 .venv/bin/pytest tests/test_csvio.py -q
 """
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 import rrfp
-from rrfp.csvio import load_orders_csv, save_orders_csv
-from rrfp.hints import HintError
-from rrfp.task import Op, Task
+from rrfp.plan.csvio import load_orders_csv, save_orders_csv
+from rrfp.plan.hints import HintError
+from rrfp.plan.task import Op, Task
 
 CASES = [
     ("gpipe", 3, 5, None),
@@ -124,7 +124,7 @@ torch_cases = [
 @pytest.mark.parametrize("name,pp,m,torch_name", torch_cases)
 def test_torch_loads_our_file(tmp_path: Path, name: str, pp: int, m: int, torch_name: str) -> None:
     pytest.importorskip("torch")
-    from rrfp.torch_schedules import actions_to_tasks, build_schedule
+    from rrfp.plan.torch_schedules import actions_to_tasks, build_schedule
 
     hint = rrfp.make_hint(name, pp, m)
     path = tmp_path / "ours.csv"
@@ -142,7 +142,7 @@ def test_torch_loads_our_file(tmp_path: Path, name: str, pp: int, m: int, torch_
 @pytest.mark.parametrize("fmt", ["compute_only", "compute_comms"])
 def test_we_load_torch_dumps(tmp_path: Path, name: str, fmt: str) -> None:
     pytest.importorskip("torch")
-    from rrfp.torch_schedules import build_schedule, torch_orders
+    from rrfp.plan.torch_schedules import build_schedule, torch_orders
 
     sched = build_schedule(name, 4, 8, 2)
     path = tmp_path / "torch.csv"

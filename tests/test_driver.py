@@ -14,9 +14,9 @@ from collections.abc import Callable
 import pytest
 
 import rrfp
-from rrfp.policies import Policy
-from rrfp.scheduler import RankScheduler
-from rrfp.task import Op, Task
+from rrfp.dispatch.policies import Policy
+from rrfp.dispatch.scheduler import RankScheduler
+from rrfp.plan.task import Op, Task
 
 Expected = dict[int, str]
 """Per-rank dispatch log, ``task@start-end`` in dispatch order, e.g. ``"0F0@0-1 0F1@1-2"``."""

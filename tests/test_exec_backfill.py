@@ -26,8 +26,8 @@ from rrfp.exec.transport import (
     encode_announce,
     encode_header,
 )
-from rrfp.task import Op, Task
-from rrfp.workload import WorkloadConfig
+from rrfp.plan.task import Op, Task
+from rrfp.workload.model import WorkloadConfig
 
 
 def test_headers_carry_send_time_and_announcements_round_trip() -> None:
@@ -135,7 +135,7 @@ def test_clocked_loop_ticks_announces_before_sending_and_meters() -> None:
 
 def test_only_the_announced_ops_are_announced() -> None:
     """--announce none/backward: the loop announces only starts of ops the policy hears of."""
-    from rrfp.policies_plus import Backfill
+    from rrfp.dispatch.backfill import Backfill
 
     _, transport, _ = _last_rank_runtime(clocked=True, policy=Backfill(announced_ops=frozenset({Op.F})))
     assert [kind for kind, _, _ in transport.log] == ["send"] * 3  # rank 1's B starts go unannounced
@@ -154,7 +154,7 @@ def test_calibrated_backfill_runs_clocked_on_gloo(tmp_path, announce: str) -> No
     gradients check, costs are the measured ones, no task starts before its inputs were computed (the
     merged trace shares one clock on one host), and no board file is left behind."""
     from rrfp.exec.board import shared_dir
-    from rrfp.trace import read_trace
+    from rrfp.traces.trace import read_trace
 
     boards = set(shared_dir().glob("rrfp-board-*"))
     trace = tmp_path / "bf.parquet"

@@ -14,9 +14,9 @@ from rrfp.exec.runtime import PipelineRuntime, RankContext, board_slots
 from rrfp.exec.synthetic import Injector, SyntheticRunner
 from rrfp.exec.transport import Arrival
 from rrfp.exec.worker import resolve_announce
-from rrfp.hints import task_codes
-from rrfp.task import Op, Task
-from rrfp.workload import WorkloadConfig
+from rrfp.plan.hints import task_codes
+from rrfp.plan.task import Op, Task
+from rrfp.workload.model import WorkloadConfig
 
 
 def test_a_start_posted_in_one_mapping_is_read_in_another(tmp_path) -> None:

@@ -159,7 +159,7 @@ def test_torchrun_joins() -> None:
 
 def test_baseline_jitter_and_trace(tmp_path: Path) -> None:
     """torch's 1F1B beside rrfp with the same injected jitter; the merged trace is valid and complete."""
-    from rrfp.trace import read_trace
+    from rrfp.traces.trace import read_trace
 
     trace = tmp_path / "run.parquet"
     result = rrfp_run(

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 import rrfp
-from rrfp import rng as rngs
 from rrfp.exec.check import compare, reference
 from rrfp.exec.config import ModelConfig, RunConfig
 from rrfp.exec.data import make_batch
@@ -29,8 +28,9 @@ from rrfp.exec.runtime import PipelineRuntime, RankContext
 from rrfp.exec.stage import StageRunner
 from rrfp.exec.synthetic import Injector, SyntheticRunner
 from rrfp.exec.transport import ChannelFailure, TransportError, decode_header, encode_header
-from rrfp.task import Op, Task
-from rrfp.workload import WorkloadConfig, sample_iteration
+from rrfp.plan.task import Op, Task
+from rrfp.workload import rng as rngs
+from rrfp.workload.model import WorkloadConfig, sample_iteration
 
 SMALL = ModelConfig(layers=3, hidden=32, heads=2, seq_len=8, vocab=16)
 SMALL_MM = ModelConfig(kind="multimodal", layers=3, hidden=32, heads=2, seq_len=8, vocab=16, max_images=3)
@@ -93,7 +93,7 @@ def test_deterministic_mode_adds_in_microbatch_order_whatever_the_completion_ord
     # Without it, fp32 sums follow completion order: some gradient's bits change.
     loose = _run_backwards(shuffled, deterministic=False)
     assert any(not torch.equal(in_order[n], loose[n]) for n in in_order)
-    assert all(torch.allclose(in_order[n], loose[n], rtol=1e-5, atol=1e-9) for n in in_order)
+    assert all(torch.allclose(in_order[n], loose[n], rtol=1e-5, atol=1e-7) for n in in_order)  # ~1 ulp
 
 
 def test_tp_shards_are_slices_of_the_full_weights() -> None:

@@ -9,14 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rrfp import fit as fitmod
-from rrfp.fit import FitError, fit_replay, fit_trace, fit_values
-from rrfp.jitter import make_distribution
-from rrfp.replay import load_replay
 from rrfp.sim.cli import main
 from rrfp.sim.config import ExperimentConfig
 from rrfp.sim.experiment import run_experiment
-from rrfp.workload import WorkloadConfig
+from rrfp.traces import fit as fitmod
+from rrfp.traces.fit import FitError, fit_replay, fit_trace, fit_values
+from rrfp.traces.replay import load_replay
+from rrfp.workload.jitter import make_distribution
+from rrfp.workload.model import WorkloadConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "traces" / "gpt-fixed-1f1b.parquet"
@@ -58,7 +58,7 @@ def sim_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
                            iterations=6, workload=workload)  # fmt: skip
     frame = run_experiment(cfg, progress=False, trace=True).traces[0].frame()
     path = tmp_path_factory.mktemp("fit") / "sim.parquet"
-    from rrfp.trace import write_trace
+    from rrfp.traces.trace import write_trace
 
     write_trace(frame, path)
     return path
@@ -144,4 +144,4 @@ def test_module_main_prints_the_table(capsys: pytest.CaptureFixture[str]) -> Non
     assert fitmod.main([str(GPT)]) == 0
     assert "stage 3 B" in capsys.readouterr().out
     assert fitmod.main(["/no/such.parquet"]) == 2
-    assert capsys.readouterr().err.startswith("rrfp.fit: error: /no/such.parquet")
+    assert capsys.readouterr().err.startswith("rrfp.traces.fit: error: /no/such.parquet")

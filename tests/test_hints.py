@@ -11,9 +11,9 @@ from collections.abc import Callable
 import pytest
 
 import rrfp
-from rrfp.hints import CLASS_HINTS, SEQUENCE_HINTS, convert_split, hint_from_orders
-from rrfp.spec import PipelineSpec
-from rrfp.task import Op, Task
+from rrfp.plan.hints import CLASS_HINTS, SEQUENCE_HINTS, convert_split, hint_from_orders
+from rrfp.plan.spec import PipelineSpec
+from rrfp.plan.task import Op, Task
 
 
 def T(text: str) -> Task:

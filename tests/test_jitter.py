@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from rrfp import jitter
-from rrfp.jitter import DISTRIBUTIONS, JitterError, empirical_cv, make_distribution, parse_jitter
+from rrfp.workload import jitter
+from rrfp.workload.jitter import DISTRIBUTIONS, JitterError, empirical_cv, make_distribution, parse_jitter
 
 N = 400_000
 TRACE = np.random.default_rng(123).gamma(4.0, 0.25, size=2000)  # a stand-in for measured durations

@@ -10,8 +10,10 @@ import pytest
 from scipy import stats
 
 import rrfp
-from rrfp import metrics
-from rrfp.metrics import (
+from rrfp.plan.spec import PipelineSpec
+from rrfp.plan.task import Op, Task
+from rrfp.study import metrics
+from rrfp.study.metrics import (
     MetricsError,
     bubble_fraction,
     busy_time,
@@ -23,9 +25,7 @@ from rrfp.metrics import (
     throughput,
     utilisation,
 )
-from rrfp.spec import PipelineSpec
-from rrfp.task import Op, Task
-from rrfp.workload import WorkloadConfig, sample_for
+from rrfp.workload.model import WorkloadConfig, sample_for
 
 
 def const(**costs: float):

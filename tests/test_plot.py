@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 
 import rrfp
-from rrfp.plot import OP_COLORS, PlotError, plot_gantt, plot_sweep
-from rrfp.task import Op
-from rrfp.trace import TraceRecorder, record_reference
+from rrfp.plan.task import Op
+from rrfp.traces.plot import OP_COLORS, PlotError, plot_gantt, plot_sweep
+from rrfp.traces.trace import TraceRecorder, record_reference
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

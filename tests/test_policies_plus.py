@@ -1,4 +1,4 @@
-"""The ``backfill`` policy (rrfp.policies_plus) and the scheduler's optional timing hooks.
+"""The ``backfill`` policy (rrfp.dispatch.backfill) and the scheduler's optional timing hooks.
 
 * exact decisions on tiny pipelines: it waits for a backward whose input is about to land where ``rrfp``
   starts a forward; it fills a wait that a forward fits into; it reads announcements, latency, and the
@@ -25,12 +25,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rrfp
-from rrfp.hints import SEQUENCE_HINTS
-from rrfp.policies_plus import Backfill, BackfillError, expected_costs, unit_costs
-from rrfp.scheduler import RankScheduler, SchedulerError
-from rrfp.spec import PLACEMENTS
-from rrfp.task import Op, Task
-from rrfp.workload import WorkloadConfig, mean_costs
+from rrfp.dispatch.backfill import Backfill, BackfillError, expected_costs, unit_costs
+from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
+from rrfp.plan.hints import SEQUENCE_HINTS
+from rrfp.plan.spec import PLACEMENTS
+from rrfp.plan.task import Op, Task
+from rrfp.workload.model import WorkloadConfig, mean_costs
 
 T = Task.parse
 

@@ -35,12 +35,12 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import rrfp
-from rrfp.budget import deltas
-from rrfp.hints import CLASS_HINTS, SEQUENCE_HINTS
-from rrfp.policies import Policy
-from rrfp.scheduler import RankScheduler
-from rrfp.spec import PLACEMENTS
-from rrfp.task import Op, Task
+from rrfp.dispatch.policies import Policy
+from rrfp.dispatch.scheduler import RankScheduler
+from rrfp.plan.budget import deltas
+from rrfp.plan.hints import CLASS_HINTS, SEQUENCE_HINTS
+from rrfp.plan.spec import PLACEMENTS
+from rrfp.plan.task import Op, Task
 
 Log = dict[int, list[tuple[Task, float, float]]]
 
@@ -352,7 +352,7 @@ def greedy_deadlocks(hint: rrfp.Hint, runs: int, monkeypatch: pytest.MonkeyPatch
     budget = rrfp.resolve_budget("1x", hint)
     deadlocks = 0
     with monkeypatch.context() as patch:
-        patch.setattr(rrfp.driver, "RankScheduler", GreedyScheduler)
+        patch.setattr(rrfp.dispatch.driver, "RankScheduler", GreedyScheduler)
         for seed in range(runs):
             dur = durations("uniform", seed)
             try:

@@ -13,13 +13,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rrfp.replay import ReplayError, load_replay, runs_in
 from rrfp.sim.cli import main
 from rrfp.sim.config import ClusterConfig, ExperimentConfig
 from rrfp.sim.experiment import run_experiment
 from rrfp.sim.replay import run_replay
-from rrfp.trace import TraceError, read_trace, write_trace
-from rrfp.workload import WorkloadConfig
+from rrfp.traces.replay import ReplayError, load_replay, runs_in
+from rrfp.traces.trace import TraceError, read_trace, write_trace
+from rrfp.workload.model import WorkloadConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = sorted((ROOT / "traces").glob("*.parquet"))

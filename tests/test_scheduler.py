@@ -18,11 +18,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rrfp
-from rrfp.budget import deltas
-from rrfp.policies import Policy, get_policy, register_policy
-from rrfp.scheduler import RankScheduler, SchedulerError
-from rrfp.segtree import MaxPrefixTree
-from rrfp.task import Task
+from rrfp.dispatch.policies import Policy, get_policy, register_policy
+from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
+from rrfp.dispatch.segtree import MaxPrefixTree
+from rrfp.plan.budget import deltas
+from rrfp.plan.task import Task
 
 
 def T(text: str) -> Task:

@@ -1,4 +1,4 @@
-"""Sequence schedules (rrfp.schedules): exact tiny orders, validity, and the zero-bubble idle times.
+"""Sequence schedules (rrfp.plan.schedules): exact tiny orders, validity, and the zero-bubble idle times.
 
 Idle time of a rank = makespan - its busy time, measured with the reference driver following the
 hint exactly (policy ``fixed``), zero latency, equal stage costs. Every rank has the same work, so
@@ -28,7 +28,7 @@ import functools
 import pytest
 
 import rrfp
-from rrfp.task import Op, Task
+from rrfp.plan.task import Op, Task
 
 GRID = [(pp, m) for pp in range(2, 9) for m in range(pp, 4 * pp + 1)]
 

@@ -20,12 +20,12 @@ import pytest
 from simkit import REFERENCE_CASES, Timeline, random_sample, run_both
 
 import rrfp
-from rrfp.policies_plus import Backfill, CostModel
+from rrfp.dispatch.backfill import Backfill, CostModel
+from rrfp.plan.task import Task
 from rrfp.sim import ClusterConfig, ClusterModel, ExperimentConfig
 from rrfp.sim.cli import main
 from rrfp.sim.experiment import expected_cost_model, run_policy
-from rrfp.task import Task
-from rrfp.workload import IterationSample, WorkloadConfig, mean_costs
+from rrfp.workload.model import IterationSample, WorkloadConfig, mean_costs
 
 HINTS = ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "bf", "bfw"]
 
@@ -135,7 +135,7 @@ def test_experiment_builds_backfill_from_the_workload_means() -> None:
 
 
 def test_fitted_workload_costs_are_the_fits_means() -> None:
-    from rrfp.fit import fit_trace
+    from rrfp.traces.fit import fit_trace
 
     fitted = fit_trace("traces/gpt-fixed-1f1b.parquet")
     spec = rrfp.make_hint("1f1b", fitted.pp, 8).spec
@@ -183,8 +183,8 @@ def test_cli_runs_backfill(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_replay_plans_backfill_with_the_recorded_means() -> None:
-    from rrfp.replay import load_replay
     from rrfp.sim.replay import replay_policy, run_replay
+    from rrfp.traces.replay import load_replay
 
     rep = load_replay("traces/gpt-fixed-1f1b.parquet")
     samples = rep.samples(split=False)

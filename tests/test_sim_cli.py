@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from rrfp.sim.cli import main
-from rrfp.trace import read_trace
+from rrfp.traces.trace import read_trace
 
 SMALL = ["--stages", "3", "-m", "6", "--seeds", "2"]
 

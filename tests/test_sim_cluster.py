@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 import rrfp
-from rrfp.hints import hint_from_orders
+from rrfp.plan.hints import hint_from_orders
+from rrfp.plan.task import Task
 from rrfp.sim import ClusterConfig, ClusterModel, ConfigError
-from rrfp.task import Task
-from rrfp.trace import TraceRecorder
-from rrfp.workload import IterationSample
+from rrfp.traces.trace import TraceRecorder
+from rrfp.workload.model import IterationSample
 
 
 def const_sample(spec: rrfp.PipelineSpec, f: float, b: float) -> IterationSample:

@@ -14,9 +14,9 @@ import pytest
 from simkit import REFERENCE_CASES, Timeline, random_sample, run_both
 
 import rrfp
+from rrfp.plan.task import Task
 from rrfp.sim import ClusterConfig, ClusterModel
-from rrfp.task import Task
-from rrfp.workload import IterationSample
+from rrfp.workload.model import IterationSample
 
 
 def const_sample(spec: rrfp.PipelineSpec, f: float, i: float, w: float) -> IterationSample:

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 import rrfp
-from rrfp.jitter import DISTRIBUTIONS
 from rrfp.sim import ClusterConfig, ExperimentConfig
 from rrfp.sim.experiment import RunKey, plan_runs, run_experiment
-from rrfp.trace import to_perfetto
-from rrfp.workload import WORKLOAD_PRESETS, WorkloadConfig
+from rrfp.traces.trace import to_perfetto
+from rrfp.workload.jitter import DISTRIBUTIONS
+from rrfp.workload.model import WORKLOAD_PRESETS, WorkloadConfig
 
 
 def small(**kw) -> ExperimentConfig:

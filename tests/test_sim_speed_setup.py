@@ -3,7 +3,7 @@
 Hint validation runs in vectorised rounds before a worklist walk, the scheduler's and the simulator's
 per-rank wiring come from integer task codes with numpy, segment trees build level by level, backfill
 checks its cost model in bulk and shares its plans: each is checked here against the straightforward
-rule from rrfp.spec on small pipelines of every hint. Exact simulator results are pinned elsewhere
+rule from rrfp.plan.spec on small pipelines of every hint. Exact simulator results are pinned elsewhere
 (tests/test_sim_exact.py); these tests name the piece that broke.
 
     .venv/bin/pytest tests/test_sim_speed_setup.py -q
@@ -18,14 +18,15 @@ import pytest
 from simpy.events import Event, Timeout
 
 import rrfp
-from rrfp import hints, segtree
-from rrfp.policies import Policy
-from rrfp.policies_plus import Backfill, BackfillError
-from rrfp.scheduler import RankScheduler, _rank_plan
-from rrfp.segtree import MaxPrefixTree
+from rrfp.dispatch import segtree
+from rrfp.dispatch.backfill import Backfill, BackfillError
+from rrfp.dispatch.policies import Policy
+from rrfp.dispatch.scheduler import RankScheduler, _rank_plan
+from rrfp.dispatch.segtree import MaxPrefixTree
+from rrfp.plan import hints
+from rrfp.plan.task import Op, Task
 from rrfp.sim import ClusterConfig, ClusterModel
 from rrfp.sim.engine import InstantEnvironment
-from rrfp.task import Op, Task
 
 SHAPES = [(1, 1), (2, 3), (3, 7), (4, 8)]
 NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "bf", "bfw", "fb"]
@@ -113,7 +114,7 @@ def test_scheduler_wiring_matches_the_dag_rules() -> None:
             assert plan.remote == [spec.remote_deps(t) for t in order]
             assert plan.is_forward == [t.op is Op.F for t in order]
             assert plan.releases == [spec.releases(t) for t in order]
-            assert plan.delta == rrfp.budget.deltas(spec, order)
+            assert plan.delta == rrfp.plan.budget.deltas(spec, order)
             assert plan.peak == rrfp.order_peak(spec, order)
             for p, t in enumerate(order):
                 local = [index[c] for c in spec.consumers(t) if not spec.is_remote(t, c)]

@@ -9,8 +9,8 @@ import itertools
 
 import pytest
 
-from rrfp.spec import PipelineSpec, SpecError
-from rrfp.task import Op, Task
+from rrfp.plan.spec import PipelineSpec, SpecError
+from rrfp.plan.task import Op, Task
 
 
 # -- validation ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rrfp.task import B, F, I, Op, Task, TaskFormatError, W
+from rrfp.plan.task import B, F, I, Op, Task, TaskFormatError, W
 
 tasks = st.builds(Task, st.integers(0, 10_000), st.sampled_from(list(Op)), st.integers(0, 10_000))
 

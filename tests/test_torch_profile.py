@@ -2,7 +2,7 @@
 
 The fixtures under ``tests/data/torch_profile/`` were recorded on this machine by
 ``traces/record_torch_profile.py`` (commands in the README next to them); each test checks the import
-against torch's own schedule tables (``rrfp.torch_schedules.torch_orders``), not against itself.
+against torch's own schedule tables (``rrfp.plan.torch_schedules.torch_orders``), not against itself.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from rrfp.task import Task
-from rrfp.torch_profile import import_torch_profile, main
-from rrfp.torch_schedules import torch_orders
-from rrfp.trace import TraceError, read_trace, validate, write_trace
+from rrfp.plan.task import Task
+from rrfp.plan.torch_schedules import torch_orders
+from rrfp.traces.torch_profile import import_torch_profile, main
+from rrfp.traces.trace import TraceError, read_trace, validate, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = Path(__file__).parent / "data" / "torch_profile"
@@ -317,7 +317,7 @@ def test_cli_writes_a_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "rrfp.torch_profile"]
+    cmd = [sys.executable, "-m", "rrfp.traces.torch_profile"]
     for args in (
         [*map(str, rank_files("1F1B")), "-o", str(tmp_path / "x.parquet")],
         [str(tmp_path / "missing.json"), "-o", str(tmp_path / "x.parquet")],
@@ -325,7 +325,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path: Path) -> None:
     ):
         proc = subprocess.run([*cmd, *args], capture_output=True, text=True, timeout=60, cwd=ROOT)
         assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("rrfp.torch_profile: error:")
+        assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("rrfp.traces.torch_profile: error:")
         assert not (tmp_path / "x.parquet").exists()
 
 
@@ -362,7 +362,7 @@ def test_record_and_import_a_fresh_trace(tmp_path: Path) -> None:
 def test_import_needs_no_torch() -> None:
     """Reading traces is pure json + the schema: a fresh interpreter imports a fixture without torch."""
     code = (
-        "import sys; from pathlib import Path; from rrfp.torch_profile import import_torch_profile\n"
+        "import sys; from pathlib import Path; from rrfp.traces.torch_profile import import_torch_profile\n"
         f"frame = import_torch_profile(sorted(Path({str(FIXTURES / 'GPipe')!r}).glob('rank*.json')))\n"
         "assert len(frame) and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)\n"
     )

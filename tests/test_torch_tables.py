@@ -1,6 +1,6 @@
 """rrfp's sequence hints against torch.distributed.pipelining 2.13's own schedules.
 
-torch builds its schedule tables without a process group here: ``rrfp.torch_schedules.build_schedule``
+torch builds its schedule tables without a process group here: ``rrfp.plan.torch_schedules.build_schedule``
 hands the schedule classes stand-in stage objects (torch only reads their stage counts, group size
 and rank), and ``torch_runtime_orders`` runs the real ``_step_microbatches`` on recording stand-ins to
 see what torch's runtime executes. "Compute order" = the table with None and non-compute actions
@@ -29,9 +29,9 @@ import functools
 import pytest
 
 import rrfp
-from rrfp import torch_schedules as ts
-from rrfp.hints import HintError
-from rrfp.task import Op, Task
+from rrfp.plan import torch_schedules as ts
+from rrfp.plan.hints import HintError
+from rrfp.plan.task import Op, Task
 
 pytest.importorskip("torch")
 

@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rrfp
-from rrfp.scheduler import RankScheduler
-from rrfp.task import Task
+from rrfp.dispatch.scheduler import RankScheduler
+from rrfp.plan.task import Task
 
 
 def T(text: str) -> Task:

@@ -1,7 +1,7 @@
 """Trace schema v1: recorder, Parquet/CSV round trips, Perfetto JSON structure, malformed files.
 
 Realistic traces come from the pure-Python reference driver (``rrfp.run_reference``) with seeded
-lognormal durations, recorded by ``rrfp.trace.record_reference``.
+lognormal durations, recorded by ``rrfp.traces.trace.record_reference``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 import pytest
 
 import rrfp
-from rrfp.task import Op, Task
-from rrfp.trace import (
+from rrfp.plan.task import Op, Task
+from rrfp.traces.trace import (
     COLUMNS,
     KINDS,
     SCHEMA_VERSION,
@@ -150,7 +150,7 @@ def test_recorder_rejects_bad_rows_with_row_and_field() -> None:
 
 def test_import_rrfp_stays_light() -> None:
     code = (
-        "import sys, rrfp, rrfp.trace, rrfp.plot\n"
+        "import sys, rrfp, rrfp.traces.trace, rrfp.traces.plot\n"
         "heavy = [m for m in ('pandas', 'pyarrow', 'matplotlib', 'torch', 'simpy') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

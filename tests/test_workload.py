@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import rrfp
-from rrfp import rng as rngs
-from rrfp import workload
-from rrfp.task import Op, Task
-from rrfp.workload import (
+from rrfp.plan.task import Op, Task
+from rrfp.workload import model as workload
+from rrfp.workload import rng as rngs
+from rrfp.workload.model import (
     IterationSample,
     WorkloadConfig,
     WorkloadError,
@@ -280,7 +280,7 @@ def test_iteration_sample_durations_feed_the_reference_driver() -> None:
 
 
 LIGHT = """
-import sys, numpy as np, rrfp.workload as w, rrfp.metrics as m
+import sys, numpy as np, rrfp.workload.model as w, rrfp.study.metrics as m
 before = 'scipy.stats' in sys.modules or 'simpy' in sys.modules
 cfg = w.WorkloadConfig(preset="multimodal", jitter="normal", cv=0.5, comm_jitter="pareto", comm_cv=0.3)
 w.sample_iteration(cfg, 2, 4, 8, np.random.default_rng(0))

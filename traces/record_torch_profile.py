@@ -7,7 +7,7 @@ steps of torch's own schedule under ``torch.profiler`` and writes ``OUT/rank<R>.
 
     .venv/bin/python traces/record_torch_profile.py --schedule ZBVZeroBubble --pp 2 --microbatches 4 \\
         --out /tmp/zbv --steps 2 --strip
-    .venv/bin/python -m rrfp.torch_profile /tmp/zbv/rank0.json /tmp/zbv/rank1.json -o zbv.parquet
+    .venv/bin/python -m rrfp.traces.torch_profile /tmp/zbv/rank0.json /tmp/zbv/rank1.json -o zbv.parquet
 
 The first step is the profiler's warm-up (not recorded: the stages' shape inference and the P2P
 warm-up happen there); the following ``--steps`` are recorded, each inside a ``ProfilerStep#N`` event.

@@ -1,7 +1,7 @@
 """Fit per-stage, per-op cost distributions to a recorded trace: a workload the simulator samples.
 
 ``rrfp-sim --workload fit:TRACE`` simulates new scenarios (more microbatches, another pp, other hints)
-calibrated on one's own run. What is fitted, from the run :func:`rrfp.replay.load_replay` reads (so the
+calibrated on one's own run. What is fitted, from the run :func:`rrfp.traces.replay.load_replay` reads (so the
 same checks and the same timing model: an rrfp-run task's cost includes its runtime overhead):
 
 * per (stage, op): the mean duration and a unit-mean multiplier distribution, the best of
@@ -20,7 +20,7 @@ Sampling a new shape keeps the model's total cost per microbatch: stage s' of S'
 (S' = S: the recorded means exactly); its multiplier family is that of the trace stage overlapping it
 most. A trace without the I/W split gives I = W = B/2 to a split hint; a split trace runs B = I + W.
 
-    python -m rrfp.fit traces/gpt-fixed-1f1b.parquet                  # print the fit quality table
+    python -m rrfp.traces.fit traces/gpt-fixed-1f1b.parquet                  # print the fit quality table
     fw = fit_trace("traces/gpt-fixed-1f1b.parquet")
     sample = fw.sample(pp=8, num_stages=8, microbatches=32, rng=np.random.default_rng(0))
 """
@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from rrfp import rng as rngs
-from rrfp.replay import Replay, ReplayError, load_replay
-from rrfp.workload import IterationSample
+from rrfp.traces.replay import Replay, ReplayError, load_replay
+from rrfp.workload import rng as rngs
+from rrfp.workload.model import IterationSample
 
 FAMILIES = ("lognorm", "gamma", "weibull_min", "norm")
 OP_INDEX = {"F": 0, "B": 1, "I": 2, "W": 3}
@@ -127,7 +127,7 @@ def fit_values(values: Any) -> Fit:
 class FittedWorkload:
     """Per-stage per-op cost fits of one trace; a workload the simulator samples (:meth:`sample`).
 
-    It offers what the simulator reads of a :class:`~rrfp.workload.WorkloadConfig` (``preset``,
+    It offers what the simulator reads of a :class:`~rrfp.workload.model.WorkloadConfig` (``preset``,
     ``costs``, ``jitter``, ``cv``, ``msg_bytes``) so reports describe it the same way.
     """
 
@@ -283,7 +283,7 @@ def _critical(lat: np.ndarray, waited: np.ndarray) -> Fit:
 
 @functools.lru_cache(maxsize=8)
 def fit_trace(path: str, run: str | None = None) -> FittedWorkload:
-    """Load (:func:`rrfp.replay.load_replay`) and fit one run of the trace at ``path``; cached per path."""
+    """Load (:func:`~rrfp.traces.replay.load_replay`) and fit one run of the trace at ``path`` (cached)."""
     return fit_replay(load_replay(path, run=run))
 
 
@@ -299,15 +299,15 @@ def parse_fit_spec(text: str) -> tuple[str, str | None] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m rrfp.fit TRACE [RUN]``: print the fit quality table; bad input -> one line, exit 2."""
+    """``python -m rrfp.traces.fit TRACE [RUN]``: print the fit quality table; bad input: one line, exit 2."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 2) or args[0] in ("-h", "--help"):
-        print("usage: python -m rrfp.fit TRACE [RUN]", file=sys.stderr)
+        print("usage: python -m rrfp.traces.fit TRACE [RUN]", file=sys.stderr)
         return 2
     try:
         print(fit_trace(args[0], args[1] if len(args) > 1 else None).report())
     except ValueError as e:
-        print(f"rrfp.fit: error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"rrfp.traces.fit: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0
 

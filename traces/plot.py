@@ -1,7 +1,7 @@
 """Plots for traces and sweeps: a per-rank Gantt chart and a sweep line plot, written as PNG.
 
-    from rrfp.trace import read_trace
-    from rrfp.plot import plot_gantt
+    from rrfp.traces.trace import read_trace
+    from rrfp.traces.plot import plot_gantt
     plot_gantt(read_trace("x.parquet"), "x.png", iteration=1)
 
 matplotlib is imported lazily with the non-interactive Agg backend, so ``import rrfp`` stays light and
@@ -43,7 +43,7 @@ def plot_gantt(frame: pd.DataFrame, path: str | Path, *, iteration: int | None =
     A frame holding several runs (policies, hints, seeds) gets one panel per run on a shared time
     axis. ``iteration`` selects one iteration; by default every iteration is drawn.
     """
-    from rrfp.trace import _typed
+    from rrfp.traces.trace import _typed
 
     typed = _typed(frame, "<frame>")
     if iteration is not None:

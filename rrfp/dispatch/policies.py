@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from rrfp.scheduler import RankScheduler
-    from rrfp.task import Task
+    from rrfp.dispatch.scheduler import RankScheduler
+    from rrfp.plan.task import Task
 
 
 class PolicyError(ValueError):

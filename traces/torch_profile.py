@@ -3,9 +3,9 @@
 One Kineto JSON per rank (``prof.export_chrome_trace(f"rank{rank}.json")``) becomes one schema-v1 frame
 (``traces/README.md``) that rrfp replays like its own traces::
 
-    python -m rrfp.torch_profile run/rank0.json run/rank1.json -o run.parquet [--schedule NAME]
+    python -m rrfp.traces.torch_profile run/rank0.json run/rank1.json -o run.parquet [--schedule NAME]
 
-    from rrfp.torch_profile import import_torch_profile
+    from rrfp.traces.torch_profile import import_torch_profile
     frame = import_torch_profile([Path("run/rank0.json"), Path("run/rank1.json")], run="my-run")
 
 What torch labels, and so what can be imported (torch 2.13):
@@ -59,8 +59,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from rrfp.task import Op, Task
-from rrfp.trace import TraceError, TraceRecorder
+from rrfp.plan.task import Op, Task
+from rrfp.traces.trace import TraceError, TraceRecorder
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import pandas as pd
@@ -395,8 +395,8 @@ def _breadth_first(rt: RankTrace) -> bool:
 
 
 def _given_schedule(schedule: str, ranks: list[RankTrace] | None) -> str:
-    from rrfp.hints import HintError
-    from rrfp.torch_schedules import canonical_name  # torch-free at import
+    from rrfp.plan.hints import HintError
+    from rrfp.plan.torch_schedules import canonical_name  # torch-free at import
 
     try:
         name = canonical_name(schedule)
@@ -547,17 +547,17 @@ def _summary(frame: pd.DataFrame, out: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m rrfp.torch_profile RANK0.json ... -o OUT`` -- exit 0, or 2 with one error line."""
+    """``python -m rrfp.traces.torch_profile RANK0.json ... -o OUT`` -- exit 0, or 2 with one error line."""
     import argparse
 
-    from rrfp.trace import write_trace
+    from rrfp.traces.trace import write_trace
 
     class _Parser(argparse.ArgumentParser):
         def error(self, message: str) -> None:  # type: ignore[override]  # one line, exit 2
-            print(f"rrfp.torch_profile: error: {message}", file=sys.stderr)
+            print(f"rrfp.traces.torch_profile: error: {message}", file=sys.stderr)
             sys.exit(2)
 
-    p = _Parser(prog="python -m rrfp.torch_profile", description=__doc__.splitlines()[0])
+    p = _Parser(prog="python -m rrfp.traces.torch_profile", description=__doc__.splitlines()[0])
     p.add_argument("traces", nargs="+", type=Path, help="one Kineto JSON per rank (.json or .json.gz)")
     p.add_argument("-o", "--out", required=True, type=Path, help="output trace (.parquet, .csv or .json)")
     p.add_argument("--schedule", default=None, help="torch's schedule name (default: inferred)")
@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
         frame = import_torch_profile(args.traces, run=args.run, schedule=args.schedule)
         write_trace(frame, args.out)
     except (TraceError, OSError) as e:
-        print(f"rrfp.torch_profile: error: {_one_line(e)}", file=sys.stderr)
+        print(f"rrfp.traces.torch_profile: error: {_one_line(e)}", file=sys.stderr)
         return 2
     print(_summary(frame, args.out))
     for note in frame.attrs["notes"]:

@@ -4,14 +4,14 @@ One row per rank, in rank order; each cell is one action in torch's notation (``
 ``1W5``). This is what torch's ``_dump_csv`` writes and ``_load_csv`` reads, so a schedule moves
 between torch and rrfp in both directions::
 
-    from rrfp.csvio import load_orders_csv, save_orders_csv
+    from rrfp.plan.csvio import load_orders_csv, save_orders_csv
     save_orders_csv("zbv.csv", rrfp.make_hint("zbv", 4, 8).orders)
     spec, orders = load_orders_csv("zbv.csv")          # spec inferred: pp=4, m=8, v=2, 'v', split
 
 Loading also accepts what torch may put in such a file besides compute: empty cells (torch's idle
 ``None`` steps), REDUCE_GRAD / UNSHARD / RESHARD / SEND_* / RECV_* (dropped) and DualPipeV's
 ``(0F3;3B1)OVERLAP_F_B`` containers (expanded in order). A file that mixes full backwards with
-split ones has each B lowered to I then W (see :mod:`rrfp.torch_schedules`).
+split ones has each B lowered to I then W (see :mod:`rrfp.plan.torch_schedules`).
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from rrfp.hints import HintError, validate_orders
-from rrfp.spec import PipelineSpec, SpecError
-from rrfp.task import Op, Task
-from rrfp.torch_schedules import lower_mixed_backward
+from rrfp.plan.hints import HintError, validate_orders
+from rrfp.plan.spec import PipelineSpec, SpecError
+from rrfp.plan.task import Op, Task
+from rrfp.plan.torch_schedules import lower_mixed_backward
 
 Orders = dict[int, list[Task]]
 

@@ -11,7 +11,7 @@ shifts the numbers of the others, and the iteration index in the key means itera
 depend on how many iterations were drawn before it (a policy that is run for fewer iterations still sees the
 same numbers for those it runs).
 
-    >>> import rrfp.rng as r
+    >>> import rrfp.workload.rng as r
     >>> a = r.streams(seed=1, replication=0)["compute"].random()
     >>> b = r.streams(seed=1, replication=0, components=("straggler", "compute"))["compute"].random()
     >>> a == b
@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 COMPONENTS: tuple[str, ...] = ("compute", "comm", "seq", "images", "straggler")
-"""The components the workload model draws from (see :func:`rrfp.workload.sample_iteration`)."""
+"""The components the workload model draws from (see :func:`rrfp.workload.model.sample_iteration`)."""
 
 Streams = Mapping[str, np.random.Generator]
 

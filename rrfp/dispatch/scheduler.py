@@ -14,7 +14,7 @@ through these calls only::
 Same-instant rule: a driver applies every completion and arrival of one instant before it asks
 ``next()``, so results depend on the policy, never on event order.
 
-Optional timing hooks, for policies that plan around inputs still on their way (rrfp.policies_plus):
+Optional timing hooks, for policies that plan around inputs still on their way (rrfp.dispatch.backfill):
 a message-driven driver may call ``sched.tick(now)`` before ``next()`` (its clock, seconds) and
 ``sched.announce(task, since)`` when the producer of a cross-rank input of ``task`` starts computing
 (the sender's header goes out before its payload). A driver that ticks must announce every such start;
@@ -34,10 +34,10 @@ from dataclasses import dataclass, replace
 from heapq import heappop, heappush
 from typing import Any
 
-from rrfp.hints import Hint
-from rrfp.policies import Policy, get_policy
-from rrfp.segtree import MaxPrefixTree
-from rrfp.task import Task
+from rrfp.dispatch.policies import Policy, get_policy
+from rrfp.dispatch.segtree import MaxPrefixTree
+from rrfp.plan.hints import Hint
+from rrfp.plan.task import Task
 
 
 class SchedulerError(RuntimeError):
@@ -324,7 +324,7 @@ def _priority_fields(prio: tuple[int, ...], need: list[int], is_forward: list[bo
 
 
 def _build_rank_plan(hint: Hint, rank: int) -> _RankPlan:
-    """Build the wiring from the DAG rules in rrfp.spec, on the hint's integer task codes with numpy
+    """Build the wiring from the DAG rules in rrfp.plan.spec, on the hint's integer task codes with numpy
     rather than Task objects: schedulers for 128 ranks x 1024 microbatches must build in well under a
     second."""
     import numpy as np  # lazy: keeps numpy out of `import rrfp`

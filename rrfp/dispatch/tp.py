@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rrfp.task import Task
+from rrfp.plan.task import Task
 
 
 def agree(views: Sequence[Sequence[Task]]) -> Task | None:

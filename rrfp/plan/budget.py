@@ -12,9 +12,9 @@ import re
 from collections.abc import Sequence
 from itertools import accumulate
 
-from rrfp.hints import Hint
-from rrfp.spec import PipelineSpec
-from rrfp.task import Op, Task
+from rrfp.plan.hints import Hint
+from rrfp.plan.spec import PipelineSpec
+from rrfp.plan.task import Op, Task
 
 
 class BudgetError(ValueError):

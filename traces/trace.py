@@ -35,13 +35,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rrfp.task import Task
+from rrfp.plan.task import Task
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import pandas as pd
 
-    from rrfp.driver import Run
-    from rrfp.spec import PipelineSpec
+    from rrfp.dispatch.driver import Run
+    from rrfp.plan.spec import PipelineSpec
 
 SCHEMA_VERSION = 2
 KINDS = ("compute", "send", "recv", "wait", "allreduce")

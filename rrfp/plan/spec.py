@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from rrfp.task import Op, Task
+from rrfp.plan.task import Op, Task
 
 PLACEMENTS = ("loop", "v")
 

@@ -11,7 +11,7 @@
 Only numpy at import time; scipy.special is imported inside :func:`t_interval`.
 
     >>> import rrfp
-    >>> from rrfp.metrics import lower_bound
+    >>> from rrfp.study.metrics import lower_bound
     >>> hint = rrfp.make_hint("1f1b", pp=2, microbatches=2)
     >>> lower_bound(hint.spec, lambda t: 1.0 if t.op.value == "F" else 2.0)
     9.0
@@ -24,8 +24,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from rrfp.spec import PipelineSpec
-from rrfp.task import Op, Task
+from rrfp.plan.spec import PipelineSpec
+from rrfp.plan.task import Op, Task
 
 Log = Mapping[int, Iterable[tuple[Task, float, float]]]
 Duration = Callable[[Task], float]
@@ -176,7 +176,7 @@ def lower_bound(
     >= head_r and its last end is followed by >= tail_r). LB = max over ranks, and at least the longest
     dependency path through any task (every microbatch's critical path).
 
-    ``duration``: a callable Task -> seconds, a mapping, or an :class:`rrfp.workload.IterationSample`
+    ``duration``: a callable Task -> seconds, a mapping, or an :class:`rrfp.workload.model.IterationSample`
     (read as arrays, fast). ``latency``: seconds per cross-rank message, constant or (producer, consumer)
     -> seconds; edges within a rank are free. Vectorised over microbatches, iterative over stages:
     O(tasks), no recursion.

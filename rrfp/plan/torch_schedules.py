@@ -1,6 +1,6 @@
 """torch.distributed.pipelining's own schedules as rrfp per-rank orders (hint ``torch:<Name>``).
 
-    >>> from rrfp.torch_schedules import torch_orders
+    >>> from rrfp.plan.torch_schedules import torch_orders
     >>> spec, orders = torch_orders("ZBVZeroBubble", pp=2, microbatches=4)   # doctest: +SKIP
     >>> spec.placement, spec.split, [str(t) for t in orders[1][:4]]           # doctest: +SKIP
     ('v', True, ['1F0', '2F0', '1F1', '2F1'])
@@ -32,9 +32,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from rrfp.hints import HintError
-from rrfp.spec import PipelineSpec, SpecError
-from rrfp.task import Op, Task
+from rrfp.plan.hints import HintError
+from rrfp.plan.spec import PipelineSpec, SpecError
+from rrfp.plan.task import Op, Task
 
 Orders = dict[int, list[Task]]
 

@@ -58,7 +58,7 @@ realised durations; the registry's default instance uses :func:`unit_costs` and 
     ...                    budget=budget).order(0)
     ['0F0', '0F1', '0F2', '0B0', '0B1', '0B2']
 
-Import it (the registry then knows ``backfill``) with ``import rrfp.policies_plus``.
+Import it (the registry then knows ``backfill``) with ``import rrfp.dispatch.backfill``.
 """
 
 from __future__ import annotations
@@ -68,13 +68,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from rrfp.policies import Policy, register_policy
-from rrfp.task import Op, Task
+from rrfp.dispatch.policies import Policy, register_policy
+from rrfp.plan.task import Op, Task
 
 if TYPE_CHECKING:
-    from rrfp.scheduler import RankScheduler
-    from rrfp.spec import PipelineSpec
-    from rrfp.workload import WorkloadConfig
+    from rrfp.dispatch.scheduler import RankScheduler
+    from rrfp.plan.spec import PipelineSpec
+    from rrfp.workload.model import WorkloadConfig
 
 CostModel = Callable[[Task], float]
 """Expected seconds a task computes for."""
@@ -98,8 +98,8 @@ def unit_costs(task: Task) -> float:
 
 
 def expected_costs(cfg: WorkloadConfig, spec: PipelineSpec) -> CostModel:
-    """Mean cost per (stage, op) of ``cfg`` on ``spec``'s stages (rrfp.workload.mean_costs)."""
-    from rrfp.workload import mean_costs  # lazy: keeps numpy out of `import rrfp`
+    """Mean cost per (stage, op) of ``cfg`` on ``spec``'s stages (rrfp.workload.model.mean_costs)."""
+    from rrfp.workload.model import mean_costs  # lazy: keeps numpy out of `import rrfp`
 
     means = mean_costs(cfg, spec.pp, spec.num_stages)
     table = {op: [float(x) for x in means[op.value]] for op in Op}

@@ -2,7 +2,7 @@
 
 Each generator takes a :class:`PipelineSpec` and returns ``{rank: [Task, ...]}``: the order the rank
 runs its tasks in when the schedule is binding. The orders are pure data (no torch import here);
-:mod:`rrfp.hints` turns them into hints and checks them.
+:mod:`rrfp.plan.hints` turns them into hints and checks them.
 
 ==================  =========  ==  =====  =====================================================
 generator           placement  v   split  source
@@ -17,7 +17,7 @@ zbv                 v          2   yes    torch ScheduleZBVZeroBubble
 
 ``tests/test_torch_tables.py`` checks the torch-derived ones against torch's own tables.
 
-    >>> from rrfp.spec import PipelineSpec
+    >>> from rrfp.plan.spec import PipelineSpec
     >>> zb_h1(PipelineSpec(2, 3, split=True))[1]
     [1F0, 1I0, 1F1, 1I1, 1W0, 1F2, 1I2, 1W1, 1W2]
 """
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rrfp.spec import PipelineSpec
-from rrfp.task import Op, Task
+from rrfp.plan.spec import PipelineSpec
+from rrfp.plan.task import Op, Task
 
 Orders = dict[int, list[Task]]
 

@@ -22,14 +22,14 @@ Cost model (S stages, pp ranks, v = S / pp stages per rank, m a microbatch, s a 
   (a heavy-tailed mixture). The vision stages carry correspondingly fewer text layers, so every stage has
   the same *mean* load (as a cost-balanced partition would); if the encoder alone is heavier than a stage,
   those stages hold no text at all and are heavier on average.
-* ``jitter``: an i.i.d. unit-mean multiplier per task (:mod:`rrfp.jitter`).
+* ``jitter``: an i.i.d. unit-mean multiplier per task (:mod:`rrfp.workload.jitter`).
 * stragglers: per iteration, with probability ``straggler_prob``, one rank (uniform) runs
   ``straggler_slowdown`` times slower on a contiguous window of ``straggler_span`` of the microbatches
   (all its stages, all ops) -- an episode, e.g. thermal throttling or a noisy neighbour.
 * ``comm``: a unit-mean multiplier per message on its transfer time, ``comm_jitter`` of CV ``comm_cv``.
 
 Common random numbers: a sample depends only on (cfg, pp, num_stages, microbatches, placement, rng) -- never
-on the hint or policy -- and each component draws from its own stream (:mod:`rrfp.rng`).
+on the hint or policy -- and each component draws from its own stream (:mod:`rrfp.workload.rng`).
 
     >>> import numpy as np
     >>> cfg = WorkloadConfig(costs="F=1,B=2", jitter="lognormal", cv=0.3)
@@ -47,10 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from rrfp import rng as rngs
-from rrfp.jitter import Distribution, JitterError, make_distribution
-from rrfp.spec import PipelineSpec, SpecError
-from rrfp.task import Op, Task
+from rrfp.plan.spec import PipelineSpec, SpecError
+from rrfp.plan.task import Op, Task
+from rrfp.workload import rng as rngs
+from rrfp.workload.jitter import Distribution, JitterError, make_distribution
 
 WORKLOAD_PRESETS = ("language", "multimodal")
 _PRESET_SEQ_CV = {"language": 0.0, "multimodal": 0.3}
@@ -109,7 +109,7 @@ class WorkloadConfig:
     costs: Mapping[str, float] | str = field(default_factory=_default_costs)
     """Mean cost (s) of one microbatch on one rank at v = 1: F, I, W (or ``"F=1,B=2"``; see parse_costs)."""
     jitter: str = "none"
-    """Compute jitter family per task (rrfp.jitter.DISTRIBUTIONS)."""
+    """Compute jitter family per task (rrfp.workload.jitter.DISTRIBUTIONS)."""
     cv: float = 0.0
     """Compute jitter CV."""
     jitter_samples: Sequence[float] | None = None
@@ -303,8 +303,8 @@ def sample_iteration(
 ) -> IterationSample:
     """Realised durations of one iteration.
 
-    ``rng`` is one generator (split by component name, see :func:`rrfp.rng.split`) or a mapping of
-    per-component generators (:func:`rrfp.rng.streams`). ``placement`` only decides which stages a
+    ``rng`` is one generator (split by component name, see :func:`rrfp.workload.rng.split`) or a mapping of
+    per-component generators (:func:`rrfp.workload.rng.streams`). ``placement`` only decides which stages a
     straggling rank holds. The result never depends on the hint or policy that will consume it.
     """
     ranks = _stage_ranks(pp, num_stages, microbatches, placement)

@@ -29,9 +29,9 @@ from functools import cached_property
 from typing import Any
 from weakref import WeakValueDictionary
 
-from rrfp import schedules
-from rrfp.spec import PipelineSpec, SpecError
-from rrfp.task import Op, Task
+from rrfp.plan import schedules
+from rrfp.plan.spec import PipelineSpec, SpecError
+from rrfp.plan.task import Op, Task
 
 Orders = dict[int, list[Task]]
 
@@ -51,7 +51,7 @@ class _SequenceDef:
 
 
 def _lazy(name: str) -> Callable[[PipelineSpec], Orders]:
-    # Generators live in rrfp.schedules; look them up at call time so that module stays the one source.
+    # Generators live in rrfp.plan.schedules; look them up at call time so that module stays the one source.
     return lambda spec: getattr(schedules, name)(spec)
 
 
@@ -249,12 +249,12 @@ def _make_hint(
         out.memo["orders"] = hint.orders_memo  # the same orders: share what derives from them alone
         return out
     if name.startswith("torch:"):
-        from rrfp.torch_schedules import torch_orders  # lazy: imports torch
+        from rrfp.plan.torch_schedules import torch_orders  # lazy: imports torch
 
         spec, orders = torch_orders(name.removeprefix("torch:"), pp, microbatches, virtual_stages)
         return hint_from_orders(name, spec, orders)
     if name.endswith(".csv"):
-        from rrfp.csvio import load_orders_csv
+        from rrfp.plan.csvio import load_orders_csv
 
         spec, orders = load_orders_csv(name, microbatches=microbatches)
         if spec.pp != pp:

@@ -1,11 +1,12 @@
 """Trace replay, loader side: a recorded run -> per-task durations and message times the simulator runs.
 
-A trace from rrfp-sim, rrfp-run or a torch profiler import (:mod:`rrfp.trace`, schema v1/v2) is read,
+A trace from rrfp-sim, rrfp-run or a torch profiler import (:mod:`rrfp.traces.trace`, schema v1/v2) is read,
 one run of it is selected, checked for what replay needs (every task of every rank once per iteration,
 one stage per rank, no rank running two tasks at once, no task starting before its inputs end), and
 turned into a :class:`Replay`: for every recorded iteration, DP replica and TP member the duration of each
 (stage, op, microbatch) and the latency of each cross-rank message, as the
-:class:`~rrfp.workload.IterationSample` arrays the simulator consumes (``comm`` holds *seconds* here; the
+:class:`~rrfp.workload.model.IterationSample`
+arrays the simulator consumes (``comm`` holds *seconds* here; the
 simulator's replay driver, ``rrfp.sim.replay``, runs them with a base transfer time of 1 s).
 
 Two timing models, chosen by what the trace records:
@@ -28,7 +29,7 @@ Two timing models, chosen by what the trace records:
 Measured iteration time = the iteration's span in the trace (last end - first start over its rows); a
 run's measured mean drops the first iteration when there are several (warm-up), as the simulator does.
 
-    from rrfp.replay import load_replay
+    from rrfp.traces.replay import load_replay
     rep = load_replay("traces/gpt-fixed-1f1b.parquet")
     rep.measured_mean, rep.timing, rep.pp, rep.microbatches
     samples = rep.samples(split=False)         # [iteration][dp][tp] IterationSample, comm in seconds
@@ -48,12 +49,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rrfp.budget import BudgetError, resolve_budget
-from rrfp.hints import Hint, HintError, make_hint
-from rrfp.spec import PipelineSpec, SpecError
-from rrfp.task import Op, Task
-from rrfp.trace import TraceError, read_trace
-from rrfp.workload import IterationSample
+from rrfp.plan.budget import BudgetError, resolve_budget
+from rrfp.plan.hints import Hint, HintError, make_hint
+from rrfp.plan.spec import PipelineSpec, SpecError
+from rrfp.plan.task import Op, Task
+from rrfp.traces.trace import TraceError, read_trace
+from rrfp.workload.model import IterationSample
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import pandas as pd
@@ -190,13 +191,13 @@ def _fill_latency(latency: np.ndarray) -> np.ndarray:
 
 def _class_placement(name: str, spec: PipelineSpec) -> str | None:
     """Class-priority hints take the trace's placement; sequence hints imply their own."""
-    from rrfp.hints import CLASS_HINTS
+    from rrfp.plan.hints import CLASS_HINTS
 
     return spec.placement if name in CLASS_HINTS else None
 
 
 def _make_hint(name: str, spec: PipelineSpec, source: str) -> Hint:
-    from rrfp.hints import CLASS_HINTS
+    from rrfp.plan.hints import CLASS_HINTS
 
     kwargs: dict[str, Any] = {}
     if name in CLASS_HINTS:
@@ -240,7 +241,7 @@ def load_replay(
     if isinstance(trace, (str, Path)):
         source, frame = str(trace), read_trace(trace)
     else:
-        from rrfp.trace import _typed, validate
+        from rrfp.traces.trace import _typed, validate
 
         source, frame = "<frame>", _typed(trace, "<frame>")
         validate(frame, source)

@@ -15,10 +15,10 @@ import heapq
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from rrfp.hints import Hint
-from rrfp.policies import Policy
-from rrfp.scheduler import RankScheduler
-from rrfp.task import Task
+from rrfp.dispatch.policies import Policy
+from rrfp.dispatch.scheduler import RankScheduler
+from rrfp.plan.hints import Hint
+from rrfp.plan.task import Task
 
 Duration = Callable[[Task], float]
 Latency = Callable[[Task, Task], float]
