@@ -30,12 +30,14 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from rrfp.errors import RunFailure
+
 _US_BITS = 40
 _US_MASK = (1 << _US_BITS) - 1
 _TAGS = (1 << 22) - 1  # tags 1.._TAGS: a slot of 0 (a fresh board) matches none
 
 
-class BoardError(RuntimeError):
+class BoardError(RunFailure):
     """The board cannot be set up here (ranks on several hosts, no shared-memory file system)."""
 
 

@@ -20,10 +20,11 @@ from typing import Any
 import torch.distributed as dist
 
 from rrfp.dispatch.backfill import Backfill
+from rrfp.errors import RunFailure
 from rrfp.plan.task import Op, Task
 
 
-class CalibrationError(RuntimeError):
+class CalibrationError(RunFailure):
     """A task kind of the hint was never measured (cannot happen after a full iteration)."""
 
 

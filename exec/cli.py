@@ -23,6 +23,7 @@ from typing import Any
 
 import click
 
+from rrfp.errors import UserError
 from rrfp.exec.config import ExecConfigError, ModelConfig, RunConfig, Trial, split_list
 from rrfp.exec.launch import env_world_size, in_launcher_env, join, launch_local
 from rrfp.exec.preflight import preflight
@@ -158,7 +159,7 @@ def main(**options: Any) -> None:
     try:
         cfg = build_config(options)
         preflight(cfg)
-    except ValueError as e:
+    except UserError as e:  # anything else is a bug: click shows its traceback, exit 1
         raise _Fail(str(e)) from e
     code = join(cfg) if in_launcher_env() else launch_local(cfg)
     sys.exit(code)

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from itertools import product
 
+from rrfp.errors import UserError
+
 MODELS = ("gpt", "multimodal")
 BACKENDS = ("auto", "gloo", "nccl")
 ANNOUNCE = ("auto", "board", "all", "backward", "none")
@@ -24,7 +26,7 @@ START_METHODS = ("fork", "spawn", "forkserver")
 TORCH_BASELINE_PREFIX = "torch:"
 
 
-class ExecConfigError(ValueError):
+class ExecConfigError(UserError):
     """A bad rrfp-run option or combination; the one-line message names the value and the rule."""
 
 

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rrfp.errors import RunFailure
+
 FAULT_EXIT = 3  # a rank that stopped because of a fault elsewhere (lost peer, timeout)
 FAULT_LINGER_S = 1.0  # a rank that lost a peer waits this long before exiting (see die())
 CRASH_EXIT = 1  # a rank that raised an exception of its own
@@ -30,7 +32,7 @@ SIGTERM_EXIT = 128 + signal.SIGTERM
 SIGTERM_REASON = "terminated by SIGTERM (the launcher stops the job: another rank failed)"
 
 
-class LostPeerError(RuntimeError):
+class LostPeerError(RunFailure):
     """A channel to ``peer`` failed: the peer process is gone."""
 
     def __init__(self, peer: int, detail: str) -> None:
@@ -38,7 +40,7 @@ class LostPeerError(RuntimeError):
         self.peer = peer
 
 
-class WaitTimeoutError(RuntimeError):
+class WaitTimeoutError(RunFailure):
     """Nothing arrived within the per-wait timeout; ``suspects`` are the ranks whose input is missing."""
 
     def __init__(self, seconds: float, waiting_for: str, suspects: list[int]) -> None:

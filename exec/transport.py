@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rrfp.errors import RunFailure
 from rrfp.exec.faults import LostPeerError
 from rrfp.plan.task import Op, Task
 
@@ -55,7 +56,7 @@ OPS = (Op.F, Op.B, Op.I, Op.W)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 
 
-class TransportError(RuntimeError):
+class TransportError(RunFailure):
     """A message that cannot be encoded (too many dims, unsupported dtype) or a flush that timed out."""
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import click
 
 import rrfp
+from rrfp.errors import RunFailure, UserError
 from rrfp.traces.replay import TIMINGS
 from rrfp.workload.model import WorkloadConfig
 
@@ -145,7 +146,7 @@ def _fitted_workload(v: dict[str, Any]) -> Any:
     return fit_trace(*spec)
 
 
-class CliError(ValueError):
+class CliError(UserError):
     """A bad combination of command-line options (not caught by a config dataclass)."""
 
 
@@ -332,7 +333,7 @@ def _fail(message: str, code: int = 2) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: run the CLI; turn every user error into one line and exit status 2."""
+    """Console entry point: run the CLI; a user error becomes one line and exit status 2 (rrfp.errors)."""
     try:
         cli.main(args=argv, prog_name=PROG, standalone_mode=False)
     except click.exceptions.Exit as e:
@@ -343,8 +344,10 @@ def main(argv: list[str] | None = None) -> None:
         _fail(e.format_message(), e.exit_code if e.exit_code != 1 else 2)
     except click.Abort:
         _fail("aborted", 130)
-    except (ValueError, rrfp.DeadlockError) as e:
+    except UserError as e:  # an InternalError or any other exception is a bug: traceback, exit 1
         _fail(str(e))
+    except RunFailure as e:
+        _fail(str(e), 1)
     except OSError as e:
         _fail(f"cannot write output: {e}", 1)
     sys.exit(0)

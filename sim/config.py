@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import rrfp
+from rrfp.errors import UserError
 from rrfp.traces.fit import FittedWorkload
 from rrfp.workload.model import WorkloadConfig
 
@@ -29,7 +30,7 @@ DEFAULT_SEEDS = 10
 MAX_SEEDS = 100_000
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A simulator setting that breaks a rule; the message names the setting, the value and the rule."""
 
 

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from rrfp.errors import UserError
+
 if TYPE_CHECKING:
     import pandas as pd
 
@@ -31,7 +33,7 @@ _NOT_GRID = {"hints", "policies", "progress"}
 Axes = list[tuple[str, list[Any]]]
 
 
-class SweepError(ValueError):
+class SweepError(UserError):
     """A malformed ``--grid`` entry."""
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rrfp.errors import UserError
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import pandas as pd
 
@@ -22,7 +24,7 @@ RUN_KEYS = ["run", "policy", "hint", "seed"]
 MAX_HEIGHT_IN = 30.0  # keep huge pipelines (128+ ranks) to a PNG size a viewer opens
 
 
-class PlotError(ValueError):
+class PlotError(UserError):
     """Nothing to plot (e.g. an iteration the trace does not hold) or a column that is missing."""
 
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rrfp.errors import UserError
 from rrfp.plan.task import Task
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -80,7 +81,7 @@ CSV_HEADER = f"# rrfp-trace schema_version={SCHEMA_VERSION}"
 Coords = Callable[[int], tuple[int, int, int]]
 
 
-class TraceError(ValueError):
+class TraceError(UserError):
     """A malformed trace file or frame; the one-line message names the file, row and field."""
 
 

@@ -69,6 +69,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rrfp.dispatch.policies import Policy, register_policy
+from rrfp.errors import UserError
 from rrfp.plan.task import Op, Task
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ _EPS = 1e-9  # seconds: float noise when comparing timeline instants
 _UNIT = {Op.F: 1.0, Op.B: 2.0, Op.I: 1.0, Op.W: 1.0}
 
 
-class BackfillError(ValueError):
+class BackfillError(UserError):
     """A backfill parameter or cost-model value out of range; the message names it and the rule."""
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from rrfp.dispatch.policies import Policy
 from rrfp.dispatch.scheduler import RankScheduler
+from rrfp.errors import InternalError
 from rrfp.plan.hints import Hint
 from rrfp.plan.task import Task
 
@@ -24,7 +25,7 @@ Duration = Callable[[Task], float]
 Latency = Callable[[Task, Task], float]
 
 
-class DeadlockError(RuntimeError):
+class DeadlockError(InternalError):
     """No rank can make progress and no event is pending."""
 
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
+from rrfp.errors import UserError
+
 if TYPE_CHECKING:
     from rrfp.dispatch.scheduler import RankScheduler
     from rrfp.plan.task import Task
 
 
-class PolicyError(ValueError):
+class PolicyError(UserError):
     """An unknown policy name."""
 
 

@@ -36,11 +36,12 @@ from typing import Any
 
 from rrfp.dispatch.policies import Policy, get_policy
 from rrfp.dispatch.segtree import MaxPrefixTree
+from rrfp.errors import InternalError
 from rrfp.plan.hints import Hint
 from rrfp.plan.task import Task
 
 
-class SchedulerError(RuntimeError):
+class SchedulerError(InternalError):
     """A driver called the scheduler out of protocol (e.g. started a task that is not ready)."""
 
 

@@ -12,12 +12,13 @@ import re
 from collections.abc import Sequence
 from itertools import accumulate
 
+from rrfp.errors import UserError
 from rrfp.plan.hints import Hint
 from rrfp.plan.spec import PipelineSpec
 from rrfp.plan.task import Op, Task
 
 
-class BudgetError(ValueError):
+class BudgetError(UserError):
     """A budget that cannot be parsed, or that is below what the hint itself needs."""
 
 

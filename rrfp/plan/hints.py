@@ -29,6 +29,7 @@ from functools import cached_property
 from typing import Any
 from weakref import WeakValueDictionary
 
+from rrfp.errors import UserError
 from rrfp.plan import schedules
 from rrfp.plan.spec import PipelineSpec, SpecError
 from rrfp.plan.task import Op, Task
@@ -36,7 +37,7 @@ from rrfp.plan.task import Op, Task
 Orders = dict[int, list[Task]]
 
 
-class HintError(ValueError):
+class HintError(UserError):
     """An unknown hint name, or an order that is not a valid schedule for its spec."""
 
 

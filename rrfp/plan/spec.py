@@ -14,12 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
+from rrfp.errors import UserError
 from rrfp.plan.task import Op, Task
 
 PLACEMENTS = ("loop", "v")
 
 
-class SpecError(ValueError):
+class SpecError(UserError):
     """An invalid pipeline spec; the message names the rule that was broken."""
 
 

@@ -10,6 +10,8 @@ import re
 from enum import Enum
 from typing import NamedTuple
 
+from rrfp.errors import UserError
+
 
 class Op(str, Enum):
     """Compute ops. ``B`` is the full backward; ``I`` and ``W`` are its Zero-Bubble split halves."""
@@ -26,7 +28,7 @@ class Op(str, Enum):
 _TASK_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
 
 
-class TaskFormatError(ValueError):
+class TaskFormatError(UserError):
     """A string that is not a task in ``<stage><op><microbatch>`` notation."""
 
 

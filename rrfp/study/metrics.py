@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from rrfp.errors import UserError
 from rrfp.plan.spec import PipelineSpec
 from rrfp.plan.task import Op, Task
 
@@ -33,7 +34,7 @@ Latency = Callable[[Task, Task], float]
 Arrays = dict[Op, np.ndarray]
 
 
-class MetricsError(ValueError):
+class MetricsError(UserError):
     """Inputs a metric cannot be computed from (empty, mismatched lengths, non-positive times)."""
 
 

@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from rrfp.errors import UserError
+
 DISTRIBUTIONS: tuple[str, ...] = ("none", "normal", "lognormal", "gamma", "pareto", "spike", "empirical")
 
 NORMAL_MAX_CV = 0.95
@@ -53,7 +55,7 @@ _NORMAL_EXACT_BELOW = 0.1  # below this CV a normal truncated at 0 is indistingu
 Size = int | tuple[int, ...]
 
 
-class JitterError(ValueError):
+class JitterError(UserError):
     """An unknown distribution, or a CV / parameter outside the family's valid range."""
 
 

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from rrfp.errors import UserError
 from rrfp.plan.spec import PipelineSpec, SpecError
 from rrfp.plan.task import Op, Task
 from rrfp.workload import rng as rngs
@@ -57,7 +58,7 @@ _PRESET_SEQ_CV = {"language": 0.0, "multimodal": 0.3}
 _OPS = ("F", "I", "W")
 
 
-class WorkloadError(ValueError):
+class WorkloadError(UserError):
     """An invalid workload parameter; the message names the field and the rule."""
 
 

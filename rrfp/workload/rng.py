@@ -25,13 +25,15 @@ from collections.abc import Iterable, Mapping
 
 import numpy as np
 
+from rrfp.errors import UserError
+
 COMPONENTS: tuple[str, ...] = ("compute", "comm", "seq", "images", "straggler")
 """The components the workload model draws from (see :func:`rrfp.workload.model.sample_iteration`)."""
 
 Streams = Mapping[str, np.random.Generator]
 
 
-class SeedError(ValueError):
+class SeedError(UserError):
     """A seed, replication or iteration that is not a non-negative integer."""
 
 
