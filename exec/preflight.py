@@ -10,7 +10,7 @@ from rrfp.dispatch.policies import get_policy
 from rrfp.exec.config import ExecConfigError, RunConfig, switch_interval
 from rrfp.exec.model import partition
 from rrfp.plan.budget import resolve_budget
-from rrfp.plan.hints import make_hint
+from rrfp.plan.sources import make_hint
 from rrfp.workload.jitter import make_distribution
 from rrfp.workload.model import WorkloadConfig
 

@@ -30,7 +30,7 @@ from rrfp.exec.runtime import PipelineRuntime
 from rrfp.exec.stage import StageRunner
 from rrfp.exec.synthetic import Injector, SyntheticRunner
 from rrfp.plan.budget import resolve_budget
-from rrfp.plan.hints import make_hint
+from rrfp.plan.sources import make_hint
 from rrfp.traces.trace import TraceRecorder
 from rrfp.workload.model import WorkloadConfig
 

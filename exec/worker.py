@@ -36,7 +36,7 @@ from rrfp.exec.topology import CTRL_MIN_TIMEOUT_S, Topology, build_groups, pick_
 from rrfp.exec.topology import topology_from_env as _topology_from_env
 from rrfp.exec.transport import Transport
 from rrfp.exec.trials import RrfpTrial, TrialOutcome
-from rrfp.plan.hints import make_hint
+from rrfp.plan.sources import make_hint
 
 
 def worker_main(cfg: RunConfig, dump_dir: str) -> list[dict[str, Any]] | None:

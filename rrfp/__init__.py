@@ -16,7 +16,8 @@ from rrfp.dispatch.policies import Policy, PolicyError, get_policy, policy_names
 from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
 from rrfp.dispatch.tp import agree
 from rrfp.plan.budget import BudgetError, hint_peaks, order_peak, resolve_budget
-from rrfp.plan.hints import Hint, HintError, hint_names, hint_orders, make_hint
+from rrfp.plan.hints import Hint, HintError, hint_names
+from rrfp.plan.sources import hint_orders, make_hint
 from rrfp.plan.spec import PipelineSpec, SpecError
 from rrfp.plan.task import Op, Task, TaskFormatError
 

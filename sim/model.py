@@ -52,6 +52,7 @@ import numpy as np
 from simpy.events import NORMAL, Event
 
 import rrfp
+from rrfp.dispatch.driver import deadlock_error
 from rrfp.dispatch.policies import Policy
 from rrfp.dispatch.scheduler import RankScheduler, _rank_plan
 from rrfp.plan.hints import Hint, gc_paused
@@ -526,10 +527,11 @@ class ClusterModel:
                     if not s.done:
                         waits = ", ".join(str(task) for task, _ in s.waiting()[:4]) or "nothing"
                         why = f"blocked on {w.blocked} rendezvous send(s)" if w.blocked else "idle"
-                        raise rrfp.DeadlockError(
+                        raise deadlock_error(
+                            self.hint,
                             f"deadlock at t={self.env.now:g} ({self.hint.name}/{self.policy}): rank "
                             f"{w.gids[t]} (pp {w.r}, tp {t}, dp {w.d}) is {why}; its next task "
-                            f"{_head(s)} waits for {waits}"
+                            f"{_head(s)} waits for {waits}",
                         )
 
     def _flush(self, start: float) -> float:

@@ -50,7 +50,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rrfp.plan.budget import BudgetError, resolve_budget
-from rrfp.plan.hints import Hint, HintError, make_hint
+from rrfp.plan.hints import Hint, HintError
+from rrfp.plan.sources import make_hint
 from rrfp.plan.spec import PipelineSpec, SpecError
 from rrfp.plan.task import Op, Task
 from rrfp.traces.trace import TraceError, read_trace

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from rrfp.dispatch.policies import Policy
 from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.errors import InternalError
-from rrfp.plan.hints import Hint
+from rrfp.plan.hints import Hint, HintError
 from rrfp.plan.task import Task
 
 Duration = Callable[[Task], float]
@@ -26,7 +26,17 @@ Latency = Callable[[Task, Task], float]
 
 
 class DeadlockError(InternalError):
-    """No rank can make progress and no event is pending."""
+    """No rank can make progress and no event is pending, on a built-in hint: a bug."""
+
+
+class HintDeadlockError(HintError):
+    """No rank can make progress on a user-supplied (CSV) hint: the user's order is at fault."""
+
+
+def deadlock_error(hint: Hint, message: str) -> Exception:
+    """The error for a run of ``hint`` that cannot progress: a user error for a hint the user wrote
+    (:attr:`Hint.user_supplied`), an internal one for a built-in hint (docs/design.md, errors)."""
+    return HintDeadlockError(message) if hint.user_supplied else DeadlockError(message)
 
 
 @dataclass
@@ -98,6 +108,6 @@ def run_reference(
     if stuck:
         r = stuck[0]
         waits = ", ".join(f"{t}" for t, _ in scheds[r].waiting()[:4])
-        raise DeadlockError(f"deadlock at t={now}: rank {r} cannot progress (waiting: {waits})")
+        raise deadlock_error(hint, f"deadlock at t={now}: rank {r} cannot progress (waiting: {waits})")
     run.peak = {r: s.peak for r, s in scheds.items()}
     return run

@@ -27,7 +27,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
-from weakref import WeakValueDictionary
 
 from rrfp.errors import UserError
 from rrfp.plan import schedules
@@ -101,6 +100,11 @@ class Hint:
     @property
     def is_sequence(self) -> bool:
         return self.classes is None
+
+    @property
+    def user_supplied(self) -> bool:
+        """True for a hint read from the user's CSV file (its faults are the user's, not rrfp's)."""
+        return self.name.lower().endswith(".csv")
 
     def priority(self, rank: int) -> tuple[int, ...]:
         """Priority rank (0 = highest) of each position of ``orders[rank]``; a permutation."""
@@ -176,96 +180,6 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def make_hint(
-    name: str,
-    pp: int,
-    microbatches: int,
-    virtual_stages: int | None = None,
-    *,
-    placement: str | None = None,
-    split: bool | None = None,
-) -> Hint:
-    """Resolve a hint name into a :class:`Hint` on the spec it implies.
-
-    ``virtual_stages=None`` takes the hint's own default (2 for interleaved-1f1b and zbv, else 1).
-    ``placement``/``split`` only apply to class-priority hints; sequence hints imply their own.
-    """
-    key = _live_key(name, pp, microbatches, virtual_stages, placement, split)
-    hint = None if key is None else _LIVE.get(key)
-    if hint is None:
-        with gc_paused():
-            hint = _make_hint(name, pp, microbatches, virtual_stages, placement, split)
-        if key is not None:
-            _LIVE[key] = hint
-    return hint
-
-
-def _live_key(
-    name: str, pp: int, m: int, v: int | None, placement: str | None, split: bool | None
-) -> tuple[Any, ...] | None:
-    """make_hint's arguments with the defaults filled in (None: not a built-in hint, never shared)."""
-    if name in SEQUENCE_HINTS:
-        return (name, pp, m, SEQUENCE_HINTS[name].v_default if v is None else v, placement, split)
-    if name in CLASS_HINTS:
-        use_split = _CLASS_SPLIT_DEFAULT[name] if split is None else split
-        return (name, pp, m, 1 if v is None else v, placement or "loop", use_split)
-    return None
-
-
-# Built-in hints still in use, by make_hint's arguments: a hint is immutable (its memo only caches what
-# is derived from it), so asking again -- e.g. bf for its reference 1f1b -- shares it and its memo.
-_LIVE: WeakValueDictionary[tuple[Any, ...], Hint] = WeakValueDictionary()
-
-
-def _make_hint(
-    name: str,
-    pp: int,
-    microbatches: int,
-    virtual_stages: int | None,
-    placement: str | None,
-    split: bool | None,
-) -> Hint:
-    if name in SEQUENCE_HINTS:
-        d = SEQUENCE_HINTS[name]
-        v = d.v_default if virtual_stages is None else virtual_stages
-        if not d.v_allowed(v):
-            raise HintError(f"hint {name!r} needs virtual stages per rank {d.v_rule}, got {v}")
-        _check_implied(name, "placement", placement, d.placement)
-        _check_implied(name, "split", split, d.split)
-        spec = PipelineSpec(pp, microbatches, v, d.placement, d.split)
-        return hint_from_orders(name, spec, d.build(spec))
-    if name in CLASS_HINTS:
-        v = 1 if virtual_stages is None else virtual_stages
-        place = placement or "loop"
-        use_split = _CLASS_SPLIT_DEFAULT[name] if split is None else split
-        if name == "bfw" and not use_split:
-            raise HintError("hint 'bfw' ranks W separately, so it needs the split backward")
-        spec = PipelineSpec(pp, microbatches, v, place, use_split)
-        ref = reference_hint_name(spec)
-        hint = make_hint(ref, pp, microbatches, v)
-        if hint.spec != spec:  # else the reference order is already this spec's (validated) order
-            orders = convert_split({r: list(o) for r, o in hint.orders.items()}, use_split)
-            hint = hint_from_orders(ref, spec, orders)
-        out = Hint(name, spec, hint.orders, ref, dict(CLASS_HINTS[name]))
-        out.memo["orders"] = hint.orders_memo  # the same orders: share what derives from them alone
-        return out
-    if name.startswith("torch:"):
-        from rrfp.plan.torch_schedules import torch_orders  # lazy: imports torch
-
-        spec, orders = torch_orders(name.removeprefix("torch:"), pp, microbatches, virtual_stages)
-        return hint_from_orders(name, spec, orders)
-    if name.endswith(".csv"):
-        from rrfp.plan.csvio import load_orders_csv
-
-        spec, orders = load_orders_csv(name, microbatches=microbatches)
-        if spec.pp != pp:
-            raise HintError(f"{name}: the CSV has {spec.pp} ranks but the run has pp={pp}")
-        return hint_from_orders(name, spec, orders)
-    raise HintError(
-        f"unknown hint {name!r}: choose one of {', '.join(hint_names())}, torch:<Name>, or a .csv path"
-    )
-
-
 def _check_implied(name: str, what: str, given: object, implied: object) -> None:
     if given is not None and given != implied:
         raise HintError(f"hint {name!r} implies {what}={implied!r}, got {given!r}")
@@ -302,13 +216,6 @@ def hint_from_orders(name: str, spec: PipelineSpec, orders: Orders) -> Hint:
     hint = Hint(name, spec, {r: tuple(orders[r]) for r in range(spec.pp)}, name)
     hint.orders_memo["codes"] = codes
     return hint
-
-
-def hint_orders(
-    name: str, pp: int, microbatches: int, virtual_stages: int | None = None
-) -> dict[int, list[str]]:
-    """Per-rank order of a sequence hint in ``2F0`` notation (the reference order for class hints)."""
-    return make_hint(name, pp, microbatches, virtual_stages).order_strings()
 
 
 def validate_orders(spec: PipelineSpec, orders: Orders) -> None:
