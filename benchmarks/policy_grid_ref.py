@@ -37,8 +37,9 @@ from pathlib import Path
 import numpy as np
 
 import rrfp
-from rrfp.dispatch.backfill import Backfill, expected_costs
+from rrfp.dispatch.backfill import Backfill
 from rrfp.study.metrics import lower_bound, paired_speedup
+from rrfp.workload.costs import expected_costs
 from rrfp.workload.model import WorkloadConfig, sample_for
 from rrfp.workload.rng import streams
 

@@ -12,7 +12,7 @@ Groups:
 * ``dp``       -- the DP group (backend of the run) for the gradient all-reduce after the flush.
 * ``pp``       -- this rank's pipeline (fixed tp, dp): only torch's baseline schedules use it.
 * ``channels`` -- one group per directed pipeline channel (src pp rank -> dst pp rank) of this rank's
-  pipeline, so a receive pending on one channel never blocks traffic on another (DESIGN.md §5).
+  pipeline, so a receive pending on one channel never blocks traffic on another (docs/design.md §5).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ so only a message larger than every earlier one goes as header, then payload. Th
 receiver thread's wake-ups and avoids a second handshake per message (NCCL needs exact sizes: it
 always sends two). On gloo a posted ``irecv`` cannot be
 polled (``is_completed()`` stays False until ``wait()``, and a timed-out wait closes the connection --
-DESIGN.md §5), so each inbound channel has a receiver thread doing *blocking* receives (header, then a
+docs/design.md §5), so each inbound channel has a receiver thread doing *blocking* receives (header, then a
 payload of the announced shape) into one ``queue.Queue``; the runtime loop waits on that queue with the
 fault timeout and calls ``deliver()``. Sends never block the compute thread on a peer; their handles are
 kept and reaped once complete (at the latest at the flush). On gloo, posting a send is itself slow on

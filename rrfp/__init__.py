@@ -10,7 +10,7 @@ jitter models, trace schema, metrics) and imports neither simpy nor torch.
     ['1F0', '1B0', '1F1', '1B1', '1F2', '1B2']
 """
 
-from rrfp.dispatch.backfill import Backfill, BackfillError, expected_costs, unit_costs
+from rrfp.dispatch.backfill import Backfill, BackfillError, unit_costs
 from rrfp.dispatch.driver import DeadlockError, Run, run_reference
 from rrfp.dispatch.policies import Policy, PolicyError, get_policy, policy_names, register_policy
 from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
@@ -20,6 +20,7 @@ from rrfp.plan.hints import Hint, HintError, hint_names
 from rrfp.plan.sources import hint_orders, make_hint
 from rrfp.plan.spec import PipelineSpec, SpecError
 from rrfp.plan.task import Op, Task, TaskFormatError
+from rrfp.workload.costs import expected_costs
 
 __version__ = "0.1.0"
 

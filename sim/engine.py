@@ -1,6 +1,6 @@
 """A SimPy environment with an end-of-instant hook: how the model obeys the same-instant rule.
 
-The rule (DESIGN.md §1): a driver applies every completion and arrival of one instant before it asks a
+The rule (docs/design.md §1): a driver applies every completion and arrival of one instant before it asks a
 scheduler ``next()``. In plain SimPy one would schedule a low-priority "dispatch" event at the current
 time; that costs one extra heap entry per instant, and with jittered durations almost every event is its
 own instant. :class:`InstantEnvironment` instead runs one hook after the *last* event of an instant has

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 import rrfp
-from rrfp.dispatch.backfill import Backfill, CostModel, expected_costs
+from rrfp.dispatch.backfill import Backfill, CostModel
 from rrfp.plan.hints import Hint
 from rrfp.plan.spec import PipelineSpec
 from rrfp.study import metrics
@@ -46,6 +46,7 @@ from rrfp.study.metrics import lower_bound, paired_speedup, t_interval
 from rrfp.traces.fit import FittedWorkload, _overlap
 from rrfp.traces.trace import TraceRecorder
 from rrfp.workload import rng as rngs
+from rrfp.workload.costs import expected_costs
 from rrfp.workload.model import IterationSample, WorkloadConfig, sample_iteration
 
 from .config import BASELINE_POLICY, ExperimentConfig

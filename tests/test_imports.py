@@ -1,4 +1,4 @@
-"""Import rules (DESIGN.md §2): ``import rrfp`` pulls in neither torch nor simpy, the core never imports
+"""Import rules (docs/design.md §2): ``import rrfp`` pulls in neither torch nor simpy, the core never imports
 the interpreters, and the interpreters ``rrfp.sim`` / ``rrfp.exec`` import without each other.
 
 Each check runs in a fresh interpreter, since this test process may already hold torch or simpy.

@@ -25,11 +25,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rrfp
-from rrfp.dispatch.backfill import Backfill, BackfillError, expected_costs, unit_costs
+from rrfp.dispatch.backfill import Backfill, BackfillError, unit_costs
 from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
 from rrfp.plan.hints import SEQUENCE_HINTS
 from rrfp.plan.spec import PLACEMENTS
 from rrfp.plan.task import Op, Task
+from rrfp.workload.costs import expected_costs
 from rrfp.workload.model import WorkloadConfig, mean_costs
 
 T = Task.parse

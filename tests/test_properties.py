@@ -11,7 +11,7 @@ random durations and message latencies, every run of :func:`rrfp.run_reference` 
 
 Further properties: ``rrfp`` dispatches exactly like ``fixed`` unless ``fixed`` leaves a rank idle while an
 admissible task is ready (predicted from the fixed log; both directions checked), and plain greedy
-arbitration without hint-safe admission deadlocks where rrfp never does (DESIGN.md §3).
+arbitration without hint-safe admission deadlocks where rrfp never does (docs/design.md §3).
 
 Run (CI profile, >= 2,000 cases in this file, well under a minute)::
 
@@ -372,7 +372,7 @@ def test_greedy_without_admission_deadlocks_but_rrfp_never_does(
     budget = rrfp.resolve_budget("1x", hint)
     runs = 200
     deadlocks = greedy_deadlocks(hint, runs, monkeypatch)
-    # DESIGN.md §3 measured 88/200 (interleaved-1f1b) and 96/200 (zbv); any sizeable share shows the point.
+    # The original design measured 88/200 (interleaved-1f1b) and 96/200 (zbv); any sizeable share shows it.
     assert deadlocks >= runs // 4, f"greedy deadlocked only {deadlocks}/{runs} times"
     for seed in range(runs):
         dur = durations("uniform", seed)

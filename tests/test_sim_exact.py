@@ -69,7 +69,8 @@ def test_interleaved_divides_the_bubble_time_by_v(policy, p, v, m):
     ("p", "m", "tf", "ti", "tw"), [(4, 8, 1.0, 1.0, 1.0), (4, 8, 1.0, 1.5, 0.5), (3, 6, 2.0, 1.0, 0.25)]
 )
 def test_zb_h1_idle_is_p_minus_1_times_tf_plus_ti_minus_tw(p, m, tf, ti, tw):
-    """Zero Bubble's T_B is our I (DESIGN.md §8): ZB-H1 idles (p-1)(T_F + T_I - T_W) per rank, T_W <= T_I."""
+    """Zero Bubble's T_B is our I (docs/design.md §8):
+    ZB-H1 idles (p-1)(T_F + T_I - T_W) per rank, T_W <= T_I."""
     hint = rrfp.make_hint("zb-h1", p, m)
     out = ClusterModel(hint, "fixed", ClusterConfig()).run([[[const_sample(hint.spec, tf, ti, tw)]]])
     idle = out.iteration_times[0] - out.busy[0, 0]
@@ -85,7 +86,7 @@ def test_fixed_and_rrfp_timelines_are_identical_at_zero_jitter(name):
 
 
 def test_rrfp_fills_zb_h1_gaps_at_zero_jitter():
-    """Pinned difference (DESIGN.md §8): rrfp runs a ready task in ZB-H1's deliberate gaps, which here
+    """Pinned difference (docs/design.md §8): rrfp runs a ready task in ZB-H1's deliberate gaps, which here
     delays the critical path: fixed 46 vs rrfp 47.5 at p=4, m=8, F=2, I=W=1.5."""
     hint = rrfp.make_hint("zb-h1", 4, 8)
     sample = const_sample(hint.spec, 2.0, 1.5, 1.5)

@@ -1,6 +1,6 @@
 """Trace schema v2: one long table of timed events, shared by the simulator and the executor.
 
-One row per event (DESIGN.md §6; every column is documented in ``traces/README.md``)::
+One row per event (docs/design.md §6; every column is documented in ``traces/README.md``)::
 
     run iteration rank pp_rank tp_rank dp_rank stage op microbatch kind start end bytes held peer msg
     policy hint seed budget

@@ -47,8 +47,9 @@ Why it is safe:
   admissible tasks, and only if there is one does a second pass, up to the furthest, give each its
   *room* (the longest task that may move from there to now): O(window).
 
-Cost model: ``expected(task) -> seconds``, mean costs from the workload (:func:`expected_costs`), never
-realised durations; the registry's default instance uses :func:`unit_costs` and zero latency.
+Cost model: ``expected(task) -> seconds``, mean costs from the workload
+(:func:`rrfp.workload.costs.expected_costs`), never realised durations; the registry's default
+instance uses :func:`unit_costs` and zero latency.
 
     >>> import rrfp
     >>> hint = rrfp.make_hint("1f1b", pp=2, microbatches=3)
@@ -74,8 +75,6 @@ from rrfp.plan.task import Op, Task
 
 if TYPE_CHECKING:
     from rrfp.dispatch.scheduler import RankScheduler
-    from rrfp.plan.spec import PipelineSpec
-    from rrfp.workload.model import WorkloadConfig
 
 CostModel = Callable[[Task], float]
 """Expected seconds a task computes for."""
@@ -96,15 +95,6 @@ def _check_seconds(name: str, value: object) -> None:
 def unit_costs(task: Task) -> float:
     """The workload default's mean costs: F = I = W = 1 s, B = I + W = 2 s, on every stage."""
     return _UNIT[task.op]
-
-
-def expected_costs(cfg: WorkloadConfig, spec: PipelineSpec) -> CostModel:
-    """Mean cost per (stage, op) of ``cfg`` on ``spec``'s stages (rrfp.workload.model.mean_costs)."""
-    from rrfp.workload.model import mean_costs  # lazy: keeps numpy out of `import rrfp`
-
-    means = mean_costs(cfg, spec.pp, spec.num_stages)
-    table = {op: [float(x) for x in means[op.value]] for op in Op}
-    return lambda task: table[task.op][task.stage]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""Metrics, defined once for the simulator, the executor and the notebooks (DESIGN.md §7).
+"""Metrics, defined once for the simulator, the executor and the notebooks (docs/design.md §7).
 
 * iteration time: makespan of one iteration, flush to flush; throughput = samples / s.
 * bubble fraction of a rank = idle time / iteration time; the pipeline bubble is the mean over ranks;

@@ -1,6 +1,6 @@
 """Randomness streams: one numpy ``SeedSequence`` child per (replication, iteration, component).
 
-Common random numbers (DESIGN.md §4): every policy and hint in one comparison must see the same realised
+Common random numbers (docs/design.md §4): every policy and hint in one comparison must see the same realised
 durations, so a run draws its randomness from streams keyed only by *what* is random, never by the order in
 which a simulator happens to ask for it. A stream is::
 

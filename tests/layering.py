@@ -1,0 +1,198 @@
+"""The package's import graph, read from the source with ``ast`` (nothing is imported).
+
+Used by ``tests/test_layers.py``; also runnable to print the layers and any violation::
+
+    .venv/bin/python tests/layering.py
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE_DIRS = {  # package -> folder (pyproject's package-dir)
+    "rrfp": "rrfp",
+    "rrfp.traces": "traces",
+    "rrfp.sim": "sim",
+    "rrfp.exec": "exec",
+}
+LAYERS = (
+    "rrfp.errors",
+    "rrfp.plan",
+    "rrfp.dispatch",
+    "rrfp.workload",
+    "rrfp.study",
+    "rrfp.traces",
+    "rrfp.sim",
+    "rrfp.exec",
+)
+"""Each layer imports only the layers before it (and itself); docs/design.md says what each holds."""
+FACADE = "rrfp"
+"""``rrfp/__init__.py`` re-exports the public API: it sits above the core and no layer imports it."""
+ALLOWED = {("rrfp.exec.cli", "rrfp.sim")}
+"""Edges against the order, by (importing module, imported package): rrfp-run's CLI may load the
+simulator lazily, for --dry-run estimates."""
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str  # importing module
+    target: str  # imported rrfp module (or package)
+    line: int
+    lazy: bool  # inside a function (or under `if TYPE_CHECKING:`)
+
+
+def modules() -> dict[str, Path]:
+    """Every module of the distribution by dotted name (package ``__init__`` under the package name)."""
+    out: dict[str, Path] = {}
+    for package, folder in PACKAGE_DIRS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            if package == "rrfp" and parts and parts[0] in ("traces", "sim", "exec"):
+                continue  # not a thing, but keep a stray folder from aliasing a mapped package
+            name = ".".join([package, *parts])
+            if package == "rrfp" and any(
+                name.startswith(p + ".") or name == p for p in PACKAGE_DIRS if p != "rrfp"
+            ):
+                continue
+            out[name] = path
+    return out
+
+
+def layer_of(module: str) -> int | None:
+    """Index of the layer ``module`` belongs to; None for the facade (``rrfp`` itself)."""
+    for i, layer in enumerate(LAYERS):
+        if module == layer or module.startswith(layer + "."):
+            return i
+    return None
+
+
+def _resolve(name: str, known: dict[str, Path]) -> str | None:
+    """The module or package ``name`` refers to, or None if it is not ours."""
+    while name and name not in known:
+        if "." not in name:
+            return None
+        name = name.rsplit(".", 1)[0]
+    return name or None
+
+
+def edges(known: dict[str, Path] | None = None) -> list[Edge]:
+    """Every import of one of our modules, at module level or inside functions."""
+    known = modules() if known is None else known
+    out: list[Edge] = []
+    for source, path in known.items():
+        is_package = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node, lazy in _imports(tree):
+            for target in _targets(node, source, is_package, known):
+                if target != source:
+                    out.append(Edge(source, target, node.lineno, lazy))
+    return out
+
+
+def _imports(tree: ast.AST) -> list[tuple[ast.Import | ast.ImportFrom, bool]]:
+    found: list[tuple[ast.Import | ast.ImportFrom, bool]] = []
+
+    def visit(node: ast.AST, lazy: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.Import, ast.ImportFrom)):
+                found.append((child, lazy))
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                visit(child, True)
+            elif isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                visit(child, True)
+            else:
+                visit(child, lazy)
+
+    visit(tree, False)
+    return found
+
+
+def _targets(
+    node: ast.Import | ast.ImportFrom, source: str, is_package: bool, known: dict[str, Path]
+) -> list[str]:
+    if isinstance(node, ast.Import):
+        names = [a.name for a in node.names]
+    else:
+        if node.level:
+            base = source if is_package else source.rsplit(".", 1)[0]
+            for _ in range(node.level - 1):
+                base = base.rsplit(".", 1)[0]
+            module = f"{base}.{node.module}" if node.module else base
+        else:
+            module = node.module or ""
+        # `from pkg import sub` names the submodule when there is one.
+        names = [f"{module}.{a.name}" if f"{module}.{a.name}" in known else module for a in node.names]
+    return sorted({t for t in (_resolve(n, known) for n in names) if t is not None})
+
+
+def violations(all_edges: list[Edge] | None = None) -> list[str]:
+    """Edges against the layer order, and imports of the facade from inside a layer."""
+    bad = []
+    for e in edges() if all_edges is None else all_edges:
+        src, dst = layer_of(e.source), layer_of(e.target)
+        if src is None:
+            continue  # the facade may import any layer
+        if dst is None:
+            bad.append(f"{e.source}:{e.line} imports the top-level package {e.target!r} (import the module)")
+        elif dst > src and not any(
+            e.source == s and (e.target == t or e.target.startswith(t + ".")) for s, t in ALLOWED
+        ):
+            bad.append(
+                f"{e.source}:{e.line} ({LAYERS[src]}) imports {e.target} ({LAYERS[dst]}), a later layer"
+            )
+    return bad
+
+
+def _allowed(e: Edge) -> bool:
+    return any(e.source == s and (e.target == t or e.target.startswith(t + ".")) for s, t in ALLOWED)
+
+
+def cycles(all_edges: list[Edge] | None = None) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), lazy imports included."""
+    graph: dict[str, set[str]] = {}
+    for e in edges() if all_edges is None else all_edges:
+        graph.setdefault(e.source, set()).add(e.target)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return out
+
+
+if __name__ == "__main__":
+    found = edges()
+    for layer in LAYERS:
+        names = sorted(m for m in modules() if layer_of(m) == LAYERS.index(layer))
+        print(f"{layer}: {len(names)} modules")
+    print("violations:", *violations(found) or ["none"], sep="\n  ")
+    print("cycles:", *[" <-> ".join(c) for c in cycles(found)] or ["none"], sep="\n  ")
