@@ -1,9 +1,10 @@
-"""rrfp: a readiness-driven runtime for pipeline-parallel training -- the shared policy core.
+"""rrfp: a readiness-driven runtime for pipeline-parallel training -- the public API of the policy core.
 
 The schedule (1F1B, interleaved, zero-bubble, ...) is a non-binding *hint*: each rank dispatches
-the highest-ranked task that is ready now, within an activation-memory budget. This package holds
-everything both interpreters share (tasks, specs, hints, policies, budget, TP agreement, workload and
-jitter models, trace schema, metrics) and imports neither simpy nor torch.
+the highest-ranked task that is ready now, within an activation-memory budget. This module is a facade
+over the core's layers (docs/design.md §2: ``rrfp.errors``, ``rrfp.plan``, ``rrfp.dispatch``,
+``rrfp.workload``, ``rrfp.study``); no module inside a layer imports it. It loads neither simpy, torch
+nor pandas.
 
     >>> import rrfp
     >>> rrfp.hint_orders("1f1b", pp=2, microbatches=3)[1]
