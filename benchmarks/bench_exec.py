@@ -54,10 +54,10 @@ def paired_rate(base: list[float], times: list[float]) -> tuple[float, float, fl
 
 
 def report(title: str, result: dict) -> None:
-    rows = result["trials"]
+    rows = result["results"]  # schema version 2 (rrfp.study.schema)
     ref = next((r for r in rows if r["policy"] == "torch"), rows[0])
     base = ref["iteration_time"]
-    print(f"\n== {title}  (rates relative to {ref['label']}; > 1 is faster)")
+    print(f"\n== {title}  (rates relative to {ref['trial']}; > 1 is faster)")
     head = f"{'trial':<20} {'median s':>9} {'mean s':>8} {'paired rate [95% CI]':>23} {'median ratio':>13}"
     print(f"{head} {'loop us/task':>12}  peak act")
     for r in rows:
@@ -67,7 +67,7 @@ def report(title: str, result: dict) -> None:
         us_text = "-" if us is None else f"{us:.0f}"
         peak = ",".join(map(str, r["peak_activations"])) or "-"
         print(
-            f"{r['label']:<20} {t['median']:>9.4f} {t['mean']:>8.4f} {rate:>8.3f}x [{lo:.3f}, {hi:.3f}] "
+            f"{r['trial']:<20} {t['median']:>9.4f} {t['mean']:>8.4f} {rate:>8.3f}x [{lo:.3f}, {hi:.3f}] "
             f"{base['median'] / t['median']:>12.3f}x {us_text:>12}  {peak}"
         )
 

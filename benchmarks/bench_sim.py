@@ -31,7 +31,8 @@ import numpy as np
 
 import rrfp
 from rrfp.sim import ClusterConfig, ClusterModel
-from rrfp.workload.model import WorkloadConfig, sample_for
+from rrfp.sim.config import SIM_WORKLOAD, default_workload
+from rrfp.workload.model import sample_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bare_simpy import run_bare
@@ -56,8 +57,8 @@ def bench_size(pp: int, m: int, repeat: int) -> None:
     bare = _best(lambda: run_bare(pp, m)[0], repeat)
     label = "bare SimPy 1F1B"
     print(f"  {label:<30} cpu {bare[0]:7.3f} s (wall {bare[1]:6.3f})  {tasks / bare[0]:>9,.0f} tasks/s")
-    for jitter, cv in (("none", 0.0), ("lognormal", 0.3)):
-        workload = WorkloadConfig(costs="F=1,B=2", jitter=jitter, cv=cv)
+    for jitter, cv in (("none", 0.0), (SIM_WORKLOAD["jitter"], SIM_WORKLOAD["cv"])):  # rrfp-sim's jitter
+        workload = default_workload(jitter=jitter, cv=cv)
         for policy in ("fixed", "rrfp"):
             gc.collect()  # the previous model and its hint go: this setup starts from nothing
             t0 = time.process_time()

@@ -90,7 +90,7 @@ def run(flags: list[str], timeout: float) -> dict[str, Any]:
 
 
 def rows(name: str, flags: list[str], result: dict[str, Any]) -> list[dict[str, Any]]:
-    trials = result["trials"]
+    trials = result["results"]  # schema version 2 (rrfp.study.schema)
     ref = next((t for t in trials if t["policy"] == "torch"), None) or trials[0]
     base = ref["iteration_time"]
     fixed = {t["hint"]: t["iteration_time"]["values"] for t in trials if t["policy"] == "fixed"}
@@ -103,8 +103,8 @@ def rows(name: str, flags: list[str], result: dict[str, Any]) -> list[dict[str, 
         vs_fixed = paired_rate(same, it["values"]) if same else (None, None, None)
         cal = t.get("calibration") or {}
         out.append({
-            "launch": name, "trial": t["label"], "median_s": it["median"], "mean_s": it["mean"],
-            "n": len(it["values"]), "rate_vs": ref["label"], "rate": base["median"] / it["median"],
+            "launch": name, "trial": t["trial"], "median_s": it["median"], "mean_s": it["mean"],
+            "n": len(it["values"]), "rate_vs": ref["trial"], "rate": base["median"] / it["median"],
             "paired_rate": paired, "paired_low": low, "paired_high": high,
             "vs_fixed": vs_fixed[0], "vs_fixed_low": vs_fixed[1], "vs_fixed_high": vs_fixed[2],
             "loop_us_per_task": t["loop_overhead_us_per_task"], "msg_ms": cal.get("latency_ms"),

@@ -18,8 +18,9 @@ the same for the policy and its fixed baseline (equal memory; fixed cannot use m
 peak anyway).
 
 Each cell is exactly one ``rrfp-sim`` command (printed in the CSV's ``command`` column and in the
-summary): the study builds its configs through rrfp-sim's own option parsing (``build_config``) and runs
-them with ``run_experiment``, so the command reproduces the cell's numbers bit for bit.
+summary): the study builds its configs from the same option values, by the same function rrfp-sim uses
+(``rrfp.sim.config.from_options``: the config dataclasses' defaults for every option a cell does not
+set), and runs them with ``run_experiment``, so the command reproduces the cell's numbers bit for bit.
 
 Writes results/policy_study/{cells.csv, factorial.csv, summary.txt, backfill_low.png, speedup.png,
 factorial.png}.
@@ -37,7 +38,7 @@ import numpy as np
 import pandas as pd
 from tqdm import tqdm
 
-from rrfp.sim.cli import build_config, compare
+from rrfp.sim.config import from_options
 from rrfp.sim.experiment import run_experiment
 from rrfp.sim.sweep import result_rows
 
@@ -82,11 +83,6 @@ def factorial_cells() -> list[Cell]:
     ]
 
 
-def defaults() -> dict[str, Any]:
-    """rrfp-sim's option defaults, by destination name (what build_config reads)."""
-    return {p.name: p.default for p in compare.params if p.name is not None}
-
-
 def command(cell: Cell, seeds: int) -> str:
     flags = [f"--hint {','.join(HINTS)}", f"--policy {','.join(POLICIES)}", f"--seeds {seeds}"]
     flags += [f"--{k.replace('_', '-')} {v}" for k, v in cell.options.items()]
@@ -94,8 +90,7 @@ def command(cell: Cell, seeds: int) -> str:
 
 
 def run_cell(cell: Cell, seeds: int) -> list[dict[str, Any]]:
-    values = {**defaults(), "hints": ",".join(HINTS), "policies": ",".join(POLICIES), "seeds": seeds}
-    cfg = build_config({**values, **cell.options})
+    cfg = from_options({"hints": HINTS, "policies": POLICIES, "seeds": seeds, **cell.options})
     point = {"factor": cell.factor, "cell": cell.label, "command": command(cell, seeds)}
     return result_rows(point, run_experiment(cfg, progress=False))
 

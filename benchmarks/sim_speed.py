@@ -42,14 +42,15 @@ from tqdm import tqdm
 import rrfp
 from rrfp.dispatch.backfill import Backfill
 from rrfp.sim import ClusterConfig, ClusterModel
+from rrfp.sim.config import default_workload
 from rrfp.sim.experiment import expected_cost_model
-from rrfp.workload.model import WorkloadConfig, sample_for
+from rrfp.workload.model import sample_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bare_simpy import run_bare
 
 SIZES = "4x16,16x16,4x64,16x64,8x256,32x128,4x1024,128x16,64x256,16x1024,128x256,128x512,128x1024"
-WORKLOAD = WorkloadConfig(costs="F=1,B=2", jitter="lognormal", cv=0.3)
+WORKLOAD = default_workload()  # rrfp-sim's: F = 1, B = 2, lognormal CV 0.3
 BIG = 100_000  # tasks: one timed repeat above this
 
 

@@ -6,7 +6,8 @@ elastic launcher, or join torchrun) -> ``worker`` (per rank: ``topology`` groups
 scheduler) with ``transport`` (channels, receiver threads), ``stage`` (F/B/I/W and gradient
 accumulation), ``model``/``layers``/``data`` (GPT and multimodal stages, TP linears), ``check``
 (single-process reference), ``faults`` (timeouts, dumps), ``synthetic`` (injected jitter, sleep-only
-mode), ``baseline`` (torch.distributed.pipelining beside rrfp), ``report`` (table, JSON, trace).
+mode), ``baseline`` (torch.distributed.pipelining beside rrfp), ``results`` (a trial's
+``rrfp.study.result.TrialResult`` with exec's own measurements), ``report`` (table, JSON, trace).
 
     rrfp-run --gpus 4 --check
     torchrun --standalone --nproc-per-node 2 -m rrfp.exec --check

@@ -16,22 +16,19 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.nn import functional as F
 
-from rrfp.exec import faults
-from rrfp.exec.check import local_grads
-from rrfp.exec.config import Trial
+from rrfp.exec import faults, liveness
 from rrfp.exec.data import Microbatch, make_batch
 from rrfp.exec.model import Stage, build_stage
 from rrfp.exec.synthetic import Injector
-from rrfp.exec.trials import TrialOutcome
+from rrfp.exec.trials import TrialContext, TrialOutcome, keep_grads
 from rrfp.plan.task import Op
-
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+from rrfp.plan.torch_schedules import V_SHAPED
+from rrfp.study.trial import TrialId
 
 
 class _SleepInBackward(torch.autograd.Function):
@@ -96,18 +93,17 @@ def _stage_indices(name: str, pp: int, rank: int) -> tuple[int, list[int]]:
 class BaselineTrial:
     """torch's schedule ``trial.hint`` on this rank; same ``step``/``outcome`` as an rrfp trial."""
 
-    def __init__(self, worker: Any, index: int, trial: Trial) -> None:
-        cfg, topo = worker.cfg, worker.topo
-        self.worker, self.trial, self.cfg, self.index = worker, trial, cfg, index
+    def __init__(self, ctx: TrialContext, index: int, trial: TrialId) -> None:
+        cfg, topo = ctx.cfg, ctx.topo
+        self.ctx, self.trial, self.cfg, self.index = ctx, trial, cfg, index
         num_stages, mine = _stage_indices(trial.hint, cfg.pp, topo.pp_rank)
         self.num_stages = num_stages
         self.injector = Injector(cfg.jitter, cfg.cv, cfg.inject_ms, cfg.seed, topo.dp_rank)
         self.stages = {
-            s: build_stage(cfg.model, s, num_stages, cfg.seed, cfg.microbatches).to(worker.device)
-            for s in mine
+            s: build_stage(cfg.model, s, num_stages, cfg.seed, cfg.microbatches).to(ctx.device) for s in mine
         }
         self.wrapped = {s: TorchStage(m, self.injector) for s, m in self.stages.items()}
-        group, dev = worker.groups.pp, worker.device
+        group, dev = ctx.groups.pp, ctx.device
         pipe = [PipelineStage(w, s, num_stages, dev, group=group) for s, w in self.wrapped.items()]
         cls = get_schedule_class(trial.hint)
         self.schedule = cls(
@@ -116,26 +112,25 @@ class BaselineTrial:
         params = [p for m in self.stages.values() for p in m.parameters()]
         self.opt = torch.optim.SGD(params, lr=cfg.lr)
         self.out = TrialOutcome(topo.coords())
-        _prime(self.schedule, cfg, worker, self.stages)
+        _prime(self.schedule, ctx, self.stages)
         for w in self.wrapped.values():
             w.armed = True
 
     def step(self, it: int) -> None:
         """One ``schedule.step`` (+ optimizer step) after a barrier, with this iteration's jitter."""
-        cfg, worker, out = self.cfg, self.worker, self.out
-        tokens, labels = _whole_batch(
-            make_batch(cfg.model, cfg.seed, worker.topo.dp_rank, it, cfg.microbatches)
-        )
+        cfg, ctx, out = self.cfg, self.ctx, self.out
+        tokens, labels = _whole_batch(make_batch(cfg.model, cfg.seed, ctx.topo.dp_rank, it, cfg.microbatches))
         self.injector.begin(it, self.num_stages, cfg.microbatches)
         for w in self.wrapped.values():
             w.counts = {Op.F: 0, Op.B: 0}
         losses: list[torch.Tensor] = []
         faults.watch(lambda: {"trial": self.index, "baseline": self.trial.label, "iteration": it})
-        dist.barrier(group=worker.groups.ctrl)
+        label = self.trial.label
+        liveness.barrier(ctx.groups.ctrl, f"the iteration barrier ({label}, iteration {it})", setup=it == 0)
         t0 = time.monotonic()
-        self.schedule.step(tokens.to(worker.device), target=labels.to(worker.device), losses=losses)
-        if it == 0 and cfg.check:
-            out.grads = local_grads(self.stages)
+        with liveness.waiting(f"torch's schedule step ({label}, iteration {it})"):
+            self.schedule.step(tokens.to(ctx.device), target=labels.to(ctx.device), losses=losses)
+        keep_grads(out, self.stages, it, cfg)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         out.times.append(time.monotonic() - t0)
@@ -145,11 +140,12 @@ class BaselineTrial:
         return self.out
 
 
-def _prime(schedule: Any, cfg: Any, worker: Any, stages: dict[int, Stage]) -> None:
+def _prime(schedule: Any, ctx: TrialContext, stages: dict[int, Stage]) -> None:
     """One untimed step without jitter, gradients discarded: torch infers the stage shapes in its first
     step (calling each stage once more), which must not shift the injected sleeps or the timings."""
-    tokens, labels = _whole_batch(make_batch(cfg.model, cfg.seed, worker.topo.dp_rank, 0, cfg.microbatches))
-    schedule.step(tokens.to(worker.device), target=labels.to(worker.device))
+    cfg = ctx.cfg
+    tokens, labels = _whole_batch(make_batch(cfg.model, cfg.seed, ctx.topo.dp_rank, 0, cfg.microbatches))
+    schedule.step(tokens.to(ctx.device), target=labels.to(ctx.device))
     for module in stages.values():
         module.zero_grad(set_to_none=True)
 

@@ -8,7 +8,7 @@ A rank writes a task's start into the task's slot as it starts it (one 8-byte st
 the slot only when its policy asks (``RankScheduler.listen``). No message, no thread wake-up, and no
 delay: a slot that is still empty means the producer had not started when it was read.
 
-Layout: one int64 slot per (pipeline replica, task code) -- code as in ``Hint.codes``. A slot holds
+Layout: one int64 slot per (pipeline replica, task code) -- code as in rrfp.plan.compiled. A slot holds
 ``tag << 40 | microseconds since the board's epoch``, written in one aligned store (so a reader never
 sees half of it); ``tag`` names the (trial, iteration) the start belongs to, so a slot left from an
 earlier iteration reads as "not started". 40 bits of microseconds last 12 days.

@@ -12,24 +12,60 @@ NCCL with CUDA); inside torchrun it joins the job::
     torchrun --nnodes 16 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m rrfp.exec --pp 16 --tp 8 --hint zbv --policy rrfp
 
-Options fill a :class:`~rrfp.exec.config.RunConfig`; a bad option or combination prints one line and
-exits 2 before any worker starts.
+Options fill a :class:`~rrfp.exec.config.RunConfig`; a bad option or combination -- click's usage
+errors included -- prints one line and exits 2 before any worker starts. The options rrfp-sim has too
+share its names, short forms, grammar and defaults (rrfp.study.options.SHARED: ``-m`` defaults to
+4 x pp, ``--hint 1f1b,bf``, ``--jitter lognormal --cv 0.3``, applied where there is something to jitter:
+``--synthetic`` or ``--inject-ms``); ``--json`` prints schema version 2 (rrfp.study.schema), as
+rrfp-sim does.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+from collections.abc import Collection
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from rrfp.errors import UserError
-from rrfp.exec.config import ExecConfigError, ModelConfig, RunConfig, Trial, split_list
+from rrfp.exec.config import (
+    TORCH_BASELINE_PREFIX,
+    ExecConfigError,
+    ModelConfig,
+    RunConfig,
+    check_options_used,
+    parse_trial,
+    split_list,
+)
 from rrfp.exec.launch import env_world_size, in_launcher_env, join, launch_local
-from rrfp.exec.preflight import preflight
+from rrfp.exec.preflight import check_outputs, preflight
+from rrfp.study.options import (
+    budget_label,
+    click_options,
+    command_line,
+    deprecated,
+    one_line_errors,
+    parse_budgets,
+    with_options,
+)
 
+PROG = "rrfp-run"
 DEFAULT_WORKERS = 4
-DEFAULT_CV = 0.3  # used when --jitter names a distribution but --cv is not given
+SHARED_NAMES = ("stages", "microbatches", "virtual_stages", "hints", "policies", "memory_budget", "jitter",
+                "cv", "seed", "iterations", "warmup", "json", "trace_out", "progress", "version")  # fmt: skip
+"""The options rrfp-run shares with rrfp-sim (rrfp.study.options.SHARED), in the order --help lists them."""
+RUN_NAMES = {"stages": "pp", "hints": "hint", "policies": "policy"}
+"""Shared option names -> the names rrfp-run's rules (rrfp.exec.config.check_options_used) know them by."""
+LEGACY_JSON = (
+    "--json prints schema_version 2 (results[], speedups[]); its schema-1 keys -- trials[] and the first "
+    "trial's fields at the top level -- are kept for this release only"
+)
+JITTERED_BY = ("jitter",)
+"""Options that ask for jitter: given, a real model's run needs --inject-ms (the preflight says so)."""
 
 
 class _Fail(click.ClickException):
@@ -50,44 +86,57 @@ def _world(gpus: int | None, pp: int | None, tp: int, dp: int) -> int:
     return pp * tp * dp if pp is not None else DEFAULT_WORKERS
 
 
-def build_config(o: dict[str, Any]) -> RunConfig:
-    """RunConfig from parsed options (raises ExecConfigError on bad values)."""
-    world = _world(o["gpus"], o["pp"], o["tp"], o["dp"])
-    pp = o["pp"] if o["pp"] is not None else max(1, world // (o["tp"] * o["dp"]))
+def build_config(o: dict[str, Any], given: Collection[str] = ()) -> RunConfig:
+    """RunConfig from parsed options (raises ExecConfigError on bad values); ``given``: the options
+    set on the command line, refused where the run would not use them."""
+    world = _world(o["gpus"], o["stages"], o["tp"], o["dp"])
+    pp = o["stages"] if o["stages"] is not None else max(1, world // (o["tp"] * o["dp"]))
     model = ModelConfig(
         kind=o["model"], layers=o["layers"], hidden=o["hidden"], heads=o["heads"], seq_len=o["seq_len"],
         vocab=o["vocab"], microbatch_size=o["microbatch_size"], vision_layers=o["vision_layers"],
         image_size=o["image_size"], patch=o["patch"], max_images=o["max_images"],
     )  # fmt: skip
     baselines = tuple(_baseline_name(b) for b in split_list(o["baseline"]))
-    cv = o["cv"] if o["cv"] is not None else (DEFAULT_CV if o["jitter"] != "none" else 0.0)
-    return RunConfig(
-        world=world, pp=pp, tp=o["tp"], dp=o["dp"], model=model, microbatches=o["microbatches"],
-        virtual_stages=o["virtual_stages"], policies=split_list(o["policy"]), hints=split_list(o["hint"]),
-        budgets=tuple(None if b in ("", "1x") else b for b in split_list(o["memory_budget"])) or (None,),
-        baselines=baselines, explicit_trials=tuple(Trial.parse(t) for t in split_list(o["trials"])),
+    # The shared jitter default applies where something is jittered (sampled durations, injected sleeps);
+    # a real model's run without --inject-ms has none, unless --jitter asks (then the preflight says so).
+    jittered = o["synthetic"] or o["inject_ms"] > 0 or any(n in given for n in JITTERED_BY)
+    jitter = o["jitter"] if jittered else "none"
+    cv = o["cv"] if jitter != "none" else 0.0
+    microbatches = o["microbatches"] if o["microbatches"] is not None else 4 * pp
+    cfg = RunConfig(
+        world=world, pp=pp, tp=o["tp"], dp=o["dp"], model=model, microbatches=microbatches,
+        virtual_stages=o["virtual_stages"], policies=split_list(o["policies"]), hints=split_list(o["hints"]),
+        budgets=tuple(budget_label(b) for b in parse_budgets(o["memory_budget"])),
+        baselines=baselines, explicit_trials=tuple(parse_trial(t) for t in split_list(o["trials"])),
         iterations=o["iterations"], interleave=o["interleave"], warmup=o["warmup"],
         seed=o["seed"],
         check=o["check"], tolerance=o["tolerance"], deterministic=o["deterministic"], timeout=o["timeout"],
-        dump_dir=o["dump_dir"], jitter=o["jitter"], cv=cv, inject_ms=o["inject_ms"],
+        dump_dir=o["dump_dir"], jitter=jitter, cv=cv, inject_ms=o["inject_ms"],
         synthetic=o["synthetic"], costs=o["costs"], workload=o["workload"], time_unit_ms=o["time_unit_ms"],
         trace_out=o["trace_out"], json=o["json"], backend=o["backend"], threads=o["threads"], lr=o["lr"],
         start_method=o["start_method"], announce=o["announce"],
+        progress=sys.stderr.isatty() if o.get("progress") is None else o["progress"],
+        command=o.get("command", ""),
     )  # fmt: skip
+    check_options_used(cfg, {RUN_NAMES.get(n, n) for n in given}, joined=in_launcher_env())
+    return cfg
 
 
 def _baseline_name(text: str) -> str:
-    if not text.startswith("torch:") or len(text) <= len("torch:"):
+    if not text.startswith(TORCH_BASELINE_PREFIX) or len(text) <= len(TORCH_BASELINE_PREFIX):
         raise ExecConfigError(f"--baseline {text!r} must be torch:<ScheduleName>, e.g. torch:1F1B")
-    return text.removeprefix("torch:")
+    return text.removeprefix(TORCH_BASELINE_PREFIX)
 
 
 _O = click.option
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.command(
+    cls=one_line_errors(click.Command, PROG),
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
+)
 @_O("--gpus", type=int, default=None, help="Local workers to start (default: pp*tp*dp, or 4).")
-@_O("--pp", "--stages", "pp", type=int, default=None, help="Pipeline ranks (default: gpus / (tp*dp)).")
+@with_options(click_options(PROG, SHARED_NAMES))
 @_O("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
 @_O("--dp", type=int, default=1, show_default=True, help="Data-parallel degree.")
 @_O("--model", default="gpt", show_default=True, help="gpt or multimodal.")
@@ -97,35 +146,24 @@ _O = click.option
 @_O("--seq-len", type=int, default=32, show_default=True, help="Text tokens per sample (max for multimodal).")
 @_O("--vocab", type=int, default=128, show_default=True, help="Vocabulary size.")
 @_O("--microbatch-size", type=int, default=2, show_default=True, help="Samples per microbatch.")
-@_O("--microbatches", type=int, default=8, show_default=True, help="Microbatches per iteration.")
 @_O("--vision-layers", type=int, default=2, show_default=True, help="multimodal: vision blocks.")
 @_O("--image-size", type=int, default=16, show_default=True, help="multimodal: image side (pixels).")
 @_O("--patch", type=int, default=8, show_default=True, help="multimodal: patch side (pixels).")
 @_O("--max-images", type=int, default=4, show_default=True, help="multimodal: most images per microbatch.")
-@_O("--virtual-stages", type=int, default=None, help="Stages per rank (default: the hint's own).")
-@_O("--policy", default="fixed,rrfp", show_default=True, help="Comma list of policies.")
-@_O("--hint", default="1f1b", show_default=True, help="Comma list of hints.")
-@_O("--memory-budget", default="1x", show_default=True, help="Comma list: 1x, 2x, 1.5x or a count.")
 @_O("--trials", default=None, help="Comma list of exact trials, e.g. fixed/1f1b,rrfp/1f1b@2x,torch:1F1B.")
 @_O("--baseline", default=None, help="Comma list of torch:<Schedule> to run beside (e.g. torch:1F1B).")
-@_O("--iterations", type=int, default=5, show_default=True, help="Measured iterations per trial.")
 @_O(
     "--interleave/--sequential",
     default=True,
     show_default=True,
-    help="Trials round-robin, one iteration each (fair under load), or one after another.",
+    help="Trials round-robin, one iteration each (fair under load; speedups paired per iteration), or one "
+    "after another (speedups unpaired).",
 )
-@_O("--warmup", type=int, default=1, show_default=True, help="Warm-up iterations per trial.")
-@_O("--seed", type=int, default=0, show_default=True, help="Root seed (weights, data, jitter).")
 @_O("--check", is_flag=True, help="Compare loss and gradients with a single-process reference.")
 @_O("--tolerance", type=float, default=1e-5, show_default=True, help="--check relative tolerance.")
 @_O("--deterministic", is_flag=True, help="Add microbatch gradients in microbatch order.")
 @_O("--timeout", type=float, default=60.0, show_default=True, help="Seconds any wait may last.")
 @_O("--dump-dir", default=None, help="Where fault dumps go (default: a temp dir).")
-@_O(
-    "--jitter", default="none", show_default=True, help="Injected jitter distribution (rrfp.workload.jitter)."
-)
-@_O("--cv", type=float, default=None, help=f"Jitter CV (default {DEFAULT_CV} with --jitter).")
 @_O("--inject-ms", type=float, default=0.0, show_default=True, help="Sleep X*this ms per task (B: I+W).")
 @_O(
     "--announce",
@@ -137,8 +175,6 @@ _O = click.option
 @_O("--costs", default="F=1,B=2", show_default=True, help="--synthetic: per-op mean costs (time units).")
 @_O("--workload", default="language", show_default=True, help="--synthetic: language or multimodal.")
 @_O("--time-unit-ms", type=float, default=10.0, show_default=True, help="--synthetic: ms per cost unit.")
-@_O("--trace-out", default=None, help="Merged trace: .parquet, .csv or .json (Perfetto).")
-@_O("--json", "json_", is_flag=True, help="Print one JSON object.")
 @_O("--backend", default="auto", show_default=True, help="auto, gloo or nccl.")
 @_O("--threads", type=int, default=None, help="torch threads per worker (default: cores / workers).")
 @_O("--lr", type=float, default=1e-2, show_default=True, help="SGD learning rate.")
@@ -155,11 +191,25 @@ def main(**options: Any) -> None:
       rrfp-run --gpus 16 --synthetic --jitter lognormal --cv 0.5
       torchrun --standalone --nproc-per-node 2 -m rrfp.exec --check
     """
-    options["json"] = options.pop("json_")
+    ctx = click.get_current_context()
+    given = _given(ctx, options)
+    options["command"] = command_line(ctx, PROG)
     try:
-        cfg = build_config(options)
+        cfg = build_config(options, given)
         preflight(cfg)
+        dump_dir = check_outputs(cfg, joined=in_launcher_env())
     except UserError as e:  # anything else is a bug: click shows its traceback, exit 1
         raise _Fail(str(e)) from e
-    code = join(cfg) if in_launcher_env() else launch_local(cfg)
+    except KeyboardInterrupt:  # Ctrl-C while checking a large pipeline: one line, like later on
+        click.echo("rrfp-run: interrupted by SIGINT before any worker started", err=True)
+        sys.exit(128 + signal.SIGINT)
+    if cfg.json and os.environ.get("RANK", "0") == "0":  # once per job, also inside torchrun
+        deprecated(PROG, LEGACY_JSON)
+    code = join(cfg, dump_dir) if in_launcher_env() else launch_local(cfg, dump_dir)
     sys.exit(code)
+
+
+def _given(ctx: click.Context, options: dict[str, Any]) -> set[str]:
+    """The options the user set (command line or environment), by parameter name."""
+    unset = (None, ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP)
+    return {name for name in options if ctx.get_parameter_source(name) not in unset}

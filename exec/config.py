@@ -2,16 +2,21 @@
 
 A :class:`RunConfig` is built once in the launching process, validated there (so a bad flag fails
 before any worker starts), pickled to every worker, and read by every part of the executor.
-:class:`Trial` is one row of the result table: a (policy, hint, budget) triple, or a torch baseline.
+:class:`~rrfp.study.trial.TrialId` (one row of the result table: a (policy, hint, budget) triple, or a
+torch baseline) is the identity every tool shares; :func:`parse_trial` reads a ``--trials`` item.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from itertools import product
 
 from rrfp.errors import UserError
+from rrfp.study.compare import fixed_hint
+from rrfp.study.trial import TORCH_POLICY, TORCH_PREFIX, TrialError, TrialId
 
 MODELS = ("gpt", "multimodal")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -23,47 +28,43 @@ backward (B/I) tasks only, or of none -- an input whose producer is not announce
 moment (the cautious no-clock reading). Messages cost: on an oversubscribed CPU more than they gain
 (BENCHMARKS.md section 3). ``auto``: ``board`` when every rank is on one host, else ``all``."""
 START_METHODS = ("fork", "spawn", "forkserver")
-TORCH_BASELINE_PREFIX = "torch:"
+TORCH_BASELINE_PREFIX = TORCH_PREFIX
+"""``--baseline torch:<Schedule>``: the same prefix every tool writes a torch baseline's label with."""
+
+
+MAX_DEGREE = 4096
+"""Most pipeline ranks (and TP, DP degree, stages per rank) a run may ask for."""
+MAX_WORKERS = 1 << 20
+MAX_TASKS = 1 << 22
+"""Most tasks (pp x v x m x ops) one hint may hold: beyond, building it alone takes minutes."""
+PROGRESS_TASKS = 1 << 18
+"""Above this many tasks, the preflight shows its progress (it takes seconds per hint)."""
+MAX_ITERATIONS = 10_000_000
+MAX_SEED = (1 << 63) - 1
+MAX_THREADS = 4096
+MAX_SECONDS = 86_400.0
+"""Longest --timeout: a day (longer waits overflow the process groups' millisecond timeouts)."""
+MAX_TASK_MS = 3_600_000.0
+"""Longest injected sleep or synthetic time unit per task: an hour."""
+MAX_CV = 100.0
+MAX_LR = 1e6
+MODEL_LIMITS = {
+    "layers": (1, MAX_DEGREE * 64),
+    "hidden": (1, 1 << 16),
+    "heads": (1, 1 << 12),
+    "seq_len": (1, 1 << 20),
+    "vocab": (1, 1 << 24),
+    "microbatch_size": (1, 1 << 16),
+    "patch": (1, 1 << 12),
+    "image_size": (1, 1 << 14),
+    "vision_layers": (0, 1 << 12),
+    "max_images": (0, 1 << 12),
+}
+"""ModelConfig's integers: (least, most)."""
 
 
 class ExecConfigError(UserError):
     """A bad rrfp-run option or combination; the one-line message names the value and the rule."""
-
-
-@dataclass(frozen=True, slots=True)
-class Trial:
-    """One configuration run inside a launch: an rrfp trial or a torch.distributed.pipelining baseline."""
-
-    policy: str
-    """``fixed``/``rrfp``/... for rrfp trials; ``torch`` for a baseline."""
-    hint: str
-    """Hint name (rrfp trials) or torch schedule name such as ``1F1B`` (baselines)."""
-    budget: str | None = None
-    """Memory budget text (``2x``, a count) or None for the hint's own peak."""
-
-    @property
-    def is_baseline(self) -> bool:
-        return self.policy == "torch"
-
-    @property
-    def label(self) -> str:
-        if self.is_baseline:
-            return f"torch:{self.hint}"
-        return f"{self.policy}/{self.hint}" + (f"@{self.budget}" if self.budget else "")
-
-    @staticmethod
-    def parse(text: str) -> Trial:
-        """Inverse of :attr:`label`: ``rrfp/1f1b@2x``, ``fixed/zb-h1``, ``torch:1F1B``."""
-        text = text.strip()
-        if text.startswith(TORCH_BASELINE_PREFIX):
-            return Trial("torch", text.removeprefix(TORCH_BASELINE_PREFIX))
-        policy, slash, rest = text.partition("/")
-        hint, _, budget = rest.rpartition("@") if "@" in rest else (rest, "", "")
-        if not slash or not policy or not hint:
-            raise ExecConfigError(
-                f"--trials item {text!r} is not <policy>/<hint>[@<budget>] or torch:<Schedule>"
-            )
-        return Trial(policy, hint, None if budget in ("", "1x") else budget)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,10 +97,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.kind not in MODELS:
             raise ExecConfigError(f"--model {self.kind!r} is unknown: choose one of {', '.join(MODELS)}")
-        for name in ("layers", "hidden", "heads", "seq_len", "vocab", "microbatch_size", "patch"):
-            _positive(name, getattr(self, name))
-        for name in ("vision_layers", "max_images"):
-            _positive(name, getattr(self, name), minimum=0)
+        for name, (low, high) in MODEL_LIMITS.items():
+            _positive(name, getattr(self, name), minimum=low, maximum=high)
         if self.hidden % self.heads:
             raise ExecConfigError(f"--hidden {self.hidden} must be divisible by --heads {self.heads}")
         if self.kind == "multimodal" and self.image_size % self.patch:
@@ -144,12 +143,13 @@ class RunConfig:
     """Memory budgets (None = the hint's own peak)."""
     baselines: tuple[str, ...] = ()
     """torch.distributed.pipelining schedule names to run beside (``1F1B``, ``GPipe``, ...)."""
-    explicit_trials: tuple[Trial, ...] = ()
+    explicit_trials: tuple[TrialId, ...] = ()
     """Exactly these trials (``--trials``) instead of the policies x hints x budgets product."""
     iterations: int = 5
     """Measured iterations per trial."""
     interleave: bool = True
-    """Run the trials round-robin, one iteration each (background load hits all alike); else in turn."""
+    """Run the trials round-robin, one iteration each (background load hits all alike; every other round
+    in reverse order), so iteration k of two trials pairs for a speedup; else in turn (unpaired)."""
     warmup: int = 1
     """Unmeasured iterations per trial, before the measured ones."""
     seed: int = 0
@@ -193,11 +193,14 @@ class RunConfig:
     start_method: str | None = None
     """How the local launcher starts workers; None: forkserver with a CPU-only torch (see
     rrfp.exec.launch.default_start_method), spawn with a CUDA build."""
+    progress: bool = False
+    """Rank 0 shows a progress bar on the console (the CLI decides: --progress, or a terminal)."""
+    command: str = ""
+    """The command line that started the run, as the ``--json`` config records it."""
 
     def __post_init__(self) -> None:
-        for name in ("world", "pp", "tp", "dp", "microbatches", "iterations"):
-            _positive(name, getattr(self, name))
-        _positive("warmup", self.warmup, minimum=0)
+        _positive("world", self.world, maximum=MAX_WORKERS)
+        self._check_numbers()
         if self.pp * self.tp * self.dp != self.world:
             raise ExecConfigError(
                 f"--pp {self.pp} x --tp {self.tp} x --dp {self.dp} = {self.pp * self.tp * self.dp} "
@@ -205,21 +208,27 @@ class RunConfig:
             )
         if self.model.heads % self.tp:
             raise ExecConfigError(f"--heads {self.model.heads} must be divisible by --tp {self.tp}")
-        self._check_numbers()
         self._check_choices()
 
     def _check_numbers(self) -> None:
-        if not self.timeout > 0:
-            raise ExecConfigError(f"--timeout must be > 0 seconds, got {self.timeout}")
-        if not 0 < self.tolerance < 1:
-            raise ExecConfigError(f"--tolerance must be in (0, 1), got {self.tolerance}")
-        for name in ("cv", "inject_ms", "time_unit_ms", "lr"):
-            if getattr(self, name) < 0:
-                raise ExecConfigError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        """Every number finite and in its range (NaN fails every comparison, so each test is written
+        as "inside", never as "not outside"); the limits keep sizes and waits representable."""
+        _real("timeout", self.timeout, 0.0, MAX_SECONDS, low_open=True)
+        _real("tolerance", self.tolerance, 0.0, 1.0, low_open=True, high_open=True)
+        _real("cv", self.cv, 0.0, MAX_CV)
+        _real("inject_ms", self.inject_ms, 0.0, MAX_TASK_MS)
+        _real("time_unit_ms", self.time_unit_ms, 0.0, MAX_TASK_MS, low_open=True)
+        _real("lr", self.lr, 0.0, MAX_LR)
+        for name in ("pp", "tp", "dp"):
+            _positive(name, getattr(self, name), maximum=MAX_DEGREE)
+        _positive("microbatches", self.microbatches, maximum=MAX_TASKS)
+        _positive("iterations", self.iterations, maximum=MAX_ITERATIONS)
+        _positive("warmup", self.warmup, minimum=0, maximum=MAX_ITERATIONS)
+        _positive("seed", self.seed, minimum=0, maximum=MAX_SEED)
         if self.virtual_stages is not None:
-            _positive("virtual_stages", self.virtual_stages)
+            _positive("virtual_stages", self.virtual_stages, maximum=MAX_DEGREE)
         if self.threads is not None:
-            _positive("threads", self.threads)
+            _positive("threads", self.threads, maximum=MAX_THREADS)
 
     def _check_choices(self) -> None:
         if self.backend not in BACKENDS:
@@ -239,18 +248,85 @@ class RunConfig:
             raise ExecConfigError("--baseline runs torch's schedules on --model gpt with --tp 1 --dp 1 only")
 
     @property
-    def trials(self) -> list[Trial]:
-        """rrfp trials (``--trials``, or hint-major, then budget, then policy), then torch baselines."""
+    def trials(self) -> list[TrialId]:
+        """rrfp trials (``--trials``, or hint-major, then budget, then policy), then torch baselines.
+        ``fixed`` on an unsplit class hint is ``fixed`` on its reference order, listed once
+        (rrfp.study.compare.fixed_hint: ``--hint 1f1b,bf`` is fixed/1f1b, rrfp/1f1b, rrfp/bf)."""
         rows = list(self.explicit_trials)
         if not rows:
-            rows = [Trial(p, h, b) for h, b, p in product(self.hints, self.budgets, self.policies)]
-        return rows + [Trial("torch", name) for name in self.baselines]
+            v = self.virtual_stages
+            named = (TrialId(p, fixed_hint(h, v) if p == "fixed" else h, b)
+                     for h, b, p in product(self.hints, self.budgets, self.policies))  # fmt: skip
+            rows = list(dict.fromkeys(named))
+        return rows + [TrialId(TORCH_POLICY, name) for name in self.baselines]
 
 
-def _positive(name: str, value: object, minimum: int = 1) -> None:
+def _flag(name: str) -> str:
+    return "--gpus" if name == "world" else "--" + name.replace("_", "-")
+
+
+def _positive(name: str, value: object, minimum: int = 1, maximum: int | None = None) -> None:
+    """An integer option in [minimum, maximum]."""
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        flag = "--" + name.replace("_", "-")
-        raise ExecConfigError(f"{flag} must be an integer >= {minimum}, got {value!r}")
+        raise ExecConfigError(f"{_flag(name)} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ExecConfigError(f"{_flag(name)} {value} is above the limit {maximum}")
+
+
+def _real(
+    name: str, value: object, low: float, high: float, low_open: bool = False, high_open: bool = False
+) -> None:
+    """A finite number in the range (``*_open``: that end excluded); NaN and inf never pass."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        left, right = "(" if low_open else "[", ")" if high_open else "]"
+        raise ExecConfigError(
+            f"{_flag(name)} must be a finite number in {left}{low:g}, {high:g}{right}, got {value}"
+        )
+
+
+def parse_trial(text: str) -> TrialId:
+    """One ``--trials`` item (``rrfp/1f1b@2x``, ``torch:1F1B``); a malformed one is an option error
+    that names the option, like every other rrfp-run refusal."""
+    try:
+        return TrialId.parse(text)
+    except TrialError as e:
+        raise ExecConfigError(f"--trials item {e}") from None
+
+
+NO_MODEL_OPTIONS = (*MODEL_LIMITS, "model", "lr", "deterministic")
+"""Options a --synthetic run has no use for: it has no model, no weights, no gradients."""
+MULTIMODAL_OPTIONS = ("vision_layers", "image_size", "patch", "max_images")
+SYNTHETIC_OPTIONS = ("costs", "workload", "time_unit_ms")
+PRODUCT_OPTIONS = ("policy", "hint", "memory_budget")
+"""What --trials replaces: the policies x hints x budgets product."""
+
+
+def check_options_used(cfg: RunConfig, given: Collection[str], joined: bool = False) -> None:
+    """Refuse an option given on the command line that this run would not use (``given``: click's
+    parameter names of the options the user set; ``joined``: inside torchrun, not our launcher) -- an
+    option that silently does nothing hides a mistake in the command."""
+    backfill = any(t.policy == "backfill" for t in cfg.trials)
+    rules: list[tuple[Collection[str], bool, str]] = [
+        (NO_MODEL_OPTIONS, cfg.synthetic, "does nothing with --synthetic (there is no model)"),
+        (SYNTHETIC_OPTIONS, not cfg.synthetic, "only applies with --synthetic"),
+        (MULTIMODAL_OPTIONS, not cfg.synthetic and cfg.model.kind != "multimodal",
+         "only applies to --model multimodal"),
+        (PRODUCT_OPTIONS, bool(cfg.explicit_trials), "does nothing with --trials (it names exact trials)"),
+        (("cv",), cfg.jitter == "none", "only applies with --jitter"),
+        (("tolerance",), not cfg.check, "only applies with --check"),
+        (("announce",), not backfill, "only applies to backfill trials"),
+        (("virtual_stages",), all(t.is_baseline for t in cfg.trials), "only applies to rrfp trials"),
+        (("start_method",), joined, "only applies when rrfp-run starts the workers itself (not in torchrun)"),
+        (("trials",), not cfg.explicit_trials, "names no trial"),
+        (("baseline",), not cfg.baselines, "names no schedule"),
+    ]  # fmt: skip
+    for names, unused, why in rules:
+        for name in names:
+            if unused and name in given:
+                raise ExecConfigError(f"{_flag(name)} {why}: drop it")
 
 
 def split_list(text: str | None) -> tuple[str, ...]:

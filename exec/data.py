@@ -5,7 +5,8 @@ tokens and images and the last stage has the labels without shipping them throug
 data loader gives both ends the same batch in the same way). ``gpt`` microbatches all have the same
 shape; ``multimodal`` ones draw a text length in [seq_len/2, seq_len] and an image count in
 0..max_images (Poisson around max_images/2 with a heavy-tailed lognormal rate), so shapes differ from
-microbatch to microbatch.
+microbatch to microbatch. In token mode (:func:`make_token_batch`) the sizes come from
+``rrfp.workload.tokens.batch_sizes``: the samples rrfp-sim simulates for the same seed.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
+from rrfp.errors import UserError
 from rrfp.exec.config import ModelConfig
 from rrfp.workload import rng as rngs
+from rrfp.workload.tokens import BatchSizes
 
 IMAGE_RATE_SIGMA = 0.8  # lognormal sigma of the per-microbatch image rate (heavy right tail)
 
@@ -55,5 +58,42 @@ def make_batch(
         if cfg.kind == "multimodal":
             shape = (cfg.microbatch_size, images, 3, cfg.image_size, cfg.image_size)
             pixels = torch.randn(shape, generator=gen)
+        out.append(Microbatch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), pixels))
+    return out
+
+
+class TokenBatchError(UserError):
+    """Token-mode microbatches that do not fit the model (longer than its positions)."""
+
+
+def make_token_batch(
+    cfg: ModelConfig, sizes: BatchSizes, seed: int, replica: int, iteration: int
+) -> list[Microbatch]:
+    """Token mode: the microbatches of ``sizes`` (``rrfp.workload.tokens.batch_sizes``, the samples
+    rrfp-sim simulates for the same seed, replication, iteration and DP replica) as tensors.
+
+    Each microbatch is one row, (1, T): its samples' text back to back, T their total text tokens,
+    and all their images (1, n, 3, H, W) -- so every microbatch carries exactly the tokens and images
+    rrfp-sim charges for it. The model's attention spans the whole row (it has no document mask), so
+    its attention FLOPs are those of one T-token sequence, not the per-sample sum rrfp-sim assumes.
+    """
+    np_rng = rngs.stream(seed, replica, "data/tokens", iteration)
+    gen = torch.Generator().manual_seed(int(np_rng.integers(0, 2**62)))
+    out = []
+    for mb, (text, images) in enumerate(
+        zip(sizes.tokens_per_microbatch.tolist(), sizes.images_per_microbatch.tolist(), strict=True)
+    ):
+        if cfg.kind != "multimodal":
+            images = 0
+        length = text + images * cfg.patches_per_image
+        if length > cfg.max_positions:
+            raise TokenBatchError(
+                f"microbatch {mb} of iteration {iteration} has {length} decoder tokens, more than the "
+                f"model's {cfg.max_positions} positions (raise --seq-len or --max-images)"
+            )
+        ids = torch.randint(0, cfg.vocab, (1, text + 1), generator=gen)
+        pixels = None
+        if cfg.kind == "multimodal":
+            pixels = torch.randn((1, images, 3, cfg.image_size, cfg.image_size), generator=gen)
         out.append(Microbatch(ids[:, :-1].contiguous(), ids[:, 1:].contiguous(), pixels))
     return out

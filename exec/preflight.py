@@ -1,47 +1,157 @@
 """Checks that need the core (hints, budgets, policies, models) before any worker starts.
 
 Everything here raises a ValueError subclass with a one-line message, so ``rrfp-run`` can refuse a bad
-combination (exit 2) in a second instead of failing inside N workers.
+combination (exit 2) in a second instead of failing inside N workers -- or after the whole run, as an
+unwritable ``--trace-out`` did (:func:`check_outputs`).
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
 from rrfp.dispatch.policies import get_policy
-from rrfp.exec.config import ExecConfigError, RunConfig, switch_interval
+from rrfp.exec.config import MAX_TASKS, PROGRESS_TASKS, ExecConfigError, RunConfig, switch_interval
+from rrfp.exec.faults import default_dump_dir
 from rrfp.exec.model import partition
+from rrfp.plan import hints as _hints
 from rrfp.plan.budget import resolve_budget
 from rrfp.plan.sources import make_hint
+from rrfp.plan.torch_schedules import BASELINE_SCHEDULES, TORCH_TABLE
 from rrfp.workload.jitter import make_distribution
 from rrfp.workload.model import WorkloadConfig
 
-TORCH_SINGLE = ("GPipe", "1F1B")
-TORCH_MULTI = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
-TORCH_SCHEDULES = TORCH_SINGLE + TORCH_MULTI
 """torch.distributed.pipelining schedules --baseline runs (two stages per rank for the multi-stage ones)."""
 
 
+TRACE_SUFFIXES = (".parquet", ".csv", ".json")
+"""What rrfp.traces.trace.write_trace writes (by suffix)."""
+
+
 def preflight(cfg: RunConfig) -> None:
-    """Resolve every trial's hint, budget and policy, and the model split, as the workers will."""
+    """Resolve every trial's hint, budget and policy, and the model split, as the workers will -- after
+    refusing a pipeline too large to build (:func:`task_count`), so no size makes this sit for minutes."""
     switch_interval()
     make_distribution(cfg.jitter, cfg.cv)
     if cfg.jitter != "none" and not cfg.synthetic and cfg.inject_ms <= 0:
         raise ExecConfigError(f"--jitter {cfg.jitter} needs --inject-ms > 0 (the sleep scale)")
     if cfg.synthetic:
         WorkloadConfig(preset=cfg.workload, costs=cfg.costs, jitter=cfg.jitter, cv=cfg.cv)
+    rrfp_trials = [t for t in cfg.trials if not t.is_baseline]
+    sizes = {t.hint: task_count(t.hint, cfg.pp, cfg.microbatches, cfg.virtual_stages) for t in rrfp_trials}
+    for name, (tasks, shape) in sizes.items():
+        if tasks > MAX_TASKS:
+            raise ExecConfigError(
+                f"--hint {name} at {shape} = {tasks:,} tasks is above the limit {MAX_TASKS:,} (2^22): "
+                "use fewer stages or microbatches"
+            )
+    progress = _Progress(len(sizes)) if sum(n for n, _ in sizes.values()) > PROGRESS_TASKS else None
     for trial in cfg.trials:
         if trial.is_baseline:
             _check_baseline(cfg, trial.hint)
             continue
         get_policy(trial.policy)
+        if progress is not None:
+            progress.step(trial.hint, sizes[trial.hint][0])
         hint = make_hint(trial.hint, cfg.pp, cfg.microbatches, cfg.virtual_stages)
         resolve_budget(trial.budget, hint)
         if not cfg.synthetic:
             partition(cfg.model.layers, hint.spec.num_stages)
+    if progress is not None:
+        progress.done()
+
+
+def task_count(name: str, pp: int, microbatches: int, virtual_stages: int | None) -> tuple[int, str]:
+    """(tasks, "pp x v x m x ops") of hint ``name`` -- without building it. torch:<Name> and CSV hints
+    count at most (v 2, or --virtual-stages; three ops); a CSV hint is also bounded by its file."""
+    seq = _hints.SEQUENCE_HINTS.get(name)
+    if seq is not None:
+        v, ops = virtual_stages or seq.v_default, 3 if seq.split else 2
+    elif name in _hints.CLASS_HINTS:  # the split default is the hint module's own (bfw: split)
+        split = getattr(_hints, "_CLASS_SPLIT_DEFAULT", {}).get(name, True)
+        v, ops = virtual_stages or 1, 3 if split else 2
+    else:
+        v, ops = virtual_stages or 2, 3
+    shape = f"pp {pp} x v {v} x m {microbatches} x {ops} ops"
+    return pp * v * microbatches * ops, shape
+
+
+class _Progress:
+    """Preflight's progress on stderr when its hints are large: one line per hint built (rewritten in
+    place on a terminal), so a big pipeline's seconds of checking never look like a hang."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.seen, self.start = total, set[str](), time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def step(self, hint: str, tasks: int) -> None:
+        if hint in self.seen:
+            return
+        self.seen.add(hint)
+        n, width = len(self.seen), 20
+        bar = "#" * (width * n // self.total)
+        text = f"rrfp-run: checking hints [{bar:<{width}}] {n}/{self.total} {hint} ({tasks:,} tasks)"
+        sys.stderr.write(("\r" + text) if self.tty else text + "\n")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        took = time.monotonic() - self.start
+        sys.stderr.write(f"{chr(10) if self.tty else ''}rrfp-run: hints checked in {took:.1f} s\n")
+        sys.stderr.flush()
+
+
+def check_outputs(cfg: RunConfig, joined: bool = False) -> str:
+    """Every output path, before any worker starts; returns the dump directory to use (made here).
+
+    ``--dump-dir`` (or a fresh temp dir; inside torchrun the job's shared default) must be a directory
+    this process can create files in: dumps and the ranks' logs go there. ``--trace-out`` must have a
+    suffix the trace writer knows and a writable folder (the trace is written by rank 0 at the very end,
+    where a failure would lose every result)."""
+    if cfg.trace_out is not None and (not joined or os.environ.get("RANK") == "0"):
+        _check_trace_path(cfg.trace_out)
+    if cfg.dump_dir is not None:
+        dump_dir = cfg.dump_dir
+    elif joined:
+        dump_dir = default_dump_dir()
+    else:
+        try:
+            dump_dir = tempfile.mkdtemp(prefix="rrfp-run-")
+        except OSError as e:
+            raise ExecConfigError(f"cannot make a dump directory ({e.strerror}): give --dump-dir") from None
+    _writable_dir(dump_dir, "--dump-dir")
+    return dump_dir
+
+
+def _check_trace_path(text: str) -> None:
+    path = Path(text)
+    if path.suffix.lower() not in TRACE_SUFFIXES:
+        raise ExecConfigError(
+            f"--trace-out {text!r} has suffix {path.suffix!r}: use {', '.join(TRACE_SUFFIXES)}"
+        )
+    if path.suffix.lower() == ".parquet" and importlib.util.find_spec("pyarrow") is None:
+        raise ExecConfigError(f"--trace-out {text!r}: writing parquet needs pyarrow (or use .csv or .json)")
+    if path.is_dir():
+        raise ExecConfigError(f"--trace-out {text!r} is a directory")
+    _writable_dir(str(path.parent), f"--trace-out {text!r}: its folder")
+
+
+def _writable_dir(text: str, what: str) -> None:
+    """Make ``text`` (parents too) and create, then remove, a file in it; else a one-line refusal."""
+    try:
+        Path(text).mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=text, prefix=".rrfp-probe-"):
+            pass
+    except OSError as e:
+        raise ExecConfigError(f"{what} {text} is not writable: {e.strerror or e}") from None
 
 
 def _check_baseline(cfg: RunConfig, name: str) -> None:
-    if name not in TORCH_SCHEDULES:
-        choices = "|".join(TORCH_SCHEDULES)
+    if name not in BASELINE_SCHEDULES:
+        choices = "|".join(BASELINE_SCHEDULES)
         raise ExecConfigError(f"--baseline torch:{name} is not supported: choose torch:<{choices}>")
-    stages = cfg.pp * (2 if name in TORCH_MULTI else 1)
+    stages = cfg.pp * TORCH_TABLE[name].stages_per_rank
     partition(cfg.model.layers, stages)

@@ -1,28 +1,150 @@
 """Rank 0's output: the results table (or one JSON object) and the merged trace file.
 
-``--json`` prints one object: the first trial's fields at the top level (``iteration_time: {median,
-mean}``, ``check: {max_rel_diff, ok, ...}``, ...) so a single-trial run reads simply, plus
-``trials`` (every row, same fields) and ``ok`` (every check passed).
+Input: one :class:`~rrfp.study.result.TrialResult` per trial (rrfp.exec.results). ``--json`` prints
+one object in schema version 2, rrfp-sim's layout too (rrfp.study.schema, :func:`result_json`)::
+
+    {"schema_version": 2, "config": {"rrfp_version", "command", ...the RunConfig...},
+     "results": [{"trial", "policy", "hint", "memory_budget",
+                  "iteration_time": {"mean", "ci_low", "ci_high", "median", "values"},
+                  "loss": {"first", "last"}, "peak_activations": [per pipeline rank],
+                  "budget": [per pipeline rank], "loop_overhead_us_per_task", "calibration", "check",
+                  "grad_digest"}, ...],
+     "speedups": [{"trial", "policy", "hint", "memory_budget", "baseline": {...}, "mean", "ci_low",
+                   "ci_high", "paired"}, ...],
+     "ok": every check passed}
+
+Intervals are 95% Student-t over the measured iterations. Each trial is compared with ``fixed`` on the
+same hint (a class hint's reference order) and with every torch baseline that ran
+(rrfp.study.compare): iteration k against iteration k (``paired``; the trials run interleaved), or with
+``--sequential`` the ratio of means with Welch's interval (``paired: false``).
+
+Deprecated, for this release only: the schema-1 keys -- ``trials`` (:func:`as_row` rows) and the first
+trial's fields at the top level (:func:`as_json`) -- ride along; the CLI says so on stderr.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import statistics
 from typing import Any
 
+from rrfp.errors import RunFailure
 from rrfp.exec.config import RunConfig
+from rrfp.exec.results import measures, median_time, without_trace
+from rrfp.study.compare import (
+    Comparison,
+    base_hint_name,
+    budget_note,
+    fixed_baselines,
+    legend,
+    torch_pairs,
+    verdict,
+)
+from rrfp.study.metrics import paired_speedup, t_interval, unpaired_speedup
+from rrfp.study.options import costs_text
+from rrfp.study.result import TrialResult
+from rrfp.study.schema import SCHEMA_VERSION, config_head, interval, number, speedup_entry, trial_fields
 
 
-def emit(cfg: RunConfig, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Write the trace (if asked), print the results; returns the rows without trace frames."""
-    frames = [f for row in rows for f in row.pop("trace", [])]
-    if cfg.trace_out and frames:
-        write_merged_trace(frames, cfg.trace_out)
+def emit(cfg: RunConfig, results: list[TrialResult]) -> list[TrialResult]:
+    """Print the results, then write the trace (if asked); returns them without trace frames. The
+    results come first: a trace that cannot be written (its folder was checked before the run, but
+    may have gone since) fails the run in one line without losing them."""
+    frames = [f for r in results for f in measures(r).trace]
+    results = [without_trace(r) for r in results]
     if cfg.json:
-        print(json.dumps(as_json(rows), indent=1), flush=True)
+        print(json.dumps(result_json(cfg, results), indent=1), flush=True)
     else:
-        print(table(cfg, rows), flush=True)
-    return rows
+        print(table(cfg, results), flush=True)
+    if cfg.trace_out and frames:
+        try:
+            write_merged_trace(frames, cfg.trace_out)
+        except OSError as e:
+            raise RunFailure(f"--trace-out {cfg.trace_out} could not be written: {e.strerror or e}") from e
+    return results
+
+
+def comparisons(cfg: RunConfig, results: list[TrialResult]) -> list[Comparison]:
+    """Every trial against fixed on its hint and against each torch baseline (rrfp.study.compare):
+    paired per iteration when the trials ran interleaved, else unpaired."""
+    by = {r.trial: r for r in results}
+    trials = list(by)
+    pairs = [*fixed_baselines(trials, lambda h: base_hint_name(h, cfg.virtual_stages)).items(),
+             *torch_pairs(trials)]  # fmt: skip
+    speedup = paired_speedup if cfg.interleave else unpaired_speedup
+    return [
+        Comparison(t, b, *speedup(by[b].iteration_times, by[t].iteration_times), paired=cfg.interleave)
+        for t, b in pairs
+    ]
+
+
+def result_row(result: TrialResult) -> dict[str, Any]:
+    """One trial's ``results[]`` entry (schema version 2)."""
+    m = measures(result)
+    times = result.iteration_times
+    return {
+        **trial_fields(result.trial),
+        "iteration_time": {
+            **interval(*t_interval(times)),
+            "median": median_time(result),
+            "values": list(times),
+        },
+        "loss": {"first": number(m.loss_first), "last": number(m.loss_last)},
+        "peak_activations": list(result.peaks),
+        "budget": list(result.budget),
+        "loop_overhead_us_per_task": m.loop_overhead_us,
+        "calibration": None if m.calibration is None else dict(m.calibration),
+        "check": None if m.check is None else m.check.as_dict(),
+        "grad_digest": m.grad_digest,
+    }
+
+
+def result_json(cfg: RunConfig, results: list[TrialResult]) -> dict[str, Any]:
+    """The ``--json`` object (module doc), with schema 1's keys for one more release."""
+    comps = comparisons(cfg, results)
+    doc: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "config": {**config_head(cfg.command or "rrfp-run"), **config_dict(cfg)},
+        "results": [result_row(r) for r in results],
+        "speedups": [
+            speedup_entry(c.trial, c.baseline, c.mean, c.ci_low, c.ci_high, c.paired) for c in comps
+        ],
+    }
+    legacy = as_json([as_row(r) for r in results])  # deprecated: schema 1's keys
+    doc["ok"] = legacy.pop("ok")
+    return {**doc, **{k: v for k, v in legacy.items() if k not in doc}}
+
+
+def config_dict(cfg: RunConfig) -> dict[str, Any]:
+    """The run's configuration as JSON data: every RunConfig field, trials by label."""
+    out = dataclasses.asdict(cfg)
+    out.pop("command")
+    out["explicit_trials"] = [t.label for t in cfg.explicit_trials]
+    out["trials"] = [t.label for t in cfg.trials]
+    return out
+
+
+def as_row(result: TrialResult) -> dict[str, Any]:
+    """One trial's schema-1 row (deprecated: ``trials[]`` of the ``--json`` object, for one release)."""
+    trial, m = result.trial, measures(result)
+    return {
+        "label": trial.label,
+        "policy": trial.policy,
+        "hint": trial.hint,
+        "budget": trial.budget or "1x",
+        "iteration_time": {
+            "median": median_time(result),
+            "mean": result.mean_time,
+            "values": list(result.iteration_times),
+        },
+        "loss": {"first": m.loss_first, "last": m.loss_last},
+        "peak_activations": list(result.peaks),
+        "loop_overhead_us_per_task": m.loop_overhead_us,
+        "calibration": None if m.calibration is None else dict(m.calibration),
+        "check": None if m.check is None else m.check.as_dict(),
+        "grad_digest": m.grad_digest,
+    }
 
 
 def write_merged_trace(frames: list[Any], path: str) -> None:
@@ -39,6 +161,8 @@ def write_merged_trace(frames: list[Any], path: str) -> None:
 
 
 def as_json(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Schema 1's object from :func:`as_row` rows (deprecated): the first row's fields at the top
+    level, ``trials`` (every row) and ``ok``."""
     first = dict(rows[0])
     first["iteration_time"] = {k: v for k, v in first["iteration_time"].items() if k != "values"}
     return {**first, "trials": rows, "ok": all(r["check"] is None or r["check"]["ok"] for r in rows)}
@@ -49,33 +173,92 @@ def announce(cfg: RunConfig) -> None:
     if cfg.json:
         return
     m = cfg.model
-    what = "synthetic sleeps" if cfg.synthetic else f"{m.kind} L={m.layers} C={m.hidden}"
+    what = f"{m.kind} L={m.layers} C={m.hidden}"
+    if cfg.synthetic:
+        what = f"synthetic sleeps, {cfg.workload} costs {costs_text(cfg.costs)} x {cfg.time_unit_ms:g} ms"
     jitter = f"{cfg.jitter} cv={cfg.cv} x {cfg.inject_ms} ms" if cfg.inject_ms else "none"
+    if cfg.synthetic and cfg.jitter != "none":  # the jitter is in the sampled durations themselves
+        jitter = f"{cfg.jitter} cv={cfg.cv} in the sampled durations" + (
+            f", plus {cfg.inject_ms} ms x {cfg.jitter} per task" if cfg.inject_ms else ""
+        )
     print(
         f"rrfp-run: {what}, pp={cfg.pp} tp={cfg.tp} dp={cfg.dp}, {cfg.microbatches} microbatches, "
         f"{len(cfg.trials)} trials x ({cfg.warmup} warm-up + {cfg.iterations}) iterations, "
-        f"injected jitter {jitter}",
+        f"{'jitter' if cfg.synthetic else 'injected jitter'} {jitter}",
         flush=True,
     )
 
 
-def table(cfg: RunConfig, rows: list[dict[str, Any]]) -> str:
-    """A fixed-width table, one row per trial; ``vs first`` = first row's median / this median."""
-    lines = [
-        f"{'trial':<32} {'median s':>10} {'mean s':>10} {'vs first':>9} {'loss':>9} "
-        f"{'us/task':>8}  {'peak act':<14} check",
-    ]
-    base = rows[0]["iteration_time"]["median"]
-    for r in rows:
-        t = r["iteration_time"]
-        peak = ",".join(map(str, r["peak_activations"])) or "-"
-        us = r["loop_overhead_us_per_task"]
-        us_text = "-" if us is None else f"{us:.0f}"
-        lines.append(
-            f"{r['label']:<32} {t['median']:>10.4f} {t['mean']:>10.4f} {base / t['median']:>8.2f}x "
-            f"{r['loss']['first']:>9.4f} {us_text:>8}  {peak:<14} {_check(r)}"
+def table(cfg: RunConfig, results: list[TrialResult]) -> str:
+    """One row per trial -- mean iteration time with its interval, the median, the speedup against
+    fixed on the same hint (and a column per torch baseline) -- then who won, and what each column
+    means."""
+    comps = comparisons(cfg, results)
+    vs_fixed = {c.trial: c for c in comps if not c.baseline.is_baseline}
+    torch = [r.trial for r in results if r.trial.is_baseline]
+    vs_torch = {(c.trial, c.baseline): c for c in comps if c.baseline.is_baseline}
+    header = ["trial", "iteration time s [95% CI]", "median s", "speedup [95% CI]",
+              *(f"vs {b.label} [95% CI]" for b in torch), "loss", "us/task", "peak act", "check"]  # fmt: skip
+    rows = []
+    for r in results:
+        m, sp = measures(r), vs_fixed.get(r.trial)
+        us = m.loop_overhead_us
+        rows.append([
+            r.trial.label, _ci(*t_interval(r.iteration_times)), f"{statistics.median(r.iteration_times):.4f}",
+            "" if sp is None else f"{_ci(sp.mean, sp.ci_low, sp.ci_high)} vs {sp.baseline.label}",
+            *(_ci(c.mean, c.ci_low, c.ci_high) if (c := vs_torch.get((r.trial, b))) else "" for b in torch),
+            "-" if cfg.synthetic else f"{m.loss_first:.4f}", "-" if us is None else f"{us:.0f}",
+            _peaks(r.peaks), _check(as_row(r)),
+        ])  # fmt: skip
+    note = budget_note(comps, cfg.budgets)
+    return "\n".join([*_render(header, rows), "", verdict(comps), *([note] if note else []), "",
+                      *legend(_columns(cfg, torch))])  # fmt: skip
+
+
+def _ci(mean: float, low: float, high: float) -> str:
+    return f"{mean:.4f}" if low != low else f"{mean:.4f} [{low:.4f}, {high:.4f}]"  # low != low: NaN
+
+
+def _peaks(peaks: tuple[int, ...]) -> str:
+    """Peak activations over the pipeline ranks as min-max (a torch baseline has none)."""
+    if not peaks:
+        return "-"
+    return str(peaks[0]) if min(peaks) == max(peaks) else f"{min(peaks)}-{max(peaks)}"
+
+
+def _render(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return lines
+
+
+def _columns(cfg: RunConfig, torch: list[Any]) -> list[tuple[str, str]]:
+    """The legend of :func:`table`'s columns."""
+    pairing = (
+        "iteration k against iteration k: the trials ran interleaved, so each pair saw the same load"
+        if cfg.interleave
+        else "unpaired: the trials ran one after the other (--sequential), so this is the ratio of the "
+        "means with Welch's interval"
+    )
+    warm = f"after {cfg.warmup} warm-up" if cfg.warmup else "with no warm-up"
+    out = [
+        ("iteration time", "seconds from the iteration barrier to the optimizer step on the slowest rank: "
+                           f"mean of the {cfg.iterations} measured iterations {warm}, 95% Student-t "
+                           "interval"),
+        ("median s", "the median of the same iterations"),
+        ("speedup", f"fixed's iteration time / this trial's on the same hint (a class hint: its reference "
+                    f"order), {pairing}; > 1: faster than fixed"),
+    ]  # fmt: skip
+    if torch:
+        out.append(
+            ("vs torch:...", "the torch.distributed.pipelining baseline's time / this trial's, paired alike")
         )
-    return "\n".join(lines)
+    return [*out,
+            ("loss", "mean loss of the first iteration run"),
+            ("us/task", "rrfp's dispatch-loop overhead per task, median over the ranks (microseconds)"),
+            ("peak act", "most activations a rank held at once: min-max over the pipeline ranks"),
+            ("check", "--check: loss and gradients against a single-process reference")]  # fmt: skip
 
 
 def _check(row: dict[str, Any]) -> str:

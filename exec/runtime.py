@@ -5,7 +5,7 @@ One iteration::
     reset the scheduler; start the runner on this iteration's data
     until every task of this rank is done:
         apply every arrival already queued (same-instant rule), deliver() each
-        pick: sched.next() -- or, with TP, rrfp.agree() over the group's ready() views
+        pick: sched.next() -- or, with TP, agree() over the group's ready() views (rrfp.dispatch.tp)
         nothing to run -> block on the inbox (fault timeout), deliver, loop
         start -> [announce] -> compute (+ injected sleep) -> complete -> post sends / hand over locally
     wait for the sends; write gradients
@@ -18,7 +18,7 @@ sends a header-only announcement ahead of the payload and hands received ones to
 
 TP members must run the same task in the same order, because their compute contains collectives.
 Every pick all-gathers (candidates, ready-by-inputs) over the TP group's gloo twin and applies
-``rrfp.agree``. When that defers, only a member *behind* (missing an input another member already
+``rrfp.dispatch.tp.agree``. When that defers, only a member *behind* (missing an input another member already
 has) blocks on its inbox; the others return straight to the next all-gather, which completes once the
 laggard caught up. When nobody is behind, everyone blocks on its inbox (exactly what one rank alone
 would do). Members' scheduler states differ only by deliveries, so this never waits for nothing.
@@ -35,14 +35,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from rrfp.dispatch.scheduler import RankScheduler
+from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
 from rrfp.dispatch.tp import agree
 from rrfp.exec.board import StartBoard, board_tag
 from rrfp.exec.calibrate import CostMeter
 from rrfp.exec.faults import LostPeerError, WaitTimeoutError
 from rrfp.exec.synthetic import Injector
 from rrfp.exec.transport import Announce, Arrival, ChannelFailure, Transport
-from rrfp.plan.hints import task_codes
 from rrfp.plan.task import Task
 from rrfp.traces.trace import TraceRecorder
 
@@ -82,9 +81,9 @@ class LoopStats:
         return max(0.0, self.loop - self.compute - self.wait - self.agree) / max(1, self.tasks)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankContext:
-    """The fixed surroundings of one rank's loop."""
+    """The fixed surroundings of one rank's loop (frozen: trials copy it, never change it)."""
 
     rank: int
     pp_rank: int
@@ -124,6 +123,15 @@ class PipelineRuntime:
         self._sources: list[int] = []  # board slot of each position's cross-rank producer (-1: none)
         if ctx.board is not None:
             self._slots, self._sources = board_slots(self.sched, ctx.board_base)
+
+    def clock(self, sched: RankScheduler) -> None:
+        """From the next iteration on, drive ``sched`` -- a scheduler of the same hint and rank whose
+        policy plans with measured costs -- ticking its clock and announcing producer starts. A new
+        scheduler rather than a new policy in the old one: the driver contract has no policy swap."""
+        if sched.hint is not self.sched.hint or sched.rank != self.sched.rank:
+            raise SchedulerError(f"rank {self.sched.rank}: clock() needs a scheduler of this hint and rank")
+        self.sched, self.clocked = sched, True
+        self._remote = {}  # who hears of a start depends on the policy's announced ops
 
     # -- one iteration --------------------------------------------------------------------------
     def run_iteration(self, iteration: int) -> LoopStats:
@@ -188,7 +196,10 @@ class PipelineRuntime:
         if remote is None:
             ops = getattr(self.sched.policy, "announced_ops", None)
             heard = ops is None or task.op in ops
-            remote = self._remote[task] = self.spec.remote_consumers(task) if heard else []
+            wiring = self.sched.hint.plan.wiring(self.sched.rank)  # the compiled plan's message wiring
+            pos = self.sched.index[task]
+            dst = wiring.dest[pos] if heard else -1
+            remote = self._remote[task] = [(dst, wiring.consumer[pos])] if dst >= 0 else []
         for dst, consumer in remote:
             assert self.ctx.transport is not None
             self.ctx.transport.announce(dst, self.trial, self.iteration, consumer, start)
@@ -327,13 +338,8 @@ class PipelineRuntime:
 
 def board_slots(sched: RankScheduler, base: int) -> tuple[list[int], list[int]]:
     """(the board slot of each position of ``sched``'s order, the slot of each position's cross-rank
-    producer or -1): slots are ``base`` + task codes (``Hint.codes``); a task has at most one cross-rank
-    input (F(s) reads F(s-1), B/I(s) reads B/I(s+1))."""
-    hint = sched.hint
-    spec = hint.spec
-    codes = hint.codes(sched.rank)
-    sources = []
-    for task in sched.tasks:
-        remote = [d for d in spec.deps(task) if spec.is_remote(d, task)]
-        sources.append(base + task_codes(spec, remote)[0] if remote else -1)
-    return [base + c for c in codes], sources
+    producer or -1): slots are ``base`` + task codes (rrfp.plan.compiled), both from the hint's compiled
+    plan (a task has at most one cross-rank input)."""
+    plan = sched.hint.plan
+    producers = plan.sources(sched.rank).code
+    return (base + plan.codes[sched.rank]).tolist(), [-1 if c < 0 else base + c for c in producers]

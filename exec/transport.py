@@ -45,14 +45,13 @@ import torch.distributed as dist
 
 from rrfp.errors import RunFailure
 from rrfp.exec.faults import LostPeerError
-from rrfp.plan.task import Op, Task
+from rrfp.plan.task import OPS, Task
 
 HEADER_LEN = 16
 HEADER_BYTES = HEADER_LEN * 8
 MAX_DIMS = HEADER_LEN - 10
 # SPLIT: the payload follows as its own message; ANNOUNCE: header only, a producer started.
 KIND_CLOSE, KIND_SPLIT, KIND_PACKED, KIND_ANNOUNCE = 0, 1, 2, 3
-OPS = (Op.F, Op.B, Op.I, Op.W)
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 
 
@@ -126,7 +125,7 @@ def encode_header(
         raise TransportError(f"cannot send a {tensor.dim()}-d tensor: at most {MAX_DIMS} dims")
     if tensor.dtype not in DTYPES:
         raise TransportError(f"cannot send dtype {tensor.dtype}: supported {DTYPES}")
-    head = [KIND_SPLIT, trial, iteration, task.stage, OPS.index(task.op), task.mb, msg, sent_us]
+    head = [KIND_SPLIT, trial, iteration, task.stage, task.op.code, task.mb, msg, sent_us]
     head += [DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
     return head + [0] * (HEADER_LEN - len(head))
 
@@ -140,7 +139,7 @@ def decode_header(values: list[int]) -> tuple[int, int, Task, int, torch.dtype, 
 
 def encode_announce(trial: int, iteration: int, task: Task, since_us: int) -> list[int]:
     """The header-only message: the producer of ``task``'s input started at ``since_us``."""
-    head = [KIND_ANNOUNCE, trial, iteration, task.stage, OPS.index(task.op), task.mb, since_us]
+    head = [KIND_ANNOUNCE, trial, iteration, task.stage, task.op.code, task.mb, since_us]
     return head + [0] * (HEADER_LEN - len(head))
 
 

@@ -5,6 +5,14 @@ scheduler, runner, optimizer and trace recorder. :meth:`RrfpTrial.step` runs one
 barrier and records its time; the worker calls ``step`` for every trial in turn (interleaved, so
 background load hits all trials alike) or trial after trial. torch's baselines
 (:mod:`rrfp.exec.baseline`) offer the same two methods.
+
+A trial sees its rank through a :class:`TrialContext` the worker builds once (config, topology, groups,
+device, the loop's surroundings, the decided --announce); it is frozen, so no trial changes what the
+next one sees.
+
+``backfill`` runs in two phases: untimed until the warm-up has measured the costs, then clocked with a
+calibrated policy (rrfp.exec.calibrate). The clocked phase gets a scheduler of its own, built on the
+same hint, rank and budget; the scheduler's policy is never swapped under it.
 """
 
 from __future__ import annotations
@@ -18,26 +26,50 @@ import torch
 import torch.distributed as dist
 
 from rrfp.dispatch.backfill import Backfill
+from rrfp.dispatch.policies import get_policy
 from rrfp.dispatch.scheduler import RankScheduler
-from rrfp.exec import faults
+from rrfp.exec import faults, liveness
 from rrfp.exec.calibrate import ANNOUNCED_OPS, calibrate
 from rrfp.exec.check import digest, local_grads
-from rrfp.exec.config import Trial
+from rrfp.exec.config import RunConfig
 from rrfp.exec.data import make_batch
 from rrfp.exec.layers import TPContext
 from rrfp.exec.model import Stage, build_stage
-from rrfp.exec.runtime import PipelineRuntime
+from rrfp.exec.runtime import PipelineRuntime, RankContext
 from rrfp.exec.stage import StageRunner
 from rrfp.exec.synthetic import Injector, SyntheticRunner
+from rrfp.exec.topology import Groups, Topology
 from rrfp.plan.budget import resolve_budget
 from rrfp.plan.sources import make_hint
+from rrfp.study.trial import TrialId
 from rrfp.traces.trace import TraceRecorder
 from rrfp.workload.model import WorkloadConfig
 
 
+@dataclass(frozen=True, slots=True)
+class TrialContext:
+    """What every trial of one rank reads, built once by the worker after the clock is set."""
+
+    cfg: RunConfig
+    topo: Topology
+    groups: Groups
+    device: torch.device
+    loop: RankContext
+    """The runtime loop's surroundings (transport, start board, TP group, timeout, clock origin, and the
+    mailbox for messages that arrive early, shared by every trial); a trial copies it with its own
+    trace recorder."""
+    announce: str
+    """--announce with ``auto`` decided (rrfp.exec.worker.resolve_announce)."""
+
+    @property
+    def origin(self) -> float:
+        """time.monotonic() of this rank that maps to trace time 0."""
+        return self.loop.origin
+
+
 @dataclass
 class TrialOutcome:
-    """What one rank measured in one trial (rank 0 merges them into the result row)."""
+    """What one rank measured in one trial (rank 0 merges them into the trial's result)."""
 
     coords: tuple[int, int, int]
     times: list[float] = field(default_factory=list)
@@ -46,7 +78,11 @@ class TrialOutcome:
     """Per-task dispatch-loop overhead per iteration (seconds); empty for baselines."""
     peak: int = 0
     """Most activations held at once on this rank, over all iterations."""
-    grads: list | None = None
+    budget: int | None = None
+    """Activation slots this rank may hold (None: a torch baseline, which rrfp does not schedule)."""
+    grads: list[list[Any]] | None = None
+    """--check: this rank's gradients of every iteration (rrfp.exec.check.local_grads, one list per
+    iteration); --deterministic alone: the first iteration's only (its digest is all that is used)."""
     digest: str | None = None
     trace: Any = None
     calibration: dict[str, Any] | None = None
@@ -56,29 +92,31 @@ class TrialOutcome:
 class RrfpTrial:
     """One (policy, hint, budget) on this rank, driven by :class:`PipelineRuntime`."""
 
-    def __init__(self, worker: Any, index: int, trial: Trial) -> None:
-        cfg, topo = worker.cfg, worker.topo
-        self.worker, self.trial, self.cfg = worker, trial, cfg
+    def __init__(self, ctx: TrialContext, index: int, trial: TrialId) -> None:
+        cfg, topo = ctx.cfg, ctx.topo
+        self.ctx, self.trial, self.cfg = ctx, trial, cfg
         hint = make_hint(trial.hint, cfg.pp, cfg.microbatches, cfg.virtual_stages)
         budgets = resolve_budget(trial.budget, hint)
-        self.sched = RankScheduler(hint, topo.pp_rank, trial.policy, budgets[topo.pp_rank])
+        self.policy = get_policy(trial.policy)
+        """The policy asked for; backfill's clocked phase plans with a calibrated copy of it."""
+        self.sched = RankScheduler(hint, topo.pp_rank, self.policy, budgets[topo.pp_rank])
         self.stages, self.runner = self._build(hint.spec)
         injector = Injector(cfg.jitter, cfg.cv, cfg.inject_ms, cfg.seed, topo.dp_rank)
         self.recorder = recorder(cfg, trial, topo.coords, budgets)
-        ctx = dataclasses.replace(worker.ctx, recorder=self.recorder)
-        self.runtime = PipelineRuntime(ctx, self.sched, self.runner, index, injector)
+        loop = dataclasses.replace(ctx.loop, recorder=self.recorder)
+        self.runtime = PipelineRuntime(loop, self.sched, self.runner, index, injector)
         params = [p for m in self.stages.values() for p in m.parameters()]
         self.opt = torch.optim.SGD(params, lr=cfg.lr) if params else None
-        self.out = TrialOutcome(topo.coords())
+        self.out = TrialOutcome(topo.coords(), budget=self.sched.budget)
 
     def _build(self, spec: Any) -> tuple[dict[int, Stage], Any]:
-        cfg, topo = self.cfg, self.worker.topo
+        cfg, topo = self.cfg, self.ctx.topo
         if cfg.synthetic:
             workload = WorkloadConfig(preset=cfg.workload, costs=cfg.costs, jitter=cfg.jitter, cv=cfg.cv)
-            unit, device = cfg.time_unit_ms, self.worker.device
+            unit, device = cfg.time_unit_ms, self.ctx.device
             return {}, SyntheticRunner(spec, workload, unit, cfg.seed, topo.dp_rank, device)
-        tp = TPContext(cfg.tp, topo.tp_rank, self.worker.groups.tp)
-        device = self.worker.device
+        tp = TPContext(cfg.tp, topo.tp_rank, self.ctx.groups.tp)
+        device = self.ctx.device
         stages = {
             s: build_stage(cfg.model, s, spec.num_stages, cfg.seed, cfg.microbatches, tp).to(device)
             for s in spec.stages_of(topo.pp_rank)
@@ -90,12 +128,14 @@ class RrfpTrial:
         cfg, out = self.cfg, self.out
         self._begin(it)
         faults.watch(self.runtime.describe)
-        dist.barrier(group=self.worker.groups.ctrl)
+        # The first barrier follows the trial's set-up (--sequential builds a model right before it).
+        what = f"the iteration barrier ({self.trial.label}, iteration {it})"
+        liveness.barrier(self.ctx.groups.ctrl, what, setup=it == 0)
         t0 = time.monotonic()
         stats = self.runtime.run_iteration(it)
-        self._dp_allreduce(it)
-        if it == 0 and (cfg.check or cfg.deterministic) and self.stages:
-            out.grads = local_grads(self.stages)
+        with liveness.waiting(f"the DP all-reduce ({self.trial.label}, iteration {it})"):
+            self._dp_allreduce(it)
+        keep_grads(out, self.stages, it, cfg)
         if self.opt is not None:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
@@ -103,27 +143,30 @@ class RrfpTrial:
         out.losses.append(self.runner.loss)
         out.overhead.append(stats.overhead_per_task)
         out.peak = max(out.peak, self.sched.peak)  # the scheduler's peak restarts every iteration
-        if isinstance(self.sched.policy, Backfill) and not self.runtime.clocked and it + 1 >= cfg.warmup:
-            self._calibrate()
+        if isinstance(self.policy, Backfill) and not self.runtime.clocked and it + 1 >= cfg.warmup:
+            self._calibrate(self.policy)
 
-    def _calibrate(self) -> None:
+    def _calibrate(self, template: Backfill) -> None:
         """After the warm-up (at least one iteration): backfill plans with the measured mean costs,
         and the loop starts ticking the clock and announcing producer starts (on every rank at once:
-        the all-gather is a collective over the control group)."""
-        spec = self.sched.hint.spec
-        ops = {t.op for order in self.sched.hint.orders.values() for t in order}
-        how = self.worker.announce  # --announce with auto decided
-        policy, info = calibrate(
-            self.runtime.meter, self.worker.groups.ctrl, self.sched.policy, spec.num_stages, ops,
-            ANNOUNCED_OPS[how], board=how == "board",
-        )  # fmt: skip
+        the all-gather is a collective over the control group). A fresh scheduler (same hint, rank and
+        budget; cheap, the rank's wiring is memoised on the hint) carries the calibrated policy from
+        the next iteration on, which starts from reset() anyway."""
+        hint, how = self.sched.hint, self.ctx.announce
+        ops = {t.op for order in hint.orders.values() for t in order}
+        with liveness.waiting(f"every rank's costs to calibrate backfill ({self.trial.label})"):
+            policy, info = calibrate(
+                self.runtime.meter, self.ctx.groups.ctrl, template, hint.spec.num_stages, ops,
+                ANNOUNCED_OPS[how], board=how == "board",
+            )  # fmt: skip
         info["announce"] = how
-        self.sched.policy, self.out.calibration = policy, info
-        self.runtime.clocked = True
+        self.out.calibration = info
+        self.sched = RankScheduler(hint, self.sched.rank, policy, self.sched.budget)
+        self.runtime.clock(self.sched)
 
     def outcome(self) -> TrialOutcome:
         out = self.out
-        out.digest = digest(out.grads) if out.grads is not None else None
+        out.digest = digest(out.grads[0]) if out.grads else None
         out.trace = self.recorder.frame() if self.recorder is not None else None
         return out
 
@@ -131,13 +174,13 @@ class RrfpTrial:
         if isinstance(self.runner, SyntheticRunner):
             self.runner.begin(it)
             return
-        w = self.worker
-        batch = make_batch(self.cfg.model, self.cfg.seed, w.topo.dp_rank, it, self.cfg.microbatches)
-        self.runner.begin([mb.to(w.device) for mb in batch])
+        ctx = self.ctx
+        batch = make_batch(self.cfg.model, self.cfg.seed, ctx.topo.dp_rank, it, self.cfg.microbatches)
+        self.runner.begin([mb.to(ctx.device) for mb in batch])
 
     def _dp_allreduce(self, it: int) -> None:
         """Average gradients over the DP replicas (one flat buffer per stage)."""
-        group = self.worker.groups.dp
+        group = self.ctx.groups.dp
         if group is None:
             return
         start = time.monotonic()
@@ -151,12 +194,22 @@ class RrfpTrial:
             for g, new in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
                 g.copy_(new)
         if self.recorder is not None:
-            o, rank = self.worker.ctx.origin, self.worker.topo.rank
+            o, rank = self.ctx.origin, self.ctx.topo.rank
             self.recorder.add("allreduce", it, rank, None, start - o, time.monotonic() - o, nbytes=nbytes)
 
 
+def keep_grads(out: TrialOutcome, stages: dict[int, Any], it: int, cfg: RunConfig) -> None:
+    """Keep this iteration's gradients for --check (every iteration) or --deterministic's digest (the
+    first)."""
+    if not stages or not (cfg.check or (cfg.deterministic and it == 0)):
+        return
+    if out.grads is None:
+        out.grads = []
+    out.grads.append(local_grads(stages))
+
+
 def recorder(
-    cfg: Any, trial: Trial, coords: Any, budgets: dict[int, int] | None = None
+    cfg: RunConfig, trial: TrialId, coords: Any, budgets: dict[int, int] | None = None
 ) -> TraceRecorder | None:
     """A trace recorder for ``trial`` when --trace-out is set; ``budgets`` (per pipeline rank) go into
     the trace so a replay runs at the recorded budget."""

@@ -19,6 +19,7 @@ import os
 import socket
 import statistics
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -26,26 +27,37 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rrfp.exec import faults
+from rrfp.exec import faults, liveness
 from rrfp.exec.board import BoardError, open_board
-from rrfp.exec.check import Reference, compare, reference
-from rrfp.exec.config import RunConfig, Trial, switch_interval
+from rrfp.exec.check import Reference, compare_run, reference
+from rrfp.exec.config import RunConfig, switch_interval
 from rrfp.exec.report import announce, emit
+from rrfp.exec.results import ExecMeasures, exec_result
 from rrfp.exec.runtime import RankContext
 from rrfp.exec.topology import CTRL_MIN_TIMEOUT_S, Topology, build_groups, pick_backend, pick_device
 from rrfp.exec.topology import topology_from_env as _topology_from_env
 from rrfp.exec.transport import Transport
-from rrfp.exec.trials import RrfpTrial, TrialOutcome
+from rrfp.exec.trials import RrfpTrial, TrialContext, TrialOutcome
 from rrfp.plan.sources import make_hint
+from rrfp.study.result import TrialResult
+from rrfp.study.trial import TrialId
 
 
-def worker_main(cfg: RunConfig, dump_dir: str) -> list[dict[str, Any]] | None:
-    """Entry point of every worker. Returns the result rows on rank 0, None elsewhere."""
+def worker_main(cfg: RunConfig, dump_dir: str, store: JobStore | None = None) -> list[TrialResult] | None:
+    """Entry point of every worker. Returns one result per trial on rank 0, None elsewhere.
+
+    ``store``: (host, port, key prefix) of the launcher's store for heartbeats and fault records
+    (rrfp.exec.liveness); None inside torchrun, which has its own (MASTER_ADDR:MASTER_PORT). Rank 0
+    checks and prints the results only after every rank has closed: nobody waits on its local work."""
     try:
-        worker = Worker(cfg, dump_dir)
-        rows = worker.run()
+        worker = Worker(cfg, dump_dir, store)
+        gathered = worker.run()
         worker.close()
-        return rows
+        results = worker.finish(gathered)
+        worker.live.stop()
+        if store is None and cfg.dump_dir is None:  # inside torchrun, a clean exit leaves no temp files
+            faults.drop_log()
+        return results
     except BaseException as e:  # every failure must end in a dump and an exit
         if isinstance(e, SystemExit) and not e.code:
             raise
@@ -56,7 +68,7 @@ def worker_main(cfg: RunConfig, dump_dir: str) -> list[dict[str, Any]] | None:
 class Worker:
     """Process-wide state of one rank: groups, transport, clock offset, the cached reference."""
 
-    def __init__(self, cfg: RunConfig, dump_dir: str) -> None:
+    def __init__(self, cfg: RunConfig, dump_dir: str, store: JobStore | None = None) -> None:
         self.cfg = cfg
         sys.setswitchinterval(switch_interval())
         self.topo: Topology = _topology_from_env(cfg.pp, cfg.tp, cfg.dp)
@@ -68,7 +80,28 @@ class Worker:
         torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local))
         wait = timedelta(seconds=max(cfg.timeout, CTRL_MIN_TIMEOUT_S))
         device_id = self.device if self.backend == "nccl" else None
-        dist.init_process_group(self.backend, timeout=wait, device_id=device_id)
+        if store is not None:  # the launcher's store is up before any worker: beat from the start
+            self.live = self._liveness(store)
+        with liveness.waiting("every rank to join the job", setup=True):
+            dist.init_process_group(self.backend, timeout=wait, device_id=device_id)
+        if store is None:  # torchrun's store: there for sure once the group is
+            self.live = self._liveness(_torchrun_store())
+        with liveness.waiting("every rank to set up its process groups", setup=True):
+            self._setup()
+        self.reference: list[Reference] | None = None
+        liveness.report_shared_memory()
+
+    def _liveness(self, store: JobStore) -> liveness.Liveness:
+        host, port, prefix = store
+        live = liveness.Liveness.connect(
+            (host, port), prefix, self.topo.rank, self.topo.world, self.cfg.timeout
+        )
+        live.start()
+        return live
+
+    def _setup(self) -> None:
+        """Process groups, channels, clocks and the start board (collectives over every rank)."""
+        cfg = self.cfg
         self.groups = build_groups(self.topo, self.backend, cfg.timeout)
         self.transport = None
         if cfg.pp > 1:
@@ -79,73 +112,95 @@ class Worker:
         if self.transport is not None:
             self.transport.offset = self.offset  # times on the wire are on rank 0's clock
         self.announce = resolve_announce(cfg, one_host)
-        board, base = None, 0
+        self.board, self.board_base = None, 0
         if self.announce == "board":
             slots = board_slots_per_pipeline(cfg)
-            board = open_board(self.groups.ctrl, slots * cfg.tp * cfg.dp)
-            base = slots * (self.topo.dp_rank * cfg.tp + self.topo.tp_rank)
-        self.ctx = RankContext(
-            self.topo.rank, self.topo.pp_rank, self.topo.global_rank, self.transport,
-            self.groups.tp_ctrl, cfg.timeout, board=board, board_base=base,
-        )  # fmt: skip
-        self.reference: Reference | None = None
+            self.board = open_board(self.groups.ctrl, slots * cfg.tp * cfg.dp)
+            self.board_base = slots * (self.topo.dp_rank * cfg.tp + self.topo.tp_rank)
 
-    def run(self) -> list[dict[str, Any]] | None:
-        """Every trial, interleaved iteration by iteration (or one after another); rows on rank 0."""
+    def run(self) -> list[Gathered] | None:
+        """Every trial, interleaved iteration by iteration (or one after another); every rank's
+        outcomes gathered on rank 0 (None elsewhere)."""
         cfg = self.cfg
-        self._start_clock()
+        with liveness.waiting("every rank to start the clock", setup=True):
+            ctx = self._context(self._start_clock())
         steps = range(cfg.warmup + cfg.iterations)
         outcomes: list[TrialOutcome] = []
+        bar = progress_bar(cfg, len(steps) * len(cfg.trials), self.topo.rank == 0)
         if cfg.interleave:
-            runs = [self._make(i, t) for i, t in enumerate(cfg.trials)]
+            with liveness.waiting("every rank to build its trials", setup=True):  # torch's baselines prime
+                runs = [self._make(ctx, i, t) for i, t in enumerate(cfg.trials)]
             self._announce()
             for it in steps:
-                for r in runs:
+                # ABBA: every other round runs the trials in reverse, so no trial always runs first
+                for r in runs if it % 2 == 0 else runs[::-1]:
                     r.step(it)
+                    bar.update(1)
             outcomes = [r.outcome() for r in runs]
         else:
             self._announce()
             for i, t in enumerate(cfg.trials):
-                r = self._make(i, t)
+                with liveness.waiting(f"every rank to build {t.label}", setup=True):
+                    r = self._make(ctx, i, t)
                 for it in steps:
                     r.step(it)
+                    bar.update(1)
                 outcomes.append(r.outcome())
                 del r  # free its model before the next trial builds one
+        bar.close()
         faults.watch(None)  # the last step's state stays in dumps until every trial has finished
-        rows = [self.summarise(t, o) for t, o in zip(cfg.trials, outcomes, strict=True)]
-        return emit(cfg, rows) if self.topo.rank == 0 else None
+        with liveness.waiting("every rank's results", setup=True):
+            gathered = [self.summarise(t, o) for t, o in zip(cfg.trials, outcomes, strict=True)]
+        return None if self.topo.rank != 0 else [g for g in gathered if g is not None]
+
+    def finish(self, gathered: list[Gathered] | None) -> list[TrialResult] | None:
+        """Rank 0, once every rank has closed: check, print and write the results (None elsewhere)."""
+        if gathered is None:
+            return None
+        return emit(self.cfg, [self._result(*g) for g in gathered])
 
     def _announce(self) -> None:
         """Rank 0 says what runs, once every rank is set up (so a watcher knows iterations follow)."""
-        dist.barrier(group=self.groups.ctrl)
+        liveness.barrier(self.groups.ctrl, "every rank to build its trials", setup=True)
         if self.topo.rank == 0:
             announce(self.cfg)
 
-    def _make(self, index: int, trial: Trial) -> Any:
+    def _context(self, origin: float) -> TrialContext:
+        """What every trial of this rank reads (frozen), with trace time 0 at ``origin``."""
+        t = self.topo
+        loop = RankContext(
+            t.rank, t.pp_rank, t.global_rank, self.transport, self.groups.tp_ctrl, self.cfg.timeout,
+            origin=origin, board=self.board, board_base=self.board_base,
+        )  # fmt: skip
+        return TrialContext(self.cfg, t, self.groups, self.device, loop, self.announce)
+
+    @staticmethod
+    def _make(ctx: TrialContext, index: int, trial: TrialId) -> Any:
         if trial.is_baseline:
             from rrfp.exec.baseline import BaselineTrial  # lazy: imports torch.distributed.pipelining
 
-            return BaselineTrial(self, index, trial)
-        return RrfpTrial(self, index, trial)
+            return BaselineTrial(ctx, index, trial)
+        return RrfpTrial(ctx, index, trial)
 
     def close(self) -> None:
-        dist.barrier(group=self.groups.ctrl)
-        if self.transport is not None:
-            self.transport.close(self.cfg.timeout)
-        dist.barrier(group=self.groups.ctrl)
-        if self.ctx.board is not None:
-            self.ctx.board.close()
+        with liveness.waiting("every rank to close its channels", setup=True):
+            dist.barrier(group=self.groups.ctrl)
+            if self.transport is not None:
+                self.transport.close(self.cfg.timeout)
+            dist.barrier(group=self.groups.ctrl)
+        if self.board is not None:
+            self.board.close()
         dist.destroy_process_group()
 
-    def _start_clock(self) -> None:
-        """Trace time 0 = rank 0's clock now, mapped onto this rank's clock."""
+    def _start_clock(self) -> float:
+        """Trace time 0: rank 0's clock now, mapped onto this rank's clock."""
         box = [time.monotonic()]
         dist.broadcast_object_list(box, src=0, group=self.groups.ctrl)
-        self.ctx.origin = box[0] + self.offset
+        return box[0] + self.offset
 
     # -- merging on rank 0 --------------------------------------------------------------------
-    def summarise(self, trial: Trial, out: TrialOutcome) -> dict[str, Any] | None:
-        """Gather every rank's outcome; rank 0 returns the trial's result row."""
+    def summarise(self, trial: TrialId, out: TrialOutcome) -> Gathered | None:
+        """Gather every rank's outcome: on rank 0 (trial, slowest rank's times, losses, outcomes)."""
         cfg = self.cfg
         times = torch.tensor(out.times, dtype=torch.float64)
         dist.all_reduce(times, op=dist.ReduceOp.MAX, group=self.groups.ctrl)
@@ -156,38 +211,49 @@ class Worker:
         dist.gather_object(out, everyone if self.topo.rank == 0 else None, dst=0, group=self.groups.ctrl)
         if self.topo.rank != 0:
             return None
-        return self._row(trial, times.tolist(), losses.tolist(), everyone)
+        return trial, times.tolist(), losses.tolist(), everyone
 
-    def _row(self, trial: Trial, times: list[float], losses: list[float], outs: list[TrialOutcome]) -> dict:
+    def _result(
+        self, trial: TrialId, times: list[float], losses: list[float], outs: list[TrialOutcome]
+    ) -> TrialResult:
+        """Rank 0: the trial's result from every rank's outcome (``times``: slowest rank's, per
+        iteration; ``losses``: averaged over replicas, per iteration; warm-up iterations included)."""
         cfg = self.cfg
-        measured = times[cfg.warmup :]
-        row: dict[str, Any] = {
-            "label": trial.label,
-            "policy": trial.policy,
-            "hint": trial.hint,
-            "budget": trial.budget or "1x",
-            "iteration_time": {
-                "median": statistics.median(measured),
-                "mean": statistics.fmean(measured),
-                "values": measured,
-            },
-            "loss": {"first": losses[0], "last": losses[-1]},
-            "peak_activations": _per_pp(outs, lambda o: o.peak) if not trial.is_baseline else [],
-            "loop_overhead_us_per_task": _overhead_us(outs, cfg.warmup),
-            "calibration": outs[0].calibration if outs else None,
-            "check": None,
-            "grad_digest": None,
-        }
+        grad_digest, check = None, None
         if all(o.digest is not None for o in outs):
             parts = sorted(f"{o.coords}:{o.digest}" for o in outs)
-            row["grad_digest"] = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+            grad_digest = hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
         if cfg.check and outs and outs[0].grads is not None:
-            if self.reference is None:
-                self.reference = reference(cfg)
-            grads = [(o.coords, o.grads) for o in outs]
-            row["check"] = compare(self.reference, grads, losses[0], cfg.tp, cfg.tolerance).as_dict()
-        row["trace"] = [o.trace for o in outs if o.trace is not None]
-        return row
+            if self.reference is None:  # one trajectory serves every trial: same seed, data and lr
+                self.reference = reference(cfg, len(losses))
+            check = compare_run(
+                self.reference, [(o.coords, o.grads) for o in outs], losses, cfg.tp, cfg.tolerance
+            )
+        measures = ExecMeasures(
+            loss_first=losses[0],
+            loss_last=losses[-1],
+            loop_overhead_us=_overhead_us(outs, cfg.warmup),
+            calibration=outs[0].calibration if outs else None,
+            check=check,
+            grad_digest=grad_digest,
+            trace=tuple(o.trace for o in outs if o.trace is not None),
+        )
+        rrfp_scheduled = not trial.is_baseline  # torch's schedules hold no rrfp peaks or budgets
+        peaks = _per_pp(outs, lambda o: o.peak) if rrfp_scheduled else []
+        budget = _per_pp(outs, lambda o: o.budget) if rrfp_scheduled else []
+        return exec_result(trial, times[cfg.warmup :], peaks, budget, measures)
+
+
+JobStore = tuple[str, int, str]
+"""(host, port, key prefix) of the store heartbeats and fault records go to (rrfp.exec.liveness)."""
+Gathered = tuple[TrialId, list[float], list[float], list[TrialOutcome]]
+"""One trial on rank 0: (trial, slowest rank's time per iteration, loss per iteration, every outcome)."""
+
+
+def _torchrun_store() -> JobStore:
+    """Inside torchrun: the job's store (MASTER_ADDR:MASTER_PORT), keys under this run's id."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), f"rrfp/{run}/"
 
 
 def _overhead_us(outs: list[TrialOutcome], warmup: int) -> float | None:
@@ -199,6 +265,19 @@ def _overhead_us(outs: list[TrialOutcome], warmup: int) -> float | None:
 def _per_pp(outs: list[TrialOutcome], value: Any) -> list[Any]:
     """One value per pipeline rank (from the tp = 0, dp = 0 member)."""
     return [value(o) for o in sorted(outs, key=lambda o: o.coords[0]) if o.coords[1:] == (0, 0)]
+
+
+def progress_bar(cfg: RunConfig, total: int, rank0: bool) -> Any:
+    """Rank 0's progress bar over every trial iteration, on the console (--progress, or a terminal);
+    a bar that shows nothing elsewhere."""
+    from tqdm import tqdm
+
+    # A thread lock, not tqdm's default multiprocessing one: that is a named semaphore, which a rank
+    # leaving with os._exit (rrfp.exec.faults) would leak to the resource tracker.
+    tqdm.set_lock(threading.RLock())
+    enabled = cfg.progress and rank0
+    stream = os.fdopen(os.dup(faults.console()), "w") if enabled else None
+    return tqdm(total=total, disable=not enabled, file=stream, desc="rrfp-run", unit="it", leave=False)
 
 
 def same_host(group: Any) -> bool:

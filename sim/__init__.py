@@ -9,7 +9,8 @@ Python::
     result = run_experiment(ExperimentConfig(stages=8, seeds=5))
 
 Modules: ``config`` (validated settings), ``engine`` (SimPy environment with the same-instant hook),
-``model`` (the PP x TP x DP cluster), ``rendezvous`` (Megatron-style blocking sends), ``experiment``
+``model`` (the PP x TP x DP cluster), ``rendezvous`` (blocking sends, steady-state coupling only),
+``megatron`` (Megatron-core's 1F1B P2P calls, the faithful baseline), ``experiment``
 (hints x policies x seeds on common random numbers), ``report`` (table, JSON), ``sweep``, ``cli``.
 """
 

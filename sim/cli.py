@@ -12,29 +12,30 @@
 Defaults (the paper's set-up): hints ``1f1b,bf`` x policies ``fixed,rrfp`` -- the fixed-order baseline
 on 1F1B against readiness-first dispatch with the bf class hint (and with the 1F1B hint itself); 8
 stages, m = 4 x stages microbatches, lognormal compute jitter at CV 0.3, costs F=1,B=2 (I = W = 1),
-budget 1x (each hint's own peak), 10 seeds, one iteration, eager sends, no comm cost.
+budget 1x (each hint's own peak), 10 seeds, one measured iteration and no warm-up, eager sends, no
+comm cost. The options rrfp-run has too share its names, short forms, grammar and defaults
+(rrfp.study.options.SHARED); ``--json`` prints schema version 2 (rrfp.study.schema), as rrfp-run does.
 
-Bad options or combinations print one line, ``rrfp-sim: error: ...``, and exit with status 2; output
-files are written atomically (all or nothing) after the simulation has succeeded.
+Bad options or combinations -- click's usage errors included -- print one line, ``rrfp-sim: error:
+...``, and exit with status 2; output files are written atomically (all or nothing) after the
+simulation has succeeded.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
-import rrfp
-from rrfp.errors import RunFailure, UserError
+from rrfp.errors import UserError
+from rrfp.study.options import click_options, command_line, deprecated, one_line_errors
 from rrfp.traces.replay import TIMINGS
-from rrfp.workload.model import WorkloadConfig
 
-from .config import ClusterConfig, ExperimentConfig
+from .config import ExperimentConfig, from_options, option_defaults
 
 PROG = "rrfp-sim"
 TRACE_SUFFIXES = (".parquet", ".csv", ".json")
@@ -45,63 +46,64 @@ def _split(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
-# Options shared by the compare command and ``sweep``; the dest names are the keys build_config reads.
+# Options of the compare command and ``sweep``; the dest names are the keys build_config reads. Their
+# defaults are the config dataclasses' (rrfp.sim.config.option_defaults), never set here; the options
+# rrfp-run has too come from the one shared table (rrfp.study.options.SHARED), which the dataclasses
+# take their defaults from.
+_D = option_defaults()
+SHARED_NAMES = ("stages", "microbatches", "virtual_stages", "hints", "policies", "memory_budget", "jitter",
+                "cv", "seed", "iterations", "warmup", "progress", "version")  # fmt: skip
+"""The shared options both commands take (compare adds --json and --trace-out)."""
 _OPTIONS: list[Callable[[Any], Any]] = [
-    click.option("--stages", "--pp", "stages", type=int, default=8, show_default=True,
-                 help="Pipeline ranks."),
-    click.option("--microbatches", "-m", type=int, default=None,
-                 help="Microbatches per iteration [4 x stages]."),
-    click.option("--virtual-stages", "-v", type=int, default=None,
-                 help="Stages per rank [the hint's own: 2 for interleaved-1f1b and zbv, else 1]."),
-    click.option("--hint", "hints", default="1f1b,bf", show_default=True,
-                 help=f"Comma list of hints: {', '.join(rrfp.hint_names())}, torch:<Name>, or a CSV path."),
-    click.option("--policy", "policies", default="fixed,rrfp", show_default=True,
-                 help=f"Comma list of policies ({', '.join(rrfp.policy_names())})."),
-    click.option("--workload", default="language", show_default=True,
+    *click_options(PROG, SHARED_NAMES, _D),
+    click.option("--workload", default=_D["workload"], show_default=True,
                  help="Preset: language or multimodal; or fit:TRACE[@RUN] (costs fitted on a trace)."),
-    click.option("--costs", default="F=1,B=2", show_default=True,
+    click.option("--costs", default=_D["costs"], show_default=True,
                  help="Mean cost per microbatch per rank (s): F=..,B=.. or F=..,I=..,W=.."),
-    click.option("--jitter", default="lognormal", show_default=True,
-                 help="Compute jitter: none, normal, lognormal, gamma, pareto, spike."),
-    click.option("--cv", type=float, default=0.3, show_default=True, help="Compute jitter CV."),
-    click.option("--seq-cv", type=float, default=None,
+    click.option("--seq-cv", type=float, default=_D["seq_cv"],
                  help="Sequence-length CV [the preset's: 0 language, 0.3 multimodal]."),
-    click.option("--imbalance", type=float, default=0.0, show_default=True, help="Last stage costs 1+x."),
-    click.option("--straggler-prob", type=float, default=0.0, show_default=True,
+    click.option("--imbalance", type=float, default=_D["imbalance"], show_default=True,
+                 help="Last stage costs 1+x."),
+    click.option("--straggler-prob", type=float, default=_D["straggler_prob"], show_default=True,
                  help="Chance per iteration of a straggler episode on one rank."),
-    click.option("--straggler-slowdown", type=float, default=1.0, show_default=True,
+    click.option("--straggler-slowdown", type=float, default=_D["straggler_slowdown"], show_default=True,
                  help="Slowdown factor during an episode."),
-    click.option("--comm-jitter", default="none", show_default=True, help="Transfer-time jitter family."),
-    click.option("--comm-cv", type=float, default=0.0, show_default=True, help="Transfer-time jitter CV."),
-    click.option("--msg-bytes", type=float, default=float(2**25), show_default=True,
+    click.option("--comm-jitter", default=_D["comm_jitter"], show_default=True,
+                 help="Transfer-time jitter family."),
+    click.option("--comm-cv", type=float, default=_D["comm_cv"], show_default=True,
+                 help="Transfer-time jitter CV."),
+    click.option("--msg-bytes", type=float, default=_D["msg_bytes"], show_default=True,
                  help="Bytes per P2P message."),
-    click.option("--comm-latency", type=float, default=0.0, show_default=True,
+    click.option("--comm-latency", type=float, default=_D["comm_latency"], show_default=True,
                  help="Seconds per P2P message."),
-    click.option("--bandwidth", type=float, default=math.inf, show_default=True,
+    click.option("--bandwidth", type=float, default=_D["bandwidth"], show_default=True,
                  help="Bytes/s per link direction (inf: size is free)."),
-    click.option("--contention/--no-contention", default=False, show_default=True,
+    click.option("--contention/--no-contention", default=_D["contention"], show_default=True,
                  help="One transfer at a time per link direction."),
-    click.option("--send", default="eager", show_default=True,
+    click.option("--send", default=_D["send"], show_default=True,
                  help="Send semantics of the fixed baseline: eager or rendezvous (rrfp is always eager)."),
-    click.option("--memory-budget", default="1x", show_default=True,
-                 help="Activations per rank: a factor of the hint's peak (1x, 2x) or a count."),
-    click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree."),
-    click.option("--dp", type=int, default=1, show_default=True, help="Data-parallel replicas."),
-    click.option("--grad-bytes", type=float, default=float(2**31), show_default=True,
+    click.option("--tp", type=int, default=_D["tp"], show_default=True, help="Tensor-parallel degree."),
+    click.option("--dp", type=int, default=_D["dp"], show_default=True, help="Data-parallel replicas."),
+    click.option("--grad-bytes", type=float, default=_D["grad_bytes"], show_default=True,
                  help="Gradient bytes per pipeline rank for the DP all-reduce."),
-    click.option("--seeds", type=int, default=10, show_default=True,
+    click.option("--seeds", type=int, default=_D["seeds"], show_default=True,
                  help="Replications (paired across policies)."),
-    click.option("--seed", type=int, default=0, show_default=True, help="Base seed."),
-    click.option("--iterations", type=int, default=1, show_default=True,
-                 help="Iterations per replication (with several, the first is dropped)."),
-    click.option("--progress/--no-progress", default=None, help="Progress bar on stderr [auto: a terminal]."),
 ]  # fmt: skip
 
 
 def shared_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    for option in reversed(_OPTIONS):
-        fn = option(fn)
-    return fn
+    return click_option_group(_OPTIONS)(fn)
+
+
+def click_option_group(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
+    """Apply click option decorators in the order listed (the first shows first in --help)."""
+
+    def apply(fn: Any) -> Any:
+        for option in reversed(options):
+            fn = option(fn)
+        return fn
+
+    return apply
 
 
 # Workload options a fitted workload replaces (--workload fit:TRACE).
@@ -109,37 +111,24 @@ _FITTED = ("costs", "jitter", "cv", "seq_cv", "imbalance", "straggler_prob", "st
            "comm_jitter", "comm_cv")  # fmt: skip
 
 
-def build_config(v: dict[str, Any]) -> ExperimentConfig:
-    """The one place option values become validated config objects."""
-    fitted = _fitted_workload(v)
-    workload = fitted or WorkloadConfig(
-        preset=v["workload"], costs=v["costs"], jitter=v["jitter"], cv=v["cv"], seq_cv=v["seq_cv"],
-        imbalance=v["imbalance"], straggler_prob=v["straggler_prob"],
-        straggler_slowdown=v["straggler_slowdown"], comm_jitter=v["comm_jitter"], comm_cv=v["comm_cv"],
-        msg_bytes=v["msg_bytes"],
-    )  # fmt: skip
-    latency = v["comm_latency"]
-    if fitted is not None and latency == 0.0 and not _given("comm_latency"):
-        latency = fitted.latency_mean  # the fitted latencies are multipliers of their mean
-    cluster = ClusterConfig(
-        tp=v["tp"], dp=v["dp"], comm_latency=latency, bandwidth=v["bandwidth"],
-        contention=v["contention"], send=v["send"], grad_bytes=v["grad_bytes"],
-    )  # fmt: skip
-    return ExperimentConfig(
-        stages=v["stages"], microbatches=v["microbatches"], virtual_stages=v["virtual_stages"],
-        hints=_split(v["hints"]), policies=_split(v["policies"]), seeds=v["seeds"], seed=v["seed"],
-        iterations=v["iterations"], memory_budget=v["memory_budget"], workload=workload, cluster=cluster,
-    )  # fmt: skip
+def build_config(v: dict[str, Any], given: Collection[str] = ()) -> ExperimentConfig:
+    """Option values -> a validated config (rrfp.sim.config.from_options), after ``--workload fit:``.
+    ``given``: the options typed on the command line (:func:`given_options`); a fit refuses the workload
+    options it replaces and, unless ``--comm-latency`` is given, brings its own latency."""
+    fitted = _fitted_workload(v, given)
+    if fitted is not None and v["comm_latency"] == 0.0 and "comm_latency" not in given:
+        v = {**v, "comm_latency": fitted.latency_mean}  # the fitted latencies are multipliers of their mean
+    return from_options(v, workload=fitted)
 
 
-def _fitted_workload(v: dict[str, Any]) -> Any:
+def _fitted_workload(v: dict[str, Any], given: Collection[str]) -> Any:
     """``--workload fit:TRACE[@RUN]``: per-stage cost fits of a trace (rrfp.traces.fit); None otherwise."""
     from rrfp.traces.fit import fit_trace, parse_fit_spec
 
     spec = parse_fit_spec(v["workload"])
     if spec is None:
         return None
-    clash = [n for n in _FITTED if _given(n)]
+    clash = [n for n in _FITTED if n in given]
     if clash:
         names = ", ".join("--" + n.replace("_", "-") for n in clash)
         raise CliError(f"{names} cannot be combined with --workload fit:TRACE: the fit replaces it")
@@ -155,20 +144,9 @@ def check_suffix(path: str | None, allowed: tuple[str, ...], option: str) -> Non
         raise CliError(f"{option} {path!r} must end in {', '.join(allowed)}")
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
-    """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it into place."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-class _DefaultGroup(click.Group):
-    """``rrfp-sim [OPTIONS]`` runs the comparison; ``rrfp-sim sweep ...`` the sweep."""
+class _DefaultGroup(one_line_errors(click.Group, PROG, os_errors=True)):  # type: ignore[misc]
+    """``rrfp-sim [OPTIONS]`` runs the comparison; ``rrfp-sim sweep ...`` the sweep. Every user error,
+    click's usage errors included, is one line and exit status 2 (rrfp.study.options.one_line_errors)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if not args or args[0] not in self.commands:
@@ -183,10 +161,7 @@ def cli() -> None:
 
 @cli.command("compare")
 @shared_options
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the table.")
-@click.option(
-    "--trace-out", type=str, default=None, help="Write replication 0's timeline: .parquet/.csv/.json."
-)
+@click_option_group(click_options(PROG, ("json", "trace_out")))
 @click.option("--plot", type=str, default=None, help="Write a Gantt chart of replication 0 (.png).")
 @click.option(
     "--replay",
@@ -207,8 +182,10 @@ def cli() -> None:
     default=None,
     help="--replay: timing model [runtime when the trace records waits, else exact].",
 )
+@click.pass_context
 def compare(
-    as_json: bool,
+    ctx: click.Context,
+    json: bool,
     trace_out: str | None,
     plot: str | None,
     progress: bool | None,
@@ -233,15 +210,18 @@ def compare(
 
     check_suffix(trace_out, TRACE_SUFFIXES, "--trace-out")
     check_suffix(plot, PLOT_SUFFIXES, "--plot")
+    given = given_options(ctx)
+    command = command_line(ctx, PROG)
     if replay is not None:
-        _replay(replay, replay_run, replay_timing, values, as_json, trace_out, plot)
+        _replay(replay, replay_run, replay_timing, values, given, json, trace_out, plot, command)
         return
     if replay_run is not None or replay_timing is not None:
         raise CliError("--replay-run and --replay-timing need --replay TRACE")
-    cfg = build_config(values)
+    cfg = build_config(values, given)
+    note_iterations(values, given)
     result = run_experiment(cfg, progress=progress, trace=bool(trace_out or plot))
-    text = to_json(result) if as_json else format_table(result)
-    if not as_json and hasattr(cfg.workload, "report"):  # fitted: show the fit quality first
+    text = to_json(result, command) if json else format_table(result)
+    if not json and hasattr(cfg.workload, "report"):  # fitted: show the fit quality first
         text = cfg.workload.report() + "\n\n" + text
     if result.traces:
         _write_trace_outputs(result.traces, trace_out, plot)
@@ -252,33 +232,45 @@ def compare(
 _REPLAY_OPTIONS = {"hints", "policies", "memory_budget", "send", "contention"}
 
 
-def _given(name: str) -> bool:
-    """Whether option ``name`` was given on the command line (not its default)."""
-    ctx = click.get_current_context(silent=True)
-    source = None if ctx is None else ctx.get_parameter_source(name)
-    return source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+def note_iterations(values: dict[str, Any], given: Collection[str]) -> None:
+    """One deprecation line while ``--iterations`` changes meaning (this release only): it counts the
+    measured iterations now, after ``--warmup`` (default 0), as in rrfp-run."""
+    if "iterations" in given and "warmup" not in given and values["iterations"] > 1:
+        n = values["iterations"]
+        deprecated(
+            PROG,
+            f"--iterations {n} now measures {n} iterations after --warmup (default 0); before, it ran "
+            f"{n} and dropped the first: that is --iterations {n - 1} --warmup 1",
+        )
+
+
+def given_options(ctx: click.Context) -> frozenset[str]:
+    """The options of ``ctx``'s command that the user gave (on the command line or in the
+    environment), as opposed to those at their defaults: where that changes what an option means."""
+    typed = (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT)
+    return frozenset(name for name in ctx.params if ctx.get_parameter_source(name) in typed)
 
 
 def _replay(
-    path: str, run: str | None, timing: str | None, values: dict[str, Any], as_json: bool,
-    trace_out: str | None, plot: str | None,
+    path: str, run: str | None, timing: str | None, values: dict[str, Any], given: frozenset[str],
+    as_json: bool, trace_out: str | None, plot: str | None, command: str,
 ) -> None:  # fmt: skip
     """``--replay``: the recorded run, then the what-ifs the options ask for."""
     from rrfp.traces.replay import load_replay
 
     from .replay import format_replay, replay_json, run_replay
 
-    fixed = sorted(n for n in values if n not in _REPLAY_OPTIONS and _given(n))
+    fixed = sorted(n for n in values if n not in _REPLAY_OPTIONS and n in given)
     if fixed:
         names = ", ".join("--" + n.replace("_", "-") for n in fixed)
         raise CliError(f"{names} cannot be combined with --replay: the trace fixes it")
     rep = load_replay(path, run=run, timing=timing)
-    pick = {n: _split(values[n]) if _given(n) else None for n in ("hints", "policies", "memory_budget")}
+    pick = {n: _split(values[n]) if n in given else None for n in ("hints", "policies", "memory_budget")}
     result = run_replay(
         rep, hints=pick["hints"], policies=pick["policies"], budgets=pick["memory_budget"],
         send=values["send"], contention=values["contention"], trace=bool(trace_out or plot),
     )  # fmt: skip
-    text = replay_json(result) if as_json else format_replay(result)
+    text = replay_json(result, command) if as_json else format_replay(result)
     if result.traces:
         _write_trace_outputs(result.traces, trace_out, plot)
     click.echo(text)
@@ -289,6 +281,8 @@ def _write_trace_outputs(recorders: list[Any], trace_out: str | None, plot: str 
 
     from rrfp.traces.plot import plot_gantt
     from rrfp.traces.trace import write_trace
+
+    from .report import atomic_write
 
     frame = pd.concat([r.frame() for r in recorders], ignore_index=True)
     if trace_out:
@@ -308,7 +302,15 @@ def _write_trace_outputs(recorders: list[Any], trace_out: str | None, plot: str 
 )
 @click.option("--out", "out", required=True, help="CSV file: one row per grid point and run.")
 @click.option("--plot", type=str, default=None, help="Plot speedup vs the first grid key (.png).")
-def sweep(grid: tuple[str, ...], out: str, plot: str | None, progress: bool | None, **values: Any) -> None:
+@click.pass_context
+def sweep(
+    ctx: click.Context,
+    grid: tuple[str, ...],
+    out: str,
+    plot: str | None,
+    progress: bool | None,
+    **values: Any,
+) -> None:
     """Run the comparison over a grid of option values; write CSV (and a speedup plot).
 
     \b
@@ -319,35 +321,15 @@ def sweep(grid: tuple[str, ...], out: str, plot: str | None, progress: bool | No
 
     check_suffix(out, (".csv",), "--out")
     check_suffix(plot, PLOT_SUFFIXES, "--plot")
-    ctx = click.get_current_context()
     axes = parse_grid(grid, ctx.command, ctx)
-    frame = run_sweep(values, axes, build_config, progress=progress)
+    given = given_options(ctx)  # the command line's, for every grid point (grid values are not "given")
+    frame = run_sweep(values, axes, lambda v: build_config(v, given), progress=progress)
     write_sweep(frame, out, plot, x=axes[0][0])
     click.echo(f"{PROG}: {len(frame)} rows over {math.prod(len(v) for _, v in axes)} grid points -> {out}")
 
 
-def _fail(message: str, code: int = 2) -> None:
-    line = " ".join(str(message).split())  # one line, whatever the exception held
-    click.echo(f"{PROG}: error: {line}", err=True)
-    sys.exit(code)
-
-
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: run the CLI; a user error becomes one line and exit status 2 (rrfp.errors)."""
-    try:
-        cli.main(args=argv, prog_name=PROG, standalone_mode=False)
-    except click.exceptions.Exit as e:
-        sys.exit(e.exit_code)
-    except click.exceptions.NoArgsIsHelpError as e:  # pragma: no cover - not used by these commands
-        _fail(e.format_message())
-    except click.ClickException as e:
-        _fail(e.format_message(), e.exit_code if e.exit_code != 1 else 2)
-    except click.Abort:
-        _fail("aborted", 130)
-    except UserError as e:  # an InternalError or any other exception is a bug: traceback, exit 1
-        _fail(str(e))
-    except RunFailure as e:
-        _fail(str(e), 1)
-    except OSError as e:
-        _fail(f"cannot write output: {e}", 1)
-    sys.exit(0)
+    """Console entry point: run the CLI and exit. A user error -- click's usage errors included -- is one
+    line and exit status 2, a run failure or an unwritable output one line and status 1; anything else
+    is a bug and keeps its traceback (rrfp.errors, rrfp.study.options.one_line_errors)."""
+    cli.main(args=argv, prog_name=PROG)

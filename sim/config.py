@@ -6,26 +6,37 @@
   memory budget, the workload (a :class:`rrfp.workload.model.WorkloadConfig`) and the cluster.
 
 Both validate at construction and raise :class:`ConfigError` (a ``ValueError``) with a one-line message
-naming the field, the value and the rule. The CLI only fills these dataclasses.
+naming the field, the value and the rule. Their field defaults (and :data:`SIM_WORKLOAD` over
+``WorkloadConfig``'s) are the simulator's only defaults: :func:`option_defaults` reads them off for
+rrfp-sim's options, and :func:`from_options` fills these dataclasses from option values -- for the CLI
+and for scripts alike.
 
 Units: times in seconds, sizes in bytes, bandwidth in bytes per second.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import rrfp
+from rrfp.dispatch.policies import policy_names
 from rrfp.errors import UserError
+from rrfp.plan.hints import CLASS_HINTS, SEQUENCE_HINTS, hint_names
+from rrfp.study.options import defaults as shared_defaults
+from rrfp.study.options import parse_budgets
 from rrfp.traces.fit import FittedWorkload
 from rrfp.workload.model import WorkloadConfig
+from rrfp.workload.tokens import TokenWorkload
 
-SEND_MODES = ("eager", "rendezvous")
+SEND_MODES = ("eager", "rendezvous", "megatron")
 BASELINE_POLICY = "fixed"
-DEFAULT_HINTS = ("1f1b", "bf")
-DEFAULT_POLICIES = ("fixed", "rrfp")
+SHARED = shared_defaults("rrfp-sim")
+"""The defaults rrfp-sim shares with rrfp-run (rrfp.study.options.SHARED): the fields below take them."""
+DEFAULT_HINTS = tuple(SHARED["hints"].split(","))
+DEFAULT_POLICIES = tuple(SHARED["policies"].split(","))
 DEFAULT_SEEDS = 10
 MAX_SEEDS = 100_000
 
@@ -64,9 +75,12 @@ class ClusterConfig:
     contention: bool = False
     """One transfer at a time per link direction (later messages queue behind earlier ones)."""
     send: str = "eager"
-    """Send semantics of the fixed-order baseline: ``eager`` (a send never blocks compute) or
-    ``rendezvous`` (Megatron-style blocking send/recv, see rrfp.sim.model). Other policies are always
-    eager: readiness-driven dispatch is message-driven by design."""
+    """Send semantics of the fixed-order baseline: ``eager`` (a send never blocks compute),
+    ``rendezvous`` (steady-state coupling only: a send waits for the peer's posted receive,
+    rrfp.sim.rendezvous) or ``megatron`` (Megatron-core's non-interleaved 1F1B call by call -- serial
+    warm-up and cool-down, batched blocking steady state, a shape handshake when sizes vary;
+    rrfp.sim.megatron; the 1f1b order only). Other policies are always eager: readiness-driven dispatch
+    is message-driven by design."""
     grad_bytes: float = float(2**31)
     """Gradient bytes per pipeline rank all-reduced across DP replicas at the flush (1 Gi bf16 params)."""
 
@@ -102,15 +116,30 @@ class ClusterConfig:
         return self.send if policy == BASELINE_POLICY else "eager"
 
 
-def _default_workload() -> WorkloadConfig:
-    return WorkloadConfig(costs={"F": 1.0, "I": 1.0, "W": 1.0}, jitter="lognormal", cv=0.3)
+def megatron_refusal(hint: str, order: str) -> str:
+    """The one-line refusal of ``send="megatron"`` for a hint whose fixed run follows another order."""
+    runs = "its own order" if order == hint else f"the {order} order"
+    return (
+        f"send 'megatron' models Megatron-core's non-interleaved 1F1B, so fixed must run the 1f1b order; "
+        f"fixed on hint {hint!r} runs {runs} (use send eager or rendezvous, or leave {hint!r} out)"
+    )
+
+
+SIM_WORKLOAD: Mapping[str, Any] = {"costs": "F=1,B=2", "jitter": SHARED["jitter"], "cv": SHARED["cv"]}
+"""Where the simulator's default workload differs from :class:`WorkloadConfig`'s (no jitter): the
+paper's set-up, lognormal compute jitter at CV 0.3 (costs F = 1, B = 2, as rrfp-sim writes them)."""
+
+
+def default_workload(**overrides: Any) -> WorkloadConfig:
+    """The simulator's default workload (:data:`SIM_WORKLOAD`), with ``overrides`` of its fields."""
+    return WorkloadConfig(**{**SIM_WORKLOAD, **overrides})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExperimentConfig:
     """One comparison: every (hint, policy) x seed, each policy paired with ``fixed`` on the same hint."""
 
-    stages: int = 8
+    stages: int = SHARED["stages"]
     """Pipeline ranks (pp)."""
     microbatches: int | None = None
     """Microbatches per iteration; None = 4 x stages (enough for 1F1B's steady state to dominate)."""
@@ -123,14 +152,19 @@ class ExperimentConfig:
     order; each other policy is paired with ``fixed`` on the same hint when ``fixed`` is listed."""
     seeds: int = DEFAULT_SEEDS
     """Replications; replication i draws from SeedSequence(seed, spawn_key=(i, iteration, component))."""
-    seed: int = 0
+    seed: int = SHARED["seed"]
     """Base seed."""
-    iterations: int = 1
-    """Iterations per replication, back to back; with several, the first is dropped from the means."""
-    memory_budget: str = "1x"
-    """Activation budget per rank: a factor of the hint's own peak (``1x``, ``2x``) or a count."""
-    workload: WorkloadConfig | FittedWorkload = field(default_factory=_default_workload)
-    """What tasks cost: a workload model, or per-stage fits of a recorded trace (rrfp.traces.fit)."""
+    iterations: int = SHARED["iterations"]
+    """Measured iterations per replication, after ``warmup`` (rrfp-run's meaning too). Before schema 2,
+    ``iterations=N`` ran N and dropped the first: that is ``iterations=N-1, warmup=1`` now."""
+    warmup: int = SHARED["warmup"]
+    """Unmeasured iterations per replication before the measured ones (run back to back with them)."""
+    memory_budget: str = SHARED["memory_budget"]
+    """Activation budgets per rank, a comma list: each a factor of the hint's own peak (``1x``, ``2x``)
+    or a whole number of slots; every (hint, policy) runs at each (:attr:`budgets`)."""
+    workload: WorkloadConfig | FittedWorkload | TokenWorkload = field(default_factory=default_workload)
+    """What tasks cost: a workload model, per-stage fits of a recorded trace (rrfp.traces.fit), or a
+    token-level workload (rrfp.workload.tokens: sizes drawn from real sample lengths)."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
@@ -144,10 +178,15 @@ class ExperimentConfig:
             raise ConfigError(f"seeds must be <= {MAX_SEEDS}, got {self.seeds}")
         _positive_int("seed", self.seed, low=0)
         _positive_int("iterations", self.iterations)
+        _positive_int("warmup", self.warmup, low=0)
+        if not isinstance(self.memory_budget, str):
+            raise ConfigError(f"memory_budget must be comma text like '1x,2x', got {self.memory_budget!r}")
+        parse_budgets(self.memory_budget)
         self._check_names()
-        if not isinstance(self.workload, (WorkloadConfig, FittedWorkload)):
+        if not isinstance(self.workload, (WorkloadConfig, FittedWorkload, TokenWorkload)):
             raise ConfigError(
-                f"workload must be a WorkloadConfig or FittedWorkload, got {type(self.workload).__name__}"
+                "workload must be a WorkloadConfig, FittedWorkload or TokenWorkload, "
+                f"got {type(self.workload).__name__}"
             )
         if not isinstance(self.cluster, ClusterConfig):
             raise ConfigError(f"cluster must be a ClusterConfig, got {type(self.cluster).__name__}")
@@ -157,25 +196,104 @@ class ExperimentConfig:
                 f"{','.join(self.policies)!r} do not include fixed "
                 "(readiness-driven policies are always eager)"
             )
+        if self.cluster.send == "megatron":
+            self._check_megatron()
 
     def _check_names(self) -> None:
         if not self.hints or not self.policies:
             raise ConfigError("hints and policies must each name at least one entry")
-        known = set(rrfp.hint_names())
+        known = set(hint_names())
         for name in self.hints:
             if name not in known and not name.startswith("torch:") and not name.endswith(".csv"):
                 raise ConfigError(
-                    f"unknown hint {name!r}: choose from {', '.join(rrfp.hint_names())}, "
+                    f"unknown hint {name!r}: choose from {', '.join(hint_names())}, "
                     "torch:<Name>, or a .csv path"
                 )
         for name in self.policies:
-            if name not in rrfp.policy_names():
-                raise ConfigError(f"unknown policy {name!r}: choose from {', '.join(rrfp.policy_names())}")
+            if name not in policy_names():
+                raise ConfigError(f"unknown policy {name!r}: choose from {', '.join(policy_names())}")
         for label, names in (("hint", self.hints), ("policy", self.policies)):
             if len(set(names)) != len(names):
                 raise ConfigError(f"{label} list {','.join(names)!r} names an entry twice")
+
+    def _check_megatron(self) -> None:
+        """Under ``megatron`` fixed must run the 1f1b order: a sequence hint must be 1f1b, a class hint's
+        reference is 1f1b only with one stage per rank. torch:/CSV orders are compared with Megatron's
+        when the model is built (rrfp.sim.megatron.compile_program)."""
+        for name in self.hints:
+            if name in SEQUENCE_HINTS and name != "1f1b":
+                raise ConfigError(megatron_refusal(name, name))
+            if name in CLASS_HINTS and self.virtual_stages not in (None, 1):
+                raise ConfigError(megatron_refusal(name, "interleaved-1f1b"))
+
+    @property
+    def budgets(self) -> tuple[str, ...]:
+        """The memory budgets, in the order given (``"1x, 2x"`` -> ("1x", "2x"))."""
+        return parse_budgets(self.memory_budget)
 
     @property
     def m(self) -> int:
         """Microbatches per iteration after the default is applied."""
         return self.microbatches if self.microbatches is not None else 4 * self.stages
+
+
+# -- rrfp-sim's options ------------------------------------------------------------------------------
+EXPERIMENT_OPTIONS = ("stages", "microbatches", "virtual_stages", "hints", "policies", "seeds", "seed",
+                      "iterations", "warmup", "memory_budget")  # fmt: skip
+"""Options that are :class:`ExperimentConfig` fields of the same name."""
+CLUSTER_OPTIONS = ("tp", "dp", "comm_latency", "bandwidth", "contention", "send", "grad_bytes")
+"""Options that are :class:`ClusterConfig` fields of the same name."""
+WORKLOAD_OPTIONS = {"workload": "preset", "costs": "costs", "jitter": "jitter", "cv": "cv",
+                    "seq_cv": "seq_cv", "imbalance": "imbalance", "straggler_prob": "straggler_prob",
+                    "straggler_slowdown": "straggler_slowdown", "comm_jitter": "comm_jitter",
+                    "comm_cv": "comm_cv", "msg_bytes": "msg_bytes"}  # fmt: skip
+"""Options that are :class:`WorkloadConfig` fields: option name -> field name."""
+
+
+def _field_defaults(cls: type) -> dict[str, Any]:
+    """A dataclass's defaults by field name (a factory's value for the fields that have one)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def option_defaults() -> dict[str, Any]:
+    """rrfp-sim's option defaults by option name (``cv``, ``memory_budget``, ...), read off the
+    dataclasses: hints and policies as comma text, the workload as its preset name."""
+    experiment, cluster = _field_defaults(ExperimentConfig), _field_defaults(ClusterConfig)
+    workload = {**_field_defaults(WorkloadConfig), **SIM_WORKLOAD}
+    out = {name: experiment[name] for name in EXPERIMENT_OPTIONS}
+    out["hints"], out["policies"] = ",".join(out["hints"]), ",".join(out["policies"])
+    out.update({name: cluster[name] for name in CLUSTER_OPTIONS})
+    out.update({name: workload[f] for name, f in WORKLOAD_OPTIONS.items()})
+    return out
+
+
+def from_options(
+    values: Mapping[str, Any], workload: WorkloadConfig | FittedWorkload | None = None
+) -> ExperimentConfig:
+    """A validated config from option values by option name (:func:`option_defaults` for those not
+    given). Hints and policies: comma text or sequences. ``workload``: one already built (a trace fit)
+    instead of the workload options. The workload, then the cluster, then the experiment validate."""
+    unknown = sorted(set(values) - set(option_defaults()))
+    if unknown:
+        raise ConfigError(
+            f"unknown option(s) {', '.join(unknown)}: choose from {', '.join(option_defaults())}"
+        )
+    v = {**option_defaults(), **values}
+    if workload is None:
+        workload = WorkloadConfig(**{f: v[name] for name, f in WORKLOAD_OPTIONS.items()})
+    cluster = ClusterConfig(**{name: v[name] for name in CLUSTER_OPTIONS})
+    fields = {name: v[name] for name in EXPERIMENT_OPTIONS}
+    fields["hints"], fields["policies"] = _names(v["hints"]), _names(v["policies"])
+    return ExperimentConfig(**fields, workload=workload, cluster=cluster)
+
+
+def _names(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """``"1f1b, bf"`` -> ("1f1b", "bf"): comma text split, blanks dropped; a sequence as a tuple."""
+    parts = value.split(",") if isinstance(value, str) else value
+    return tuple(p.strip() for p in parts if p.strip())

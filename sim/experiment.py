@@ -1,13 +1,17 @@
 """Experiments: every (hint, policy) x replication on common random numbers, with paired speedups.
 
-What runs: each hint in ``cfg.hints`` under each policy in ``cfg.policies``. ``fixed`` on a
-class-priority hint (bf, bfw, fb: no order of its own) runs the hint's reference order instead, so
-hints ``1f1b,bf`` x policies ``fixed,rrfp`` is three runs: fixed/1f1b, rrfp/1f1b, rrfp/bf.
+What runs: each hint in ``cfg.hints`` at each budget in ``cfg.budgets`` under each policy in
+``cfg.policies`` (hint, then budget, then policy: rrfp-run's order). ``fixed`` on a class-priority hint
+(bf, bfw, fb: no order of its own) runs the hint's reference order instead, so hints ``1f1b,bf`` x
+policies ``fixed,rrfp`` is three runs: fixed/1f1b, rrfp/1f1b, rrfp/bf. A run is named by its trial label
+(rrfp.study.trial.TrialId), the budget in it unless it is the default 1x: ``rrfp/bf@2x``.
 
-Pairing: each policy is compared with ``fixed`` on the same hint; a class-priority hint with ``fixed``
-on its reference hint (``hint.reference``: bf, fb -> 1f1b; bfw -> 1f1b too, lowered to the split for
-rrfp; realised durations agree because B = I + W). speedup = baseline / candidate iteration time per
-replication, mean and 95% t-interval over replications (rrfp.study.metrics.paired_speedup).
+Pairing (rrfp.study.compare.fixed_baselines, rrfp-run's rule too): each run is compared with ``fixed``
+on the same hint -- a class-priority hint with ``fixed`` on its reference hint (``hint.reference``:
+bf, fb -> 1f1b; bfw -> 1f1b too, lowered to the split for rrfp; realised durations agree because
+B = I + W) -- at the default budget when it ran, else the first budget listed. speedup = baseline /
+candidate iteration time per replication, mean and 95% t-interval over replications
+(rrfp.study.metrics.paired_speedup).
 
 Common random numbers: replication i, iteration k, DP replica d, TP member t draws from
 ``SeedSequence(seed, spawn_key=(i, k, crc32(component)))`` (rrfp.workload.rng) with component names
@@ -16,15 +20,19 @@ suffixed by
 d = t = 0 uses the plain names. A sample depends only on the pipeline shape, never on the hint or
 policy, and is drawn once per replication and shared by every run.
 
-Per run and replication: iteration time (mean over the iterations after the first when there are
-several), throughput (microbatches x dp per second), bubble fraction per pipeline rank, utilisation,
-peak held activations per rank, the lower bound (rrfp.study.metrics.lower_bound on the realised durations)
-and policy / LB.
+Per run and replication: iteration time (mean over the ``cfg.iterations`` measured iterations after
+``cfg.warmup`` warm-up ones), throughput (microbatches x dp per second), bubble fraction per pipeline
+rank, utilisation, peak held activations per rank, the lower bound (rrfp.study.metrics.lower_bound on
+the realised durations) and policy / LB; and policy / the group's LB: the lowest bound of the runs that
+share the run's realised durations (one pipeline shape), per iteration -- one denominator for rows that
+compare.
 
-    from .experiment import run_experiment
-    from .config import ExperimentConfig
+    from rrfp.sim.config import ExperimentConfig
+    from rrfp.sim.experiment import run_experiment
+    from rrfp.sim.report import to_json
     result = run_experiment(ExperimentConfig(stages=8, seeds=5))
-    print(result.to_json())
+    print(to_json(result))
+    result.trials()          # one rrfp.study.result.TrialResult per (run, replication), source "sim"
 """
 
 from __future__ import annotations
@@ -37,52 +45,53 @@ from typing import Any
 
 import numpy as np
 
-import rrfp
 from rrfp.dispatch.backfill import Backfill, CostModel
+from rrfp.dispatch.policies import Policy
+from rrfp.plan.budget import resolve_budget
 from rrfp.plan.hints import Hint
+from rrfp.plan.sources import make_hint
 from rrfp.plan.spec import PipelineSpec
+from rrfp.plan.task import Op, Task
 from rrfp.study import metrics
+from rrfp.study.compare import fixed_baselines
 from rrfp.study.metrics import lower_bound, paired_speedup, t_interval
+from rrfp.study.options import budget_label
+from rrfp.study.result import TrialResult
+from rrfp.study.trial import TrialId
 from rrfp.traces.fit import FittedWorkload, _overlap
 from rrfp.traces.trace import TraceRecorder
 from rrfp.workload import rng as rngs
 from rrfp.workload.costs import expected_costs
 from rrfp.workload.model import IterationSample, WorkloadConfig, sample_iteration
+from rrfp.workload.tokens import TokenWorkload, data_streams
 
 from .config import BASELINE_POLICY, ExperimentConfig
+from .megatron import variable_shapes
 from .model import ClusterModel, ModelRun
 
 _SHARED = ("seq", "images", "straggler")  # one draw per DP replica, shared by its TP members (same data)
 _PER_MEMBER = ("compute", "comm")  # independent per TP member
 
 
-@dataclass(frozen=True)
-class RunKey:
-    """A (policy, hint) pair as it runs (fixed on a class hint appears under the reference hint)."""
-
-    policy: str
-    hint: str
-
-    def label(self) -> str:
-        return f"{self.policy}/{self.hint}"
-
-
 @dataclass
 class PlannedRun:
-    """One (policy, hint) to simulate, its budget and the baseline it is compared with."""
+    """One (policy, hint, budget) to simulate, its budget per rank and the baseline it is compared with.
+    Keys are :class:`TrialId` (fixed on a class hint appears under the reference hint); ``budget_text``
+    is the budget as given (``1x``, ``2x``, ``6``)."""
 
-    key: RunKey
+    key: TrialId
     hint: Hint
     budget: dict[int, int]
-    baseline: RunKey | None
+    baseline: TrialId | None
     model: ClusterModel | None = None
+    budget_text: str = "1x"
 
 
 @dataclass
 class RunStats:
     """Per-replication measurements of one run (lists indexed by replication)."""
 
-    key: RunKey
+    key: TrialId
     budget: dict[int, int]
     """Activation budget per pipeline rank the run used."""
     iteration_time: list[float] = field(default_factory=list)
@@ -91,17 +100,50 @@ class RunStats:
     lower_bound: list[float] = field(default_factory=list)
     lb_ratio: list[float] = field(default_factory=list)
     peaks: list[int] = field(default_factory=list)  # max over replications, per pipeline rank
+    measured: list[tuple[float, ...]] = field(default_factory=list)
+    """Seconds of each iteration that counts (see :func:`_used`); its mean is ``iteration_time``."""
+    held: list[tuple[int, ...]] = field(default_factory=list)
+    """Peak activations per pipeline rank in this replication (``peaks`` is their max)."""
+    bounds: list[tuple[float, ...]] = field(default_factory=list)
+    """The lower bound of each measured iteration (its mean is ``lower_bound``)."""
+    group_lower_bound: list[float] = field(default_factory=list)
+    """Per replication: the mean over measured iterations of the lowest bound among the runs that share
+    this run's durations (the same pipeline shape); set once every run has run."""
+    group_lb_ratio: list[float] = field(default_factory=list)
+    """Per replication: the mean of iteration time / that shared bound (the table's time/LB)."""
+    budget_text: str = "1x"
+    """The memory budget as given (``1x``, ``2x``, ``6``)."""
+
+    def trial_results(self, source: str = "sim", trial: TrialId | None = None) -> list[TrialResult]:
+        """One :class:`TrialResult` per replication, the shape a real run's results share; ``trial``
+        names the run when its key does not (a replay's budget)."""
+        budget = tuple(int(self.budget[r]) for r in sorted(self.budget))
+        name = self.key if trial is None else trial
+        return [
+            TrialResult(name, source, rep, times, peaks, budget, extra=self._extra(rep))
+            for rep, (times, peaks) in enumerate(zip(self.measured, self.held, strict=True))
+        ]
+
+    def _extra(self, rep: int) -> dict[str, Any]:
+        return {
+            "bubble_fraction": tuple(float(b) for b in self.bubble[rep]),
+            "lower_bound": self.lower_bound[rep],
+            "lower_bound_ratio": self.lb_ratio[rep],
+            "throughput": self.throughput[rep],
+        }
 
 
 @dataclass
 class Speedup:
     """A paired comparison of one run with its fixed baseline."""
 
-    key: RunKey
-    baseline: RunKey
+    key: TrialId
+    baseline: TrialId
     mean: float
     ci_low: float
     ci_high: float
+    paired: bool = True
+    """Replication i of both runs drew the same random numbers (always, in the simulator)."""
 
 
 @dataclass
@@ -113,11 +155,11 @@ class ExperimentResult:
     speedups: list[Speedup]
     traces: list[TraceRecorder] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        """The ``--json`` object: ``config``, ``results`` and ``speedups``; NaN becomes null."""
-        from .report import result_dict
-
-        return result_dict(self)
+    def trials(self) -> list[TrialResult]:
+        """One :class:`TrialResult` (source ``sim``) per (run, replication), in run order: what
+        :func:`rrfp.study.result.compare_sources` joins with the executor's on the trial label.
+        (The ``--json`` object is :func:`rrfp.sim.report.result_dict`.)"""
+        return [t for s in self.stats for t in s.trial_results()]
 
 
 # -- planning --------------------------------------------------------------------------------------
@@ -127,23 +169,25 @@ def plan_runs(cfg: ExperimentConfig) -> list[PlannedRun]:
 
     def get(name: str, v: int | None) -> Hint:
         if name not in hints:
-            hints[name] = rrfp.make_hint(name, cfg.stages, cfg.m, v)
+            hints[name] = make_hint(name, cfg.stages, cfg.m, v)
         return hints[name]
 
-    planned: dict[RunKey, PlannedRun] = {}
+    planned: dict[TrialId, PlannedRun] = {}
+    bases: dict[str, str] = {}
     for name in cfg.hints:
         hint = get(name, cfg.virtual_stages)
         base_hint = hint if hint.classes is None else get(hint.reference, hint.spec.virtual_stages)
-        for policy in cfg.policies:
-            run_hint = base_hint if policy == BASELINE_POLICY else hint
-            key = RunKey(policy, run_hint.name)
-            if key in planned:
-                continue
-            baseline = None if policy == BASELINE_POLICY else RunKey(BASELINE_POLICY, base_hint.name)
-            if baseline is not None and BASELINE_POLICY not in cfg.policies:
-                baseline = None
-            budget = rrfp.resolve_budget(cfg.memory_budget, run_hint)
-            planned[key] = PlannedRun(key, run_hint, budget, baseline)
+        bases[hint.name] = base_hint.name
+        for text in cfg.budgets:
+            for policy in cfg.policies:
+                run_hint = base_hint if policy == BASELINE_POLICY else hint
+                key = TrialId(policy, run_hint.name, budget_label(text))
+                if key not in planned:
+                    budget = resolve_budget(text, run_hint)
+                    planned[key] = PlannedRun(key, run_hint, budget, None, budget_text=text)
+    pairs = fixed_baselines(list(planned), lambda h: bases.get(h, h))
+    for key, p in planned.items():
+        p.baseline = pairs.get(key)
     return list(planned.values())
 
 
@@ -153,25 +197,45 @@ def build_models(cfg: ExperimentConfig, plans: list[PlannedRun]) -> None:
         send = cfg.cluster.send_mode(p.key.policy)
         policy = run_policy(cfg, p.hint, p.key.policy)
         p.model = ClusterModel(
-            p.hint, policy, cfg.cluster, p.budget, msg_bytes=cfg.workload.msg_bytes, send=send
+            p.hint,
+            policy,
+            cfg.cluster,
+            p.budget,
+            msg_bytes=mean_msg_bytes(cfg.workload, p.hint.spec),
+            send=send,
+            shapes_vary=variable_shapes(cfg.workload),  # megatron's shape handshake (rrfp.sim.megatron)
         )
 
 
-def run_policy(cfg: ExperimentConfig, hint: Hint, name: str) -> str | rrfp.Policy:
+def mean_msg_bytes(workload: WorkloadConfig | FittedWorkload | TokenWorkload, spec: PipelineSpec) -> float:
+    """Bytes of a typical message: the workload's constant, or (token mode, where each message has its
+    own) the expected bytes between two decoder stages."""
+    if isinstance(workload, TokenWorkload):
+        return workload.mean_msg_bytes(spec.microbatches)
+    return workload.msg_bytes
+
+
+def run_policy(cfg: ExperimentConfig, hint: Hint, name: str) -> str | Policy:
     """The policy a run uses: the registered name, except ``backfill``, which plans with the workload's
     mean cost per (stage, op) and the mean message time (latency + bytes / bandwidth; comm multipliers
     have mean 1) -- expectations, never the realised durations it will meet."""
     if name != Backfill.name:
         return name
-    latency = cfg.cluster.transfer_time(cfg.workload.msg_bytes)
+    latency = cfg.cluster.transfer_time(mean_msg_bytes(cfg.workload, hint.spec))
     return Backfill(expected=expected_cost_model(cfg.workload, hint.spec), latency=latency)
 
 
-def expected_cost_model(workload: WorkloadConfig | FittedWorkload, spec: PipelineSpec) -> CostModel:
+def expected_cost_model(
+    workload: WorkloadConfig | FittedWorkload | TokenWorkload, spec: PipelineSpec
+) -> CostModel:
     """Mean seconds per task of ``workload`` on ``spec``'s stages (a fit: its per-stage means, mapped
     onto the new stages the way :meth:`FittedWorkload.sample` maps them)."""
     if isinstance(workload, WorkloadConfig):
         return expected_costs(workload, spec)
+    if isinstance(workload, TokenWorkload):
+        means = workload.mean_costs(spec.pp, spec.num_stages, spec.microbatches)
+        table = {op: [float(x) for x in means[op.value]] for op in Op}
+        return lambda task: table[task.op][task.stage]
     weights = _overlap(workload.num_stages, spec.num_stages)  # (trace stages, new stages)
     ops = ("F", "I", "W") if workload.split else ("F", "B")
     means = {
@@ -180,7 +244,7 @@ def expected_cost_model(workload: WorkloadConfig | FittedWorkload, spec: Pipelin
     if not workload.split:  # the sample halves B into I and W
         means["I"] = means["W"] = means["B"] / 2
     means["B"] = means["I"] + means["W"]
-    table = {op: [float(x) for x in means[op.value]] for op in rrfp.Op}
+    table = {op: [float(x) for x in means[op.value]] for op in Op}
     return lambda task: table[task.op][task.stage]
 
 
@@ -207,16 +271,20 @@ def draw_samples(cfg: ExperimentConfig, hint: Hint, replication: int) -> list[li
         shape = (spec.pp, spec.num_stages, spec.microbatches)
         if isinstance(cfg.workload, FittedWorkload):  # costs fitted on a trace (--workload fit:TRACE)
             return cfg.workload.sample(*shape, gens, placement=spec.placement)
+        if isinstance(cfg.workload, TokenWorkload):  # sample sizes: shared by the replica, like images
+            gens.update(data_streams(cfg.seed, replication, k, d))  # rrfp-run draws the same (batch_sizes)
+            return cfg.workload.sample(*shape, gens, placement=spec.placement)
         return sample_iteration(cfg.workload, *shape, gens, placement=spec.placement)
 
     tp, dp = cfg.cluster.tp, cfg.cluster.dp
-    return [[[one(k, d, t) for t in range(tp)] for d in range(dp)] for k in range(cfg.iterations)]
+    total = cfg.warmup + cfg.iterations
+    return [[[one(k, d, t) for t in range(tp)] for d in range(dp)] for k in range(total)]
 
 
 # -- measuring ---------------------------------------------------------------------------------------
-def _used(n: int) -> slice:
-    """Iterations that count: all but the first when there are several (the first is a warm-up)."""
-    return slice(1, None) if n > 1 else slice(0, None)
+def _used(cfg: ExperimentConfig) -> slice:
+    """Iterations that count: those after the ``cfg.warmup`` warm-up ones."""
+    return slice(cfg.warmup, None)
 
 
 def iteration_lower_bound(
@@ -228,7 +296,11 @@ def iteration_lower_bound(
     for members in per_dp:
         eff = members[0] if len(members) == 1 else _slowest(members, hint.spec.split)
         latency: Any = 0.0
-        if base_tx:
+        if base_tx and members[0].msg_bytes is not None:  # token mode: each message its own bytes
+            comm = np.max([m.comm for m in members], axis=0)
+            seconds = cfg.cluster.comm_latency + members[0].msg_bytes / cfg.cluster.bandwidth
+            latency = _table_latency_fn(seconds * comm)
+        elif base_tx:
             comm = np.max([m.comm for m in members], axis=0)
             latency = _latency_fn(comm, base_tx)
         best = max(best, lower_bound(hint.spec, eff, latency))
@@ -240,12 +312,23 @@ def _slowest(members: list[IterationSample], split: bool) -> IterationSample:
     f, i, w = (np.max([getattr(m, op) for m in members], axis=0) for op in ("F", "I", "W"))
     if not split:
         i, w = np.max([m.I + m.W for m in members], axis=0), np.zeros_like(w)
-    return IterationSample(f, i, w, comm=np.max([m.comm for m in members], axis=0))
+    return IterationSample(
+        f, i, w, comm=np.max([m.comm for m in members], axis=0), msg_bytes=members[0].msg_bytes
+    )
 
 
-def _latency_fn(comm: np.ndarray, base_tx: float) -> Callable[[rrfp.Task, rrfp.Task], float]:
-    def latency(producer: rrfp.Task, _consumer: rrfp.Task) -> float:
-        return base_tx * float(comm[producer.stage, producer.mb, 0 if producer.op is rrfp.Op.F else 1])
+def _table_latency_fn(tx: np.ndarray) -> Callable[[Task, Task], float]:
+    """Latency of each message from a (stage, microbatch, direction) table of seconds."""
+
+    def latency(producer: Task, _consumer: Task) -> float:
+        return float(tx[producer.stage, producer.mb, 0 if producer.op is Op.F else 1])
+
+    return latency
+
+
+def _latency_fn(comm: np.ndarray, base_tx: float) -> Callable[[Task, Task], float]:
+    def latency(producer: Task, _consumer: Task) -> float:
+        return base_tx * float(comm[producer.stage, producer.mb, 0 if producer.op is Op.F else 1])
 
     return latency
 
@@ -258,7 +341,7 @@ def measure(
     stats: RunStats,
 ) -> None:
     """Append one replication's metrics of run ``p`` to ``stats``."""
-    used = _used(len(out.iteration_times))
+    used = _used(cfg)
     times = np.asarray(out.iteration_times)[used]
     busy = out.busy[used]  # (iterations, dp, pp)
     assert p.model is not None
@@ -275,6 +358,9 @@ def measure(
     stats.lower_bound.append(float(lbs.mean()))
     stats.lb_ratio.append(float((times / lbs).mean()))
     stats.peaks = [max(a, b) for a, b in zip(stats.peaks or [0] * len(out.peaks), out.peaks, strict=True)]
+    stats.measured.append(tuple(float(t) for t in times))
+    stats.held.append(tuple(int(p) for p in out.peaks))
+    stats.bounds.append(tuple(float(b) for b in lbs))
 
 
 # -- the experiment ----------------------------------------------------------------------------------
@@ -288,7 +374,7 @@ def run_experiment(
     """
     plans = plan_runs(cfg)
     build_models(cfg, plans)
-    stats = {p.key: RunStats(p.key, p.budget) for p in plans}
+    stats = {p.key: RunStats(p.key, p.budget, budget_text=p.budget_text) for p in plans}
     traces: list[TraceRecorder] = []
     for rep, p, samples in _progress(cfg, plans, progress):
         assert p.model is not None
@@ -304,7 +390,25 @@ def run_experiment(
         for p in plans
         if p.baseline is not None and p.baseline in stats
     ]
+    group_bounds(plans, stats)
     return ExperimentResult(cfg, [stats[p.key] for p in plans], speedups, traces)
+
+
+def group_bounds(plans: list[PlannedRun], stats: dict[TrialId, RunStats]) -> None:
+    """Fill each run's ``group_lower_bound`` and ``group_lb_ratio``: per replication and measured
+    iteration, the lowest lower bound among the runs that drew the same durations (one pipeline shape;
+    a split hint's bound is below an unsplit one's, B = I + W), so the rows of a group share one
+    denominator and time/LB orders them as their times do."""
+    groups: dict[tuple[int, int, str], list[RunStats]] = {}
+    for p in plans:
+        spec = p.hint.spec
+        groups.setdefault((spec.num_stages, spec.microbatches, spec.placement), []).append(stats[p.key])
+    for members in groups.values():
+        for rep in range(len(members[0].bounds)):
+            shared = np.min([m.bounds[rep] for m in members], axis=0)
+            for m in members:
+                m.group_lower_bound.append(float(shared.mean()))
+                m.group_lb_ratio.append(float((np.asarray(m.measured[rep]) / shared).mean()))
 
 
 def _recorder(cfg: ExperimentConfig, p: PlannedRun, rep: int) -> TraceRecorder:

@@ -26,10 +26,13 @@ Per iteration (:meth:`ClusterModel.run` runs several back to back):
   start), without a call per task. (Which rank is asked first at an instant does not matter: a start
   now equals the bound a policy assumes for a producer that has not started.) Other policies take none
   of this: their hot path is unchanged.
-* **Send semantics.** ``eager``: a send never blocks compute. ``rendezvous`` (fixed only): Megatron's
-  batched blocking P2P (:mod:`rrfp.sim.rendezvous`): a transfer starts only once the receiver has
-  posted the matching receive, which it does at its communication points (after a task, one receive
-  per source and direction at a time), and the sender's stream blocks until its sends are delivered.
+* **Send semantics.** ``eager``: a send never blocks compute. ``megatron`` (fixed on the 1f1b order
+  only): Megatron-core's non-interleaved 1F1B call by call (:mod:`rrfp.sim.megatron`, which holds the
+  stream through each call and sets the rank's finish). ``rendezvous`` (fixed only; steady-state
+  coupling only): batched blocking P2P (:mod:`rrfp.sim.rendezvous`): a transfer starts only once the
+  receiver has posted the matching receive, which it does at its communication points (after a task,
+  one receive per source and direction at a time), and the sender's stream blocks until its sends are
+  delivered.
 * **Flush.** When a pipeline rank is done in every DP replica its gradients are all-reduced across the
   replicas (ring cost model, :meth:`ClusterConfig.allreduce_time`). The iteration ends when every rank's
   all-reduce has ended; the next one starts there (a barrier: Megatron's optimizer step needs the global
@@ -51,10 +54,10 @@ from heapq import heappush
 import numpy as np
 from simpy.events import NORMAL, Event
 
-import rrfp
 from rrfp.dispatch.driver import deadlock_error
-from rrfp.dispatch.policies import Policy
-from rrfp.dispatch.scheduler import RankScheduler, _rank_plan
+from rrfp.dispatch.policies import Policy, get_policy
+from rrfp.dispatch.scheduler import RankScheduler
+from rrfp.dispatch.tp import agree
 from rrfp.plan.hints import Hint, gc_paused
 from rrfp.plan.task import Op, Task
 from rrfp.traces.trace import TraceRecorder
@@ -62,10 +65,10 @@ from rrfp.workload.model import IterationSample
 
 from .config import BASELINE_POLICY, ClusterConfig, ConfigError
 from .engine import InstantEnvironment
+from .megatron import Megatron
 from .rendezvous import Rendezvous, receive_orders
 
 Samples = Sequence[Sequence[Sequence[IterationSample]]]  # [iteration][dp][tp]
-_OP_CODE = {Op.F: 0, Op.B: 1, Op.I: 2, Op.W: 3}
 
 
 @dataclass
@@ -83,75 +86,30 @@ class ModelRun:
     """Seconds from the iteration's start to the end of each (iteration, dp, pipeline rank)'s last task."""
 
 
-def _code_positions(hint: Hint) -> np.ndarray:
-    """Each task code's position in its rank's order (memoised on the hint; -1 where no task)."""
-    where = hint.orders_memo.get("sim_code_positions")
-    if where is None:
-        spec = hint.spec
-        where = np.full(spec.num_stages * 3 * spec.microbatches, -1, dtype=np.intp)
-        for rank in hint.orders:
-            codes = hint.codes(rank)
-            where[codes] = np.arange(len(codes), dtype=np.intp)
-        hint.orders_memo["sim_code_positions"] = where
-    return where
-
-
 class _RankPlan:
     """Static, per pipeline rank: its order and where each task's outputs go (shared by replicas).
 
-    Built from the hint's integer task codes (:meth:`rrfp.Hint.codes`) with numpy: no Task object is
-    created, and each message payload carries the consumer's own Task from its rank's order."""
+    A view of the hint's compiled wiring (:meth:`rrfp.plan.compiled.CompiledPlan.wiring`): each message
+    payload carries the consumer's own Task from its rank's order."""
 
     def __init__(self, hint: Hint, rank: int) -> None:
-        spec = hint.spec
-        self.spec = spec  # not the hint: the hint's memo holds this plan
+        wiring = hint.plan.wiring(rank)
+        self.spec = hint.spec
         self.rank = rank
-        self._sources: tuple[list[int], list[int]] | None = None
-        self.order: tuple[Task, ...] = hint.orders[rank]
-        self.pos: dict[Task, int] = _rank_plan(hint, rank).index  # the scheduler's own (shared) index
-        m, row, last = spec.microbatches, 3 * spec.microbatches, spec.num_stages - 1
-        code = np.asarray(hint.codes(rank), dtype=np.intp)
-        self.stage = code // row
-        self.mb = code % m
-        slot = (code // m) % 3  # 0 = F, 1 = B (I when split), 2 = W
-        self.opcode = np.choose(slot, [0, _OP_CODE[spec.backward_op], 3]).astype(np.intp)
-        self.direction = (self.opcode != 0).astype(np.intp)  # comm multiplier index: 0 fwd, 1 gradient
-        # One message at most per task: F(s) -> F(s+1), B/I(s) -> B/I(s-1), when that stage is elsewhere.
-        rank_of = np.append(np.asarray(spec._stage_rank, dtype=np.intp), -1)  # [-1]: no stage
-        dest = np.where(
-            slot == 0, rank_of[np.where(self.stage < last, self.stage + 1, -1)],
-            np.where(slot == 1, rank_of[self.stage - 1], -1),
-        )  # fmt: skip
-        dest = np.where(dest != rank, dest, -1)
-        sends = np.flatnonzero(dest >= 0)
-        target = np.where(slot == 0, code + row, code - row)[sends]
-        task_of = hint.tasks_by_code()
+        self.order: tuple[Task, ...] = wiring.tasks
+        self.pos: dict[Task, int] = wiring.index  # the scheduler's own (shared) index
+        # Indices into the (op, stage, microbatch) duration tables and the comm multipliers.
+        self.stage, self.mb, self.opcode = wiring.stage, wiring.mb, wiring.op_code
+        self.direction = (self.opcode != Op.F.code).astype(np.intp)  # comm multiplier: 0 fwd, 1 gradient
         # Per position: the pipeline rank its message goes to (-1: none) and the consumer task there.
-        self.dest: list[int] = dest.tolist()
-        consumer = np.full(len(code), None, dtype=object)
-        consumer[sends] = task_of[target]
-        self.consumer: list[Task | None] = consumer.tolist()
+        self.dest: list[int] = wiring.dest
+        self.consumer: list[Task | None] = wiring.consumer
 
     def sources(self, hint: Hint) -> tuple[list[int], list[int]]:
-        """Clocked policies only (memoised): per position, the pipeline rank of its cross-rank producer
-        (-1: none) and that producer's position in its rank's order (F(s) reads F(s-1), B/I(s) reads
-        B/I(s+1)). ``hint`` is this plan's hint (not kept: the hint's memo holds the plan)."""
-        if self._sources is not None:
-            return self._sources
-        spec = hint.spec
-        m, row, last = spec.microbatches, 3 * spec.microbatches, spec.num_stages - 1
-        code = np.asarray(hint.codes(self.rank), dtype=np.intp)
-        stage, slot = code // row, (code // m) % 3
-        rank_of = np.append(np.asarray(spec._stage_rank, dtype=np.intp), -1)  # [-1]: no stage
-        after = rank_of[np.where(stage < last, stage + 1, -1)]
-        src = np.where(slot == 0, rank_of[stage - 1], np.where(slot == 1, after, -1))
-        src = np.where(src != self.rank, src, -1)
-        has = src >= 0
-        src_code = np.where(slot == 0, code - row, code + row)
-        where = _code_positions(hint)
-        pos = np.where(has, where[np.where(has, src_code, 0)], -1)
-        self._sources = (src.tolist(), pos.tolist())
-        return self._sources
+        """Clocked policies only: per position, the pipeline rank of its cross-rank producer (-1: none)
+        and that producer's position in its rank's order (the compiled plan's, built once)."""
+        sources = hint.plan.sources(self.rank)
+        return sources.rank, sources.position
 
     @cached_property
     def receives(self) -> dict[tuple[int, int], list[Task]]:
@@ -198,8 +156,10 @@ class _Worker:
 
     def use(self, env: InstantEnvironment) -> None:
         """Run in ``env``. The hot path queues its calls straight onto ``env``'s heap, as
-        :meth:`InstantEnvironment.call_at` does (same entry, same id counter), without the method call."""
-        self.env, self.queue, self.eid = env, env._queue, env._eid
+        :meth:`InstantEnvironment.call_at` does (:meth:`~InstantEnvironment.call_queue`: same entry,
+        same id counter), without a function call per task."""
+        self.env = env
+        self.queue, self.eid = env.call_queue()
 
     def reset(self) -> None:
         for s in self.scheds:
@@ -207,7 +167,7 @@ class _Worker:
         if self.starts:
             self.starts[:] = [None] * len(self.starts)  # in place: consumers' sources hold this list
         self.busy = False
-        self.blocked = 0  # rendezvous sends not yet delivered
+        self.blocked = 0  # rendezvous sends not yet delivered; megatron: operations of the current call
         self.dirty = False
         self.busy_time = 0.0
         self.finish = -1.0
@@ -233,7 +193,7 @@ class _Worker:
         d = self.dur[pos]
         self.busy = True
         self.busy_time += d
-        now = self.started_at = self.env._now
+        now = self.started_at = self.env.now
         heappush(self.queue, (now + d, NORMAL, next(self.eid), self.done_cb, pos))
 
     def dispatch_group(self) -> None:
@@ -241,7 +201,7 @@ class _Worker:
         slowest member's duration, after the agreement's all-gather."""
         if self.busy or self.blocked:
             return
-        task = rrfp.agree([s.ready() for s in self.scheds])
+        task = agree([s.ready() for s in self.scheds])
         if task is None:
             return
         for s in self.scheds:
@@ -250,7 +210,7 @@ class _Worker:
         d = self.dur[pos]
         self.busy = True
         self.busy_time += d
-        now = self.env._now
+        now = self.env.now
         self.started_at = now + self.agree_cost
         self.env.call_at(now + (self.agree_cost + d), self.done_cb, pos)
 
@@ -259,11 +219,11 @@ class _Worker:
         start, which the consumers' schedulers read (:meth:`wire`) -- the header precedes the payload."""
         if self.busy or self.blocked:
             return
-        now = self.env._now
+        now = self.env.now
         scheds = self.scheds
         for s in scheds:
             s.tick(now)
-        task = scheds[0].next() if len(scheds) == 1 else rrfp.agree([s.ready() for s in scheds])
+        task = scheds[0].next() if len(scheds) == 1 else agree([s.ready() for s in scheds])
         if task is None:
             return
         for s in scheds:
@@ -281,7 +241,7 @@ class _Worker:
         """:meth:`dispatch_clocked_group` for tp = 1 (no TP rule, no agreement cost): the same calls."""
         if self.busy or self.blocked:
             return
-        now = self.env._now
+        now = self.env.now
         sched = self.scheds[0]
         sched.tick(now)
         task = sched.next()
@@ -306,13 +266,16 @@ class _Worker:
         self.busy = False
         model = self.model
         if model.recorder is not None:
-            model.record_compute(self, task, self.started_at, self.env._now)
+            model.record_compute(self, task, self.started_at, self.env.now)
+        if model.megatron is not None:
+            model.megatron.computed(self, pos)  # its calls send and receive; then the next task
+            return
         if plan.dest[pos] >= 0:
             model.send(self, pos)
         if model.rendezvous is not None:
             model.rendezvous.post_receives(self)
         if self.scheds[0].done:
-            self.finish = self.env._now
+            self.finish = self.env.now
         else:
             self.mark()
 
@@ -325,10 +288,10 @@ class _Worker:
         env = self.env
         dest = plan.dest[pos]
         if dest >= 0:
-            arrival = env._now + self.tx[0][pos]
+            arrival = env.now + self.tx[0][pos]
             heappush(self.queue, (arrival, NORMAL, next(self.eid), self.arrive[dest], plan.consumer[pos]))
         if sched.done:
-            self.finish = env._now
+            self.finish = env.now
         elif not self.dirty:
             self.dirty = True
             self.model.dirty.append(self)
@@ -352,7 +315,7 @@ class _Worker:
     def on_arrive(self, event: Event) -> None:
         """A message for member ``t``'s ``task`` arrived. A busy (or blocked) stream needs no dispatch
         now: its completion (or unblocking) marks it."""
-        t, task = event._value
+        t, task = event.value
         self.scheds[t].deliver(task)
         if not (self.busy or self.blocked or self.dirty):
             self.dirty = True
@@ -380,18 +343,21 @@ class ClusterModel:
         *,
         msg_bytes: float = 0.0,
         send: str | None = None,
+        shapes_vary: bool = False,
     ) -> None:
         """``policy``: a registered name, or an instance (e.g. ``Backfill`` with the workload's expected
         costs) that every scheduler of the run shares. ``send`` defaults to ``cluster.send_mode(policy)``;
-        rendezvous needs the fixed policy."""
+        rendezvous and megatron need the fixed policy. ``shapes_vary``: megatron runs a shape handshake
+        before each call (rrfp.sim.megatron.variable_shapes says when Megatron would)."""
         name = policy if isinstance(policy, str) else policy.name
         send = cluster.send_mode(name) if send is None else send
-        if send == "rendezvous" and name != BASELINE_POLICY:
-            raise ConfigError(f"send 'rendezvous' needs the fixed policy; {name!r} is always eager")
+        if send in ("rendezvous", "megatron") and name != BASELINE_POLICY:
+            raise ConfigError(f"send {send!r} needs the fixed policy; {name!r} is always eager")
         self.hint, self.policy, self.cluster = hint, name, cluster
-        self.clocked = (rrfp.get_policy(policy) if isinstance(policy, str) else policy).needs_clock
+        self.clocked = (get_policy(policy) if isinstance(policy, str) else policy).needs_clock
         self.pp, self.tp, self.dp = hint.spec.pp, cluster.tp, cluster.dp
-        self.rendezvous = Rendezvous(self) if send == "rendezvous" else None
+        self.rendezvous = Rendezvous(self.transfer) if send == "rendezvous" else None
+        self.megatron = Megatron(self, hint, shapes_vary) if send == "megatron" else None
         self.contention = cluster.contention
         self.base_tx = cluster.transfer_time(msg_bytes)
         self.msg_bytes = msg_bytes
@@ -409,14 +375,10 @@ class ClusterModel:
         self.iteration = 0
         self._link_free: dict[tuple[int, int], float] = {}
         self._msg_id = 0
+        self._current: Sequence[Sequence[IterationSample]] = ()  # this iteration's samples [dp][tp]
 
     def _build(self, hint: Hint, policy: str | Policy, budget: Mapping[int, int] | None) -> None:
-        # Shared by every policy on this order (and hint: a plan does not read the priorities).
-        plans: dict[int, _RankPlan] = hint.orders_memo.setdefault("sim_rank_plans", {})
-        for r in range(self.pp):
-            if r not in plans:
-                plans[r] = _RankPlan(hint, r)
-        self.plans = [plans[r] for r in range(self.pp)]
+        self.plans = [_RankPlan(hint, r) for r in range(self.pp)]  # views of the hint's compiled plan
         self.workers: list[list[_Worker]] = [
             [
                 _Worker(self, r, d, [RankScheduler(hint, r, policy, _get(budget, r)) for _ in range(self.tp)])
@@ -451,7 +413,8 @@ class ClusterModel:
         self._msg_id = 0
         self.env = InstantEnvironment()  # every run starts at t = 0 (same floats, run after run)
         self.env.on_instant_end = self._dispatch_dirty
-        fast = self.tp == 1 and self.rendezvous is None and not self.contention and recorder is None
+        fast = self.tp == 1 and self.rendezvous is None and self.megatron is None
+        fast = fast and not self.contention and recorder is None
         for row in self.workers:
             for w in row:
                 w.use(self.env)
@@ -496,23 +459,38 @@ class ClusterModel:
     def _begin(self, sample: Sequence[Sequence[IterationSample]]) -> None:
         """Reset every scheduler, load this iteration's durations, dispatch everyone at now."""
         self._link_free.clear()
+        self._current = sample
         if self.rendezvous is not None:
             self.rendezvous.reset()
         for d, row in enumerate(self.workers):
-            tables = [np.stack([s.F, s.I + s.W, s.I, s.W]) for s in sample[d]]  # (4, S, M) per member
+            tables = [np.stack([s.F, s.I + s.W, s.I, s.W]) for s in sample[d]]  # (Op.code, S, M) per member
             for w in row:
                 w.reset()
                 self._load(w, sample[d], tables)
                 if self.rendezvous is not None:
                     self.rendezvous.post_receives(w)
                 w.mark()
+        if self.megatron is not None:
+            self.megatron.reset()
+            for d, row in enumerate(self.workers):  # once every worker has loaded: calls pair across ranks
+                for w in row:
+                    self.megatron.begin(w, sample[d])
         self.env.arm()
 
     def _load(self, w: _Worker, sample: Sequence[IterationSample], tables: list[np.ndarray]) -> None:
         plan = w.plan
         durs = [table[plan.opcode, plan.stage, plan.mb] for table in tables]
         w.dur = (durs[0] if len(durs) == 1 else np.max(durs, axis=0)).tolist()
-        w.tx = [(self.base_tx * s.comm[plan.stage, plan.mb, plan.direction]).tolist() for s in sample]
+        w.tx = [self._tx(s, plan) for s in sample]
+
+    def _tx(self, s: IterationSample, plan: _RankPlan) -> list[float]:
+        """Transfer seconds of each position's message: (latency + bytes / bandwidth) x comm jitter, the
+        bytes the workload's constant or, in token mode, the message's own (``s.msg_bytes``)."""
+        comm = s.comm[plan.stage, plan.mb, plan.direction]
+        if s.msg_bytes is None:
+            return (self.base_tx * comm).tolist()
+        nbytes = s.msg_bytes[plan.stage, plan.mb, plan.direction]
+        return ((self.cluster.comm_latency + nbytes / self.cluster.bandwidth) * comm).tolist()
 
     def _dispatch_dirty(self) -> None:
         dirty, self.dirty = self.dirty, []
@@ -533,6 +511,8 @@ class ClusterModel:
                             f"{w.gids[t]} (pp {w.r}, tp {t}, dp {w.d}) is {why}; its next task "
                             f"{_head(s)} waits for {waits}",
                         )
+        if self.megatron is not None:
+            self.megatron.check_done()
 
     def _flush(self, start: float) -> float:
         """DP all-reduce per pipeline rank once every replica of it is done; return the barrier time."""
@@ -551,15 +531,13 @@ class ClusterModel:
 
     def _advance_to(self, when: float) -> None:
         if when > self.env.now:
-            tick = Event(self.env)
-            tick._ok, tick._value = True, None
-            self.env.schedule_at(tick, when)
+            self.env.event_at(when)  # a tick, so that the clock reads ``when``
             self.env.drain()
 
     # -- messages --------------------------------------------------------------------------------
     def send(self, w: _Worker, pos: int) -> None:
         """Send the outputs of ``w``'s task at ``pos`` to their consumers, member t to member t."""
-        now = self.env._now
+        now = self.env.now
         replica = self.workers[w.d]
         dest_r, consumer = w.plan.dest[pos], w.plan.consumer[pos]
         if dest_r >= 0:
@@ -572,32 +550,45 @@ class ClusterModel:
 
     def transfer(self, src: _Worker, dest: _Worker, t: int, consumer: Task, tx: float, posted: float) -> None:
         """Move one message now (or when its link direction frees up); deliver it at the end."""
-        now = self.env._now
+        now = self.env.now
         start = now
         if self.contention:
             link = (src.gids[t], dest.gids[t])
             start = max(now, self._link_free.get(link, now))
             self._link_free[link] = start + tx
         arrival = start + tx
-        event = Event(self.env)
-        event._ok, event._value = True, (t, consumer)
+        event = self.env.event_at(arrival, (t, consumer))
         event.callbacks.append(dest.on_arrive)
         if self.rendezvous is not None:
             rv = self.rendezvous
             event.callbacks.append(lambda _e: rv.delivered(src, dest, t, consumer))
-        self.env.schedule_at(event, arrival)
         if self.recorder is not None:
             self._msg_id += 1
             src_gid, dst_gid = src.gids[t], dest.gids[t]
-            rec, it, nb, mid = self.recorder, self.iteration, self.msg_bytes, self._msg_id
+            rec, it, nb, mid = self.recorder, self.iteration, self._nbytes(src.d, t, consumer), self._msg_id
             rec.add("send", it, src_gid, consumer, posted, start, nbytes=nb, peer=dst_gid, msg=mid)
             rec.add("recv", it, dst_gid, consumer, start, arrival, nbytes=nb, peer=src_gid, msg=mid)
 
     # -- tracing ---------------------------------------------------------------------------------
+    def _nbytes(self, d: int, t: int, consumer: Task) -> float:
+        """Bytes of the message of member ``t`` of replica ``d`` whose consumer is ``consumer``."""
+        s = self._current[d][t]
+        if s.msg_bytes is None:
+            return self.msg_bytes
+        forward = consumer.op is Op.F  # a forward comes from the stage before, a gradient from the one after
+        stage = consumer.stage - 1 if forward else consumer.stage + 1
+        return float(s.msg_bytes[stage, consumer.mb, 0 if forward else 1])
+
     def record_compute(self, w: _Worker, task: Task, start: float, end: float) -> None:
         assert self.recorder is not None
-        for gid, s in zip(w.gids, w.scheds, strict=True):
-            self.recorder.add("compute", self.iteration, gid, task, start, end, held=s.held)
+        s = self._current[w.d][0]  # the replica's data: the same for its TP members
+        sizes = {} if s.tokens is None else {"tokens": int(s.tokens[task.mb]), "images": _images(s, task.mb)}
+        for gid, sched in zip(w.gids, w.scheds, strict=True):
+            self.recorder.add("compute", self.iteration, gid, task, start, end, held=sched.held, **sizes)
+
+
+def _images(s: IterationSample, mb: int) -> int:
+    return 0 if s.images is None else int(s.images[mb])
 
 
 def _get(budget: Mapping[int, int] | None, rank: int) -> int | None:

@@ -1,4 +1,6 @@
-"""Rendezvous sends: Megatron-style batched blocking P2P for the fixed-order baseline.
+"""Rendezvous sends: Megatron-style batched blocking P2P for the fixed-order baseline -- steady-state
+coupling only (at zero latency it equals 1F1B's dependencies); ``send="megatron"``
+(:mod:`rrfp.sim.megatron`) models Megatron-core's 1F1B calls themselves.
 
 Megatron's pipeline schedules talk in *batches*: after a compute step a rank posts, in one
 ``batch_isend_irecv``, the sends of what it just produced and the receives of what it needs next
@@ -28,14 +30,38 @@ model then raises :class:`rrfp.DeadlockError` naming the rank.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Protocol
 
 from rrfp.plan.task import Op, Task
 
-if TYPE_CHECKING:
-    from .model import ClusterModel, _Worker
-
 Channel = tuple[int, int]  # (source pipeline rank, direction: 0 forward, 1 backward)
+
+
+class _Receives(Protocol):
+    @property
+    def receives(self) -> dict[Channel, list[Task]]: ...
+
+
+class Endpoint(Protocol):
+    """What the matching reads and sets on a worker (rrfp.sim.model's ``_Worker``): declared here so
+    this module need not import the model that uses it."""
+
+    r: int
+    """Pipeline rank."""
+    gids: list[int]
+    """Global rank of each TP member."""
+    plan: _Receives
+    tx: list[list[float]]
+    """Per member: the transfer time of the message out of each position."""
+    blocked: int
+    """Sends of the current batch not yet delivered."""
+
+    def mark(self) -> None: ...
+
+
+Transfer = Callable[[Endpoint, Endpoint, int, Task, float, float], None]
+"""``transfer(src, dest, member, consumer, seconds, posted)``: move one matched message now."""
 
 
 def receive_orders(order: tuple[Task, ...], sources: list[tuple[int, ...]]) -> dict[Channel, list[Task]]:
@@ -49,12 +75,13 @@ def receive_orders(order: tuple[Task, ...], sources: list[tuple[int, ...]]) -> d
 
 
 class Rendezvous:
-    """The matching of sends to posted receives for one :class:`ClusterModel`."""
+    """The matching of sends to posted receives for one cluster model, which moves a matched message
+    with ``transfer`` (its ``ClusterModel.transfer``)."""
 
-    def __init__(self, model: ClusterModel) -> None:
-        self.model = model
+    def __init__(self, transfer: Transfer) -> None:
+        self.transfer = transfer
         self.posted: set[tuple[int, Task]] = set()  # (destination gid, consumer) with a receive up
-        self.waiting: dict[tuple[int, Task], tuple[_Worker, int, int, float]] = {}  # sends not matched
+        self.waiting: dict[tuple[int, Task], tuple[Endpoint, int, int, float]] = {}  # sends not matched
         self.next: dict[tuple[int, Channel], int] = {}  # (gid, channel) -> index of the next receive
         self.open: set[tuple[int, Channel]] = set()  # (gid, channel) with a receive posted, data not in
 
@@ -64,7 +91,7 @@ class Rendezvous:
         self.next.clear()
         self.open.clear()
 
-    def post_receives(self, w: _Worker) -> None:
+    def post_receives(self, w: Endpoint) -> None:
         """A communication point of ``w``: post the next receive of every idle channel."""
         for channel, tasks in w.plan.receives.items():
             for t, gid in enumerate(w.gids):
@@ -76,26 +103,26 @@ class Rendezvous:
                 self.open.add(key)
                 self._post(w, t, tasks[i])
 
-    def _post(self, w: _Worker, t: int, task: Task) -> None:
+    def _post(self, w: Endpoint, t: int, task: Task) -> None:
         match = (w.gids[t], task)
         waiting = self.waiting.pop(match, None)
         if waiting is None:
             self.posted.add(match)
             return
         sender, st, pos, posted = waiting
-        self.model.transfer(sender, w, st, task, sender.tx[st][pos], posted)
+        self.transfer(sender, w, st, task, sender.tx[st][pos], posted)
 
-    def send(self, src: _Worker, pos: int, dest: _Worker, t: int, consumer: Task, now: float) -> None:
+    def send(self, src: Endpoint, pos: int, dest: Endpoint, t: int, consumer: Task, now: float) -> None:
         """``src`` (member t) sends to ``consumer`` on ``dest``; its stream blocks until delivery."""
         src.blocked += 1
         match = (dest.gids[t], consumer)
         if match in self.posted:
             self.posted.discard(match)
-            self.model.transfer(src, dest, t, consumer, src.tx[t][pos], now)
+            self.transfer(src, dest, t, consumer, src.tx[t][pos], now)
         else:
             self.waiting[match] = (src, t, pos, now)
 
-    def delivered(self, src: _Worker, dest: _Worker, t: int, consumer: Task) -> None:
+    def delivered(self, src: Endpoint, dest: Endpoint, t: int, consumer: Task) -> None:
         """The transfer ended: the receive completes, the sender's batch may unblock."""
         source = src.r
         self.open.discard((dest.gids[t], (source, 0 if consumer.op is Op.F else 1)))

@@ -15,14 +15,17 @@ latency in seconds, and the recorded DP all-reduce time.
     rrfp-sim --replay traces/gpt-fixed-1f1b.parquet --policy rrfp --hint 1f1b,bf --memory-budget 1x,2x
 
 Send semantics: messages are eager by default (a recorded latency already holds whatever queueing the
-run saw). ``--send rendezvous`` / ``--contention`` re-simulate the queueing instead, from each message's
-link time alone (recv start to end): use them to replay a simulator trace recorded with those options.
+run saw). ``--send rendezvous`` / ``megatron`` / ``--contention`` re-simulate the queueing instead, from
+each message's link time alone (recv start to end): use them to replay a simulator trace recorded with
+those options.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import shlex
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,21 +34,27 @@ import numpy as np
 from rrfp.dispatch.backfill import Backfill
 from rrfp.plan.budget import hint_peaks, resolve_budget
 from rrfp.plan.task import Op
-from rrfp.study.metrics import paired_speedup
+from rrfp.study.compare import Comparison, legend, verdict
+from rrfp.study.metrics import paired_speedup, t_interval
+from rrfp.study.result import TrialResult
+from rrfp.study.schema import SCHEMA_VERSION, config_head, interval, speedup_entry, trial_fields
+from rrfp.study.trial import TrialId
 from rrfp.traces.replay import Replay
 from rrfp.traces.trace import TraceRecorder
 from rrfp.workload.model import IterationSample
 
 from .config import BASELINE_POLICY, ClusterConfig, ExperimentConfig
-from .experiment import PlannedRun, RunKey, RunStats, measure
+from .experiment import PlannedRun, RunStats, measure
 from .model import ClusterModel
+from .report import peak_range
 
 
 @dataclass
 class ReplayRun:
     """One (policy, hint, budget) re-simulated on the recorded durations."""
 
-    key: RunKey
+    key: TrialId
+    """Policy and hint (no budget: ``budget_label`` says it)."""
     budget_label: str
     """``recorded`` for the trace's own budget, else the budget text asked for (``2x``, ``6``)."""
     recorded: bool
@@ -60,8 +69,10 @@ class ReplayRun:
     def predicted(self) -> float:
         return self.stats.iteration_time[0]
 
+    @property
     def label(self) -> str:
-        return f"{self.key.label()}@{self.budget_label}"
+        """``policy/hint@budget_label``, e.g. ``rrfp/bf@recorded``, ``fixed/1f1b@2x``."""
+        return TrialId(self.key.policy, self.key.hint, self.budget_label).label
 
 
 @dataclass
@@ -85,6 +96,25 @@ class ReplayResult:
             "error_pct": 100.0 * (predicted - measured) / measured,
         }
 
+    def trials(self) -> list[TrialResult]:
+        """One :class:`TrialResult` (source ``replay``) per run: the iterations after the first, named
+        so that they join with a real run of the same trial (:func:`trial_of`)."""
+        return [r.stats.trial_results("replay", trial_of(self.replay, r))[0] for r in self.runs]
+
+
+def trial_of(rep: Replay, run: ReplayRun) -> TrialId:
+    """The trial a replayed run stands for. The recorded run is the trace's own (:attr:`Replay.trial`);
+    a what-if names its budget as asked (``1x`` is the default: none). A what-if on the recorded budget
+    is the recorded trial's budget on the trace's own hint (the same slots); on another hint that
+    budget has no name, and ``recorded`` stays in the id (it joins no real run)."""
+    if run.recorded:
+        return rep.trial
+    if run.budget_label != "recorded":
+        return TrialId(run.key.policy, run.key.hint, None if run.budget_label == "1x" else run.budget_label)
+    if run.key.hint == rep.hint:
+        return TrialId(run.key.policy, run.key.hint, rep.trial.budget)
+    return TrialId(run.key.policy, run.key.hint, "recorded")
+
 
 # -- planning and running --------------------------------------------------------------------------
 def plan(
@@ -92,11 +122,11 @@ def plan(
     hints: tuple[str, ...] | None,
     policies: tuple[str, ...] | None,
     budgets: tuple[str, ...] | None,
-) -> list[tuple[RunKey, Any, dict[int, int], str]]:
+) -> list[tuple[TrialId, Any, dict[int, int], str]]:
     """(key, hint, budget per rank, budget label) per run: the recorded run, then each requested one
     that differs from it. None for hints/policies/budgets means the trace's own."""
     own = rep.own_hint()
-    out = [(RunKey(rep.policy, rep.hint), own, rep.budget, "recorded")]
+    out = [(TrialId(rep.policy, rep.hint), own, rep.budget, "recorded")]
     seen = {(rep.policy, rep.hint, tuple(sorted(rep.budget.items())))}
     for name in hints or (rep.hint,):
         hint = rep.hint_for(name)
@@ -106,7 +136,7 @@ def plan(
                 key = (policy, name, tuple(sorted(budget.items())))
                 if key not in seen:
                     seen.add(key)
-                    out.append((RunKey(policy, name), hint, budget, label))
+                    out.append((TrialId(policy, name), hint, budget, label))
     return out
 
 
@@ -137,7 +167,7 @@ def run_replay(
     for index, (key, hint, budget, label) in enumerate(plan(rep, hints, policies, budgets)):
         cluster = ClusterConfig(tp=rep.tp, dp=rep.dp, send=send if key.policy == BASELINE_POLICY else "eager",
                                 contention=contention)  # fmt: skip
-        link = contention or cluster.send == "rendezvous"
+        link = contention or cluster.send != "eager"  # queueing re-simulated: each message's link time
         samples = rep.samples(hint.spec.split, link=link)
         policy = replay_policy(key.policy, samples)
         model = ClusterModel(hint, policy, cluster, budget, msg_bytes=rep.msg_bytes)
@@ -184,17 +214,18 @@ def _used(times: list[float]) -> list[float]:
     return times[1:] if len(times) > 1 else times
 
 
-def _config(rep: Replay, key: RunKey, label: str, cluster: ClusterConfig) -> ExperimentConfig:
+def _config(rep: Replay, key: TrialId, label: str, cluster: ClusterConfig) -> ExperimentConfig:
     """The ExperimentConfig :func:`measure` reads (pipeline shape, microbatches, DP degree)."""
-    spec = rep.spec
+    spec, n = rep.spec, len(rep.iterations)
+    warmup = 1 if n > 1 else 0  # the iterations after the first count, as in the recorded run's mean
     return ExperimentConfig(
         stages=spec.pp, microbatches=spec.microbatches, virtual_stages=spec.virtual_stages, hints=(key.hint,),
-        policies=(key.policy,), seeds=1, iterations=len(rep.iterations), cluster=cluster,
+        policies=(key.policy,), seeds=1, iterations=n - warmup, warmup=warmup, cluster=cluster,
         memory_budget="1x" if label == "recorded" else label,
     )  # fmt: skip
 
 
-def _recorder(rep: Replay, key: RunKey, budget: dict[int, int], model: ClusterModel) -> TraceRecorder:
+def _recorder(rep: Replay, key: TrialId, budget: dict[int, int], model: ClusterModel) -> TraceRecorder:
     return TraceRecorder(run=f"replay/{rep.run}", policy=key.policy, hint=key.hint, seed=rep.seed,
                          coords=model.coords, budget=budget)  # fmt: skip
 
@@ -211,25 +242,36 @@ def _num(x: float) -> float | None:
     return float(x) if math.isfinite(x) else None
 
 
-def replay_dict(result: ReplayResult) -> dict[str, Any]:
-    """The ``--json`` object: ``replay`` (what was loaded), ``fidelity``, ``results`` (one per run)."""
+def replay_dict(result: ReplayResult, command: str | None = None) -> dict[str, Any]:
+    """The ``--json`` object, schema version 2 (rrfp.study.schema): ``config``, ``replay`` (what was
+    loaded), ``fidelity``, ``results`` (one per run; the interval over the iterations after the first)
+    and ``speedups`` (each what-if against the recorded run, paired per iteration)."""
     rep = result.replay
     spec = rep.spec
     results = []
     for r in result.runs:
         bubble = np.mean(r.stats.bubble, axis=0)
+        _, low, high = t_interval(_used(r.times))
         row: dict[str, Any] = {
-            "policy": r.key.policy, "hint": r.key.hint,
+            **trial_fields(trial_of(rep, r)),
             "budget": [int(r.stats.budget[k]) for k in sorted(r.stats.budget)],
             "budget_label": r.budget_label, "recorded": r.recorded,
-            "iteration_time": {"mean": _num(r.predicted), "per_iteration": [_num(t) for t in r.times]},
+            "iteration_time": {
+                **interval(r.predicted, low, high), "per_iteration": [_num(t) for t in r.times],
+            },
             "bubble_fraction": {"mean": _num(bubble.mean()), "per_rank": [_num(b) for b in bubble]},
             "lower_bound_ratio": {"mean": _num(np.mean(r.stats.lb_ratio))},
             "peak_activations": [int(p) for p in r.stats.peaks],
             "speedup": None if r.speedup is None else _speedup(r.speedup),
         }  # fmt: skip
         results.append(row)
+    recorded = trial_of(rep, result.recorded)
+    speedups = [speedup_entry(trial_of(rep, r), recorded, *r.speedup, paired=True)
+                for r in result.runs if r.speedup is not None]  # fmt: skip
+    config = {"trace": rep.source, "run": rep.run, "timing": rep.timing}
     return {
+        "schema_version": SCHEMA_VERSION,
+        "config": {**config_head(command or shlex.join(sys.argv)), **config},
         "replay": {
             "source": rep.source, "run": rep.run, "policy": rep.policy, "hint": rep.hint, "seed": rep.seed,
             "pp": spec.pp, "tp": rep.tp, "dp": rep.dp, "microbatches": spec.microbatches,
@@ -240,11 +282,12 @@ def replay_dict(result: ReplayResult) -> dict[str, Any]:
         },
         "fidelity": {k: _num(v) for k, v in result.fidelity().items()},
         "results": results,
+        "speedups": speedups,
     }  # fmt: skip
 
 
-def replay_json(result: ReplayResult) -> str:
-    return json.dumps(replay_dict(result), indent=2, allow_nan=False)
+def replay_json(result: ReplayResult, command: str | None = None) -> str:
+    return json.dumps(replay_dict(result, command), indent=2, allow_nan=False)
 
 
 def format_replay(result: ReplayResult) -> str:
@@ -269,9 +312,9 @@ def format_replay(result: ReplayResult) -> str:
     for r in result.runs:
         sp = r.speedup
         rows.append([
-            r.label() + (" (recorded)" if r.recorded else ""), f"{r.predicted:.6g}",
+            r.label + (" (recorded)" if r.recorded else ""), f"{r.predicted:.6g}",
             f"{rep.measured_mean:.6g}" if r.recorded else "", f"{np.mean(r.stats.bubble):.3f}",
-            f"{np.mean(r.stats.lb_ratio):.3f}", str(max(r.stats.peaks)),
+            f"{np.mean(r.stats.lb_ratio):.3f}", peak_range(r.stats.peaks),
             "" if sp is None else _ci(sp),
         ])  # fmt: skip
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
@@ -283,8 +326,23 @@ def format_replay(result: ReplayResult) -> str:
         f"fidelity: measured {fid['measured']:.6g} s, predicted {fid['predicted']:.6g} s, "
         f"error {fid['error_pct']:+.2f}% (mean over iterations after the first)"
     )
-    note = "speedup = recorded replay / what-if iteration time on the same durations, paired per iteration"
-    return "\n".join([head, *[f"note: {n}" for n in rep.notes], "", *lines, "", fidelity, note])
+    recorded = trial_of(rep, result.recorded)
+    comps = [Comparison(trial_of(rep, r), recorded, *r.speedup) for r in result.runs if r.speedup is not None]
+    summary = [verdict(comps)] if comps else []
+    return "\n".join([head, *[f"note: {n}" for n in rep.notes], "", *lines, "", fidelity, *summary, "",
+                      *legend(REPLAY_COLUMNS)])  # fmt: skip
+
+
+REPLAY_COLUMNS = (
+    ("predicted s", "the replay's iteration time in seconds: mean over the iterations after the first"),
+    ("measured s", "the recorded run's own mean over the same iterations"),
+    ("bubble", "fraction of the iteration a rank sits idle, mean over the pipeline ranks"),
+    ("time/LB", "predicted time / a lower bound on any schedule of the recorded durations (this row's own "
+                "bound: a split hint's is lower)"),
+    ("peak act", "most activations a rank held at once: min-max over the pipeline ranks"),
+    ("speedup", "recorded replay / what-if iteration time on the same durations, paired per iteration "
+                "(above 1: the what-if is faster)"),
+)  # fmt: skip
 
 
 def _ci(sp: tuple[float, float, float]) -> str:

@@ -1,20 +1,28 @@
-"""Presenting an experiment: the terminal table, the ``--json`` object, and sweep rows.
+"""Presenting an experiment: the terminal table, the ``--json`` object, and output files written
+atomically (:func:`atomic_write`).
 
-The JSON object (one per invocation; identical seeds give byte-identical text)::
+The JSON object (one per invocation; identical seeds give byte-identical text) follows schema version 2,
+the layout rrfp-run prints too (rrfp.study.schema)::
 
-    {"config": {...},
-     "results": [{"policy", "hint", "iteration_time": {"mean", "ci_low", "ci_high"},
+    {"schema_version": 2,
+     "config": {"rrfp_version", "command", ...the ExperimentConfig...},
+     "results": [{"trial", "policy", "hint", "memory_budget", "iteration_time": {"mean", "ci_low", "ci_high"},
                   "throughput": {"mean"}, "bubble_fraction": {"mean", "per_rank"},
                   "utilisation": {"mean"}, "lower_bound": {"mean"}, "lower_bound_ratio": {"mean"},
+                  "group_lower_bound": {"mean"}, "group_lower_bound_ratio": {"mean"},
                   "peak_activations": [per pipeline rank], "budget": [per pipeline rank]}, ...],
-     "speedups": [{"hint", "policy", "baseline": {"policy", "hint"}, "mean", "ci_low", "ci_high"}, ...]}
+     "speedups": [{"trial", "policy", "hint", "memory_budget",
+                   "baseline": {"trial", "policy", "hint", "memory_budget"},
+                   "mean", "ci_low", "ci_high", "paired": true}, ...]}
 
 Intervals are 95% Student-t over replications; with one replication they are null. Per run:
-iteration time in seconds (flush to flush; the mean over iterations after the first when there are
-several), throughput in microbatches per second (global batch: m x dp microbatches), bubble fraction per
+iteration time in seconds (flush to flush; the mean over the measured iterations after the warm-up),
+throughput in microbatches per second (global batch: m x dp microbatches), bubble fraction per
 pipeline rank (idle / iteration time, averaged over DP replicas) and its mean, utilisation = 1 - mean
-bubble, the realised lower bound and time / LB, peak activations held per pipeline rank (max over
-replications) and the budget. Speedup = baseline / candidate time, paired per replication.
+bubble, the realised lower bound and time / LB, the group's lower bound (the lowest among the runs of
+the same pipeline shape: one denominator for rows that compare) and time / it, peak activations held
+per pipeline rank (max over replications) and the budget. Speedup = baseline / candidate time, paired
+per replication.
 """
 
 from __future__ import annotations
@@ -22,12 +30,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import TYPE_CHECKING, Any
+import os
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .experiment import ExperimentResult, RunStats
+from rrfp.study.compare import Comparison, budget_note, legend, verdict
+from rrfp.study.options import costs_text
+from rrfp.study.schema import SCHEMA_VERSION, config_head, speedup_entry, trial_fields
+
+from .experiment import ExperimentResult, RunStats, interval
 
 
 def _num(x: float) -> float | None:
@@ -37,8 +53,6 @@ def _num(x: float) -> float | None:
 
 
 def _interval(values: list[float]) -> dict[str, float | None]:
-    from .experiment import interval
-
     mean, low, high = interval(values)
     return {"mean": _num(mean), "ci_low": _num(low), "ci_high": _num(high)}
 
@@ -46,14 +60,15 @@ def _interval(values: list[float]) -> dict[str, float | None]:
 def _run_dict(s: RunStats) -> dict[str, Any]:
     bubble = np.mean(s.bubble, axis=0)  # (pp,): mean over replications
     return {
-        "policy": s.key.policy,
-        "hint": s.key.hint,
+        **trial_fields(s.key, s.budget_text),
         "iteration_time": _interval(s.iteration_time),
         "throughput": {"mean": _num(np.mean(s.throughput))},
         "bubble_fraction": {"mean": _num(bubble.mean()), "per_rank": [_num(b) for b in bubble]},
         "utilisation": {"mean": _num(1.0 - bubble.mean())},
         "lower_bound": {"mean": _num(np.mean(s.lower_bound))},
         "lower_bound_ratio": {"mean": _num(np.mean(s.lb_ratio))},
+        "group_lower_bound": {"mean": _num(np.mean(s.group_lower_bound))},
+        "group_lower_bound_ratio": {"mean": _num(np.mean(s.group_lb_ratio))},
         "peak_activations": [int(p) for p in s.peaks],
         "budget": [int(s.budget[r]) for r in sorted(s.budget)],
     }
@@ -79,29 +94,29 @@ def config_dict(cfg: Any) -> dict[str, Any]:
     return out
 
 
-def result_dict(result: ExperimentResult) -> dict[str, Any]:
+def result_dict(result: ExperimentResult, command: str | None = None) -> dict[str, Any]:
+    """The ``--json`` object (schema version 2, module doc); ``command``: the command line it records
+    (default: this process's)."""
     cfg = config_dict(result.config)
     cfg["microbatches"] = result.config.m
+    budgets = {s.key: s.budget_text for s in result.stats}
+    speedups = []
+    for sp in result.speedups:
+        entry = speedup_entry(sp.key, sp.baseline, sp.mean, sp.ci_low, sp.ci_high, sp.paired)
+        entry["memory_budget"] = budgets.get(sp.key, entry["memory_budget"])
+        entry["baseline"]["memory_budget"] = budgets.get(sp.baseline, entry["baseline"]["memory_budget"])
+        speedups.append(entry)
     return {
-        "config": cfg,
+        "schema_version": SCHEMA_VERSION,
+        "config": {**config_head(command or shlex.join(sys.argv)), **cfg},
         "results": [_run_dict(s) for s in result.stats],
-        "speedups": [
-            {
-                "hint": sp.key.hint,
-                "policy": sp.key.policy,
-                "baseline": {"policy": sp.baseline.policy, "hint": sp.baseline.hint},
-                "mean": _num(sp.mean),
-                "ci_low": _num(sp.ci_low),
-                "ci_high": _num(sp.ci_high),
-            }
-            for sp in result.speedups
-        ],
+        "speedups": speedups,
     }
 
 
-def to_json(result: ExperimentResult) -> str:
+def to_json(result: ExperimentResult, command: str | None = None) -> str:
     """One JSON object; deterministic key order and float formatting."""
-    return json.dumps(result_dict(result), indent=2, allow_nan=False)
+    return json.dumps(result_dict(result, command), indent=2, allow_nan=False)
 
 
 # -- the terminal table ----------------------------------------------------------------------------
@@ -112,49 +127,90 @@ def _ci(mean: float, low: float, high: float, fmt: str) -> str:
 
 
 def describe(result: ExperimentResult) -> str:
-    """One line saying what was simulated."""
+    """One line saying what was simulated (costs and times in seconds)."""
     c = result.config
     w, cl = c.workload, c.cluster
     v = "" if c.virtual_stages is None else f" v={c.virtual_stages}"
     jitter = "no jitter" if w.jitter == "none" or w.cv == 0 else f"{w.jitter} CV {w.cv:g}"
-    costs = ",".join(f"{k}={v:g}" for k, v in w.costs.items())  # type: ignore[union-attr]
+    costs = costs_text(dict(w.costs)) + " s"  # type: ignore[union-attr]
+    imbalance = getattr(w, "imbalance", 0.0)
+    if imbalance:
+        costs += f", last stage x{1 + imbalance:g}"
+    warm = f" after {c.warmup} warm-up" if c.warmup else ""
     return (
         f"pp={c.stages} m={c.m}{v} tp={cl.tp} dp={cl.dp} | {w.preset}, {jitter}, costs {costs} | "
-        f"{c.seeds} seed(s) x {c.iterations} iteration(s) | budget {c.memory_budget} | "
+        f"{c.seeds} seed(s) x {c.iterations} measured iteration(s){warm} | budget {c.memory_budget} | "
         f"send {cl.send}, latency {cl.comm_latency:g} s"
     )
 
 
+def peak_range(peaks: list[int] | tuple[int, ...]) -> str:
+    """Peak activations over the pipeline ranks as ``min-max`` (one number when they agree)."""
+    if not peaks:
+        return "-"
+    low, high = min(peaks), max(peaks)
+    return str(high) if low == high else f"{low}-{high}"
+
+
+def comparisons(result: ExperimentResult) -> list[Comparison]:
+    """The experiment's speedups as rrfp.study.compare reads them."""
+    return [Comparison(s.key, s.baseline, s.mean, s.ci_low, s.ci_high, s.paired) for s in result.speedups]
+
+
+COLUMNS = (
+    ("iteration time", "seconds from one flush to the next: mean over the seeds, 95% Student-t interval"),
+    ("bubble", "fraction of the iteration a rank sits idle, mean over the pipeline ranks"),
+    ("time/LB", "iteration time / a lower bound on any schedule of the same realised durations; the rows of "
+                "one pipeline shape share one bound (their lowest), so time/LB orders them as time does"),
+    ("peak act", "most activations a rank held at once: min-max over the pipeline ranks"),
+    ("speedup", "fixed's iteration time / this row's, paired per seed (> 1: faster than fixed); a class "
+                "hint (bf, bfw, fb) is compared with fixed on its reference order"),
+)  # fmt: skip
+"""The table's footer: what each column means (rrfp.study.compare.legend)."""
+
+
 def format_table(result: ExperimentResult) -> str:
-    """The readable summary: one line per run, then the paired speedups."""
+    """The readable summary: what ran, one line per run, who won, and what each column means."""
     speed = {sp.key: sp for sp in result.speedups}
-    header = ["policy/hint", "iteration time [95% CI]", "bubble", "time/LB", "peak act", "speedup [95% CI]"]
+    header = ["trial", "iteration time s [95% CI]", "bubble", "time/LB", "peak act", "speedup [95% CI]"]
     rows = []
     for s in result.stats:
-        mean, low, high = _interval_tuple(s.iteration_time)
+        mean, low, high = interval(s.iteration_time)
         sp = speed.get(s.key)
         rows.append(
             [
-                s.key.label(),
+                s.key.label,
                 _ci(mean, low, high, ".4g"),
                 f"{np.mean(s.bubble):.3f}",
-                f"{np.mean(s.lb_ratio):.3f}",
-                str(max(s.peaks)),
-                ""
-                if sp is None
-                else f"{_ci(sp.mean, sp.ci_low, sp.ci_high, '.4f')} vs {sp.baseline.label()}",
+                f"{np.mean(s.group_lb_ratio):.3f}",
+                peak_range(s.peaks),
+                "" if sp is None else f"{_ci(sp.mean, sp.ci_low, sp.ci_high, '.4f')} vs {sp.baseline.label}",
             ]
         )
+    comps = comparisons(result)
+    notes = [verdict(comps)]
+    note = budget_note(comps, [s.key.budget for s in result.stats])
+    return "\n".join([describe(result), "", *render(header, rows), "", *notes, *([note] if note else []), "",
+                      *legend(COLUMNS)])  # fmt: skip
+
+
+def render(header: list[str], rows: list[list[str]]) -> list[str]:
+    """Left-aligned columns two spaces apart, a rule under the header."""
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     lines = [
         "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    note = "speedup = fixed / policy iteration time, paired per seed (> 1: faster than fixed)"
-    return "\n".join([describe(result), "", *lines, "", note])
+    return lines
 
 
-def _interval_tuple(values: list[float]) -> tuple[float, float, float]:
-    from .experiment import interval
-
-    return interval(values)
+def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
+    """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it into place."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)

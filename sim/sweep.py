@@ -6,7 +6,8 @@
 Grid keys are the names of ``rrfp-sim``'s scalar options (``cv``, ``memory-budget``, ``stages``,
 ``workload``, ...; not ``hint``/``policy``, which every point already compares). Values are parsed by
 the option's own type. Each grid point is a full experiment (its own common random numbers, seeds
-0..n-1). One CSV row per (grid point, run): the grid values, ``policy``, ``hint``, the iteration time
+0..n-1). One CSV row per (grid point, run): the grid values, ``policy``, ``hint``, ``run`` (the trial
+label, with its budget unless 1x: ``rrfp/1f1b@2x``), the iteration time
 and its interval, bubble, policy/LB, peak activations, and -- for runs paired with fixed -- the
 ``speedup`` with ``ci_low``/``ci_high``. The plot draws speedup against the first grid key, one line
 per run and combination of the other keys, with the 95% interval as a band.
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
     from .config import ExperimentConfig
 
-_NOT_GRID = {"hints", "policies", "progress"}
+_NOT_GRID = {"hints", "policies", "progress", "version"}
 Axes = list[tuple[str, list[Any]]]
 
 
@@ -102,23 +103,23 @@ def result_rows(point: dict[str, Any], result: Any) -> list[dict[str, Any]]:
     from .report import result_dict
 
     data = result_dict(result)
-    speed = {(s["policy"], s["hint"]): s for s in data["speedups"]}
+    speed = {s["trial"]: s for s in data["speedups"]}
     rows = []
     for r in data["results"]:
-        sp = speed.get((r["policy"], r["hint"]))
+        sp = speed.get(r["trial"])
         rows.append(
             {
                 **point,
                 "policy": r["policy"],
                 "hint": r["hint"],
-                "run": f"{r['policy']}/{r['hint']}",
+                "run": r["trial"],
                 "iteration_time": r["iteration_time"]["mean"],
                 "iteration_time_ci_low": r["iteration_time"]["ci_low"],
                 "iteration_time_ci_high": r["iteration_time"]["ci_high"],
                 "bubble_fraction": r["bubble_fraction"]["mean"],
                 "lower_bound_ratio": r["lower_bound_ratio"]["mean"],
                 "peak_activations": max(r["peak_activations"]),
-                "baseline": None if sp is None else f"{sp['baseline']['policy']}/{sp['baseline']['hint']}",
+                "baseline": None if sp is None else sp["baseline"]["trial"],
                 "speedup": None if sp is None else sp["mean"],
                 "ci_low": None if sp is None else sp["ci_low"],
                 "ci_high": None if sp is None else sp["ci_high"],
@@ -131,7 +132,7 @@ def write_sweep(frame: pd.DataFrame, out: str | Path, plot: str | Path | None, x
     """Write the CSV (and the plot) atomically; the plot shows speedup vs ``x``."""
     from rrfp.traces.plot import plot_sweep
 
-    from .cli import atomic_write
+    from .report import atomic_write
 
     paired = frame[frame["speedup"].notna()].copy() if "speedup" in frame else frame.iloc[0:0]
     if plot is not None and paired.empty:

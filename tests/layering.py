@@ -31,9 +31,11 @@ LAYERS = (
 """Each layer imports only the layers before it (and itself); docs/design.md says what each holds."""
 FACADE = "rrfp"
 """``rrfp/__init__.py`` re-exports the public API: it sits above the core and no layer imports it."""
+SIBLINGS = {("rrfp.exec", "rrfp.sim")}
+"""Layers that are interpreters of the same core: the later one does not import the earlier one..."""
 ALLOWED = {("rrfp.exec.cli", "rrfp.sim")}
-"""Edges against the order, by (importing module, imported package): rrfp-run's CLI may load the
-simulator lazily, for --dry-run estimates."""
+"""...except by these (importing module, imported package) edges, and only lazily (inside a function):
+rrfp-run's CLI may load the simulator for --dry-run estimates."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +132,8 @@ def _targets(
 
 
 def violations(all_edges: list[Edge] | None = None) -> list[str]:
-    """Edges against the layer order, and imports of the facade from inside a layer."""
+    """Edges against the layer order, imports of the facade from inside a layer, and imports between
+    the interpreters other than the allowed lazy ones."""
     bad = []
     for e in edges() if all_edges is None else all_edges:
         src, dst = layer_of(e.source), layer_of(e.target)
@@ -138,12 +141,11 @@ def violations(all_edges: list[Edge] | None = None) -> list[str]:
             continue  # the facade may import any layer
         if dst is None:
             bad.append(f"{e.source}:{e.line} imports the top-level package {e.target!r} (import the module)")
-        elif dst > src and not any(
-            e.source == s and (e.target == t or e.target.startswith(t + ".")) for s, t in ALLOWED
-        ):
-            bad.append(
-                f"{e.source}:{e.line} ({LAYERS[src]}) imports {e.target} ({LAYERS[dst]}), a later layer"
-            )
+        elif dst > src:
+            where = f"{e.source}:{e.line} ({LAYERS[src]})"
+            bad.append(f"{where} imports {e.target} ({LAYERS[dst]}): a later layer")
+        elif (LAYERS[src], LAYERS[dst]) in SIBLINGS and not (_allowed(e) and e.lazy):
+            bad.append(f"{e.source}:{e.line} imports {e.target}: the interpreters stay apart")
     return bad
 
 

@@ -147,6 +147,30 @@ def test_unclocked_loop_neither_ticks_nor_announces() -> None:
     assert sched.ticks == [] and sched.announced == {} and sched.now is None
 
 
+def test_the_timed_phase_drives_a_new_scheduler_instead_of_swapping_the_policy() -> None:
+    """After calibration the runtime drives a fresh scheduler (same hint, rank and budget) that carries
+    the calibrated policy; the warm-up's scheduler keeps its own, and one of another rank is refused."""
+    from rrfp.dispatch.backfill import Backfill
+    from rrfp.dispatch.scheduler import SchedulerError
+
+    runtime, transport, warm = _last_rank_runtime(clocked=False)
+    warm_policy = warm.policy
+    timed = _SpyScheduler(warm.hint, 1, Backfill(latency=0.5), warm.budget)
+    runtime.clock(timed)
+    assert runtime.sched is timed and runtime.clocked and warm.policy is warm_policy
+    for mb in range(3):  # iteration 1's script
+        task = Task(1, Op.F, mb)
+        transport.announcements.append(Announce(0, 0, 1, task, since=200.0 + mb))
+        transport.inbox.put(Arrival(0, 0, 1, task, torch.zeros(1), mb, 0.0, 5.0 + mb, sent=4.5 + mb))
+    runtime.runner.begin(1)  # type: ignore[attr-defined]
+    runtime.run_iteration(1)
+    assert warm.ticks == [] and len(timed.ticks) >= 6 and timed.done
+    assert timed.announced == {Task(1, Op.F, m): 200.0 + m for m in range(3)}
+    assert [kind for kind, _, _ in transport.log] == ["send"] * 3 + ["announce", "send"] * 3
+    with pytest.raises(SchedulerError, match="needs a scheduler of this hint and rank"):
+        runtime.clock(rrfp.RankScheduler(warm.hint, 0, Backfill()))
+
+
 @pytest.mark.parametrize("announce", ["auto", "all"])
 def test_calibrated_backfill_runs_clocked_on_gloo(tmp_path, announce: str) -> None:
     """4 ranks: backfill is calibrated after the warm-up, then runs clocked iterations -- starts on the
@@ -159,13 +183,13 @@ def test_calibrated_backfill_runs_clocked_on_gloo(tmp_path, announce: str) -> No
     boards = set(shared_dir().glob("rrfp-board-*"))
     trace = tmp_path / "bf.parquet"
     result = rrfp_run(
-        "--gpus", "4", "--check", "--trials", "backfill/1f1b@2x,backfill/zb-h1@2x", "--warmup", "1",
-        "--iterations", "2", "--jitter", "lognormal", "--cv", "1.0", "--inject-ms", "3",
+        "--gpus", "4", "-m", "8", "--check", "--trials", "backfill/1f1b@2x,backfill/zb-h1@2x",
+        "--warmup", "1", "--iterations", "2", "--jitter", "lognormal", "--cv", "1.0", "--inject-ms", "3",
         "--trace-out", str(trace), "--announce", announce,
     )  # fmt: skip
     assert set(shared_dir().glob("rrfp-board-*")) <= boards
-    assert result["ok"] and len(result["trials"]) == 2
-    for row in result["trials"]:
+    assert result["ok"] and len(result["results"]) == 2
+    for row in result["results"]:
         assert row["check"]["ok"], row["check"]
         cal = row["calibration"]
         assert cal["announce"] == ("board" if announce == "auto" else "all")

@@ -14,7 +14,7 @@ from rrfp.exec.runtime import PipelineRuntime, RankContext, board_slots
 from rrfp.exec.synthetic import Injector, SyntheticRunner
 from rrfp.exec.transport import Arrival
 from rrfp.exec.worker import resolve_announce
-from rrfp.plan.hints import task_codes
+from rrfp.plan.compiled import task_codes
 from rrfp.plan.task import Op, Task
 from rrfp.workload.model import WorkloadConfig
 
@@ -68,7 +68,7 @@ def test_board_slots_name_each_positions_cross_rank_producer() -> None:
     hint = rrfp.make_hint("1f1b", 2, 3)
     sched = rrfp.RankScheduler(hint, 1, "backfill")
     slots, sources = board_slots(sched, base=100)
-    assert slots == [100 + c for c in hint.codes(1)]
+    assert slots == [100 + c for c in task_codes(hint.spec, hint.orders[1])]
     for task, source in zip(sched.tasks, sources, strict=True):
         # rank 1 holds the last stage: its F reads 0F, its B reads nothing from another rank
         want = 100 + task_codes(hint.spec, [Task(0, Op.F, task.mb)])[0] if task.op is Op.F else -1

@@ -6,7 +6,8 @@ import pytest
 from click.testing import CliRunner
 
 from rrfp.exec.cli import build_config, main
-from rrfp.exec.config import ExecConfigError, RunConfig, Trial
+from rrfp.exec.config import ExecConfigError, RunConfig, parse_trial
+from rrfp.study.trial import TrialError, TrialId
 
 BAD = [
     (["--gpus", "4", "--pp", "3"], "--pp 3 x --tp 1 x --dp 1 = 3 must equal the number of workers 4"),
@@ -26,7 +27,7 @@ BAD = [
     (["--gpus", "2", "--model", "vit"], "--model 'vit' is unknown"),
     (["--gpus", "2", "--synthetic", "--check"], "--synthetic has no model"),
     (["--gpus", "2", "--microbatches", "0"], "--microbatches must be an integer >= 1"),
-    (["--gpus", "2", "--timeout", "0"], "--timeout must be > 0"),
+    (["--gpus", "2", "--timeout", "0"], "--timeout must be a finite number in (0, "),
     (["--gpus", "2", "--trials", "rrfp"], "--trials item 'rrfp' is not"),
     (["--gpus", "2", "--trials", "rrfp/1f1b@0.5x"], "below 1x"),
     (["--gpus", "2", "--announce", "some"], "--announce 'some' is unknown: choose auto, board, all"),
@@ -48,18 +49,21 @@ def test_bad_options_exit_2_with_one_line(
 
 def test_defaults_and_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     opts = dict(main.make_context("rrfp-run", []).params)
-    opts["json"] = opts.pop("json_")
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     cfg = build_config(dict(opts))
-    assert (cfg.world, cfg.pp, cfg.policies, cfg.hints, cfg.budgets) == (
+    assert (cfg.world, cfg.pp, cfg.microbatches, cfg.policies, cfg.hints, cfg.budgets) == (
         4,
         4,
+        16,  # 4 x pp, as in rrfp-sim
         ("fixed", "rrfp"),
-        ("1f1b",),
+        ("1f1b", "bf"),
         (None,),
     )
-    assert [t.label for t in cfg.trials] == ["fixed/1f1b", "rrfp/1f1b"]
+    assert [t.label for t in cfg.trials] == ["fixed/1f1b", "rrfp/1f1b", "rrfp/bf"]  # fixed/bf is fixed/1f1b
+    assert (cfg.jitter, cfg.cv) == ("none", 0.0)  # a real model without --inject-ms: nothing to jitter
+    synthetic = build_config({**opts, "synthetic": True})
+    assert (synthetic.jitter, synthetic.cv) == ("lognormal", 0.3)  # sampled durations: rrfp-sim's default
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "8")
     cfg = build_config({**opts, "tp": 2})
@@ -70,11 +74,13 @@ def test_defaults_and_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_explicit_trials_round_trip_their_labels() -> None:
     labels = ["fixed/1f1b", "rrfp/1f1b@2x", "rrfp/zb-h1@6", "torch:1F1B"]
-    trials = [Trial.parse(x) for x in labels]
+    trials = [TrialId.parse(x) for x in labels]
     assert [t.label for t in trials] == labels
-    assert Trial.parse("rrfp/bfw@1x") == Trial("rrfp", "bfw")
-    with pytest.raises(ExecConfigError, match="not <policy>/<hint>"):
-        Trial.parse("rrfp")
+    assert TrialId.parse("rrfp/bfw@1x") == TrialId("rrfp", "bfw")
+    with pytest.raises(TrialError, match="not <policy>/<hint>"):
+        TrialId.parse("rrfp")
+    with pytest.raises(ExecConfigError, match=r"^--trials item 'rrfp' is not <policy>/<hint>"):
+        parse_trial("rrfp")  # the option edge names the option
     cfg = RunConfig(world=2, pp=2, explicit_trials=tuple(trials[:2]), baselines=("GPipe",))
     assert [t.label for t in cfg.trials] == ["fixed/1f1b", "rrfp/1f1b@2x", "torch:GPipe"]
 

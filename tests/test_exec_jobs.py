@@ -2,7 +2,8 @@
 
 Each launch costs seconds (torch import, rendezvous, process groups), so configurations are batched:
 one launch runs every (policy, hint) pair as trials. Every job runs in its own session with a hard
-timeout; afterwards no process of that session may be left.
+timeout; afterwards no process of that session, and no shared memory a worker reported, may be left
+(tests/execkit.py).
 """
 
 from __future__ import annotations
@@ -11,58 +12,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-import psutil
-import pytest
+from execkit import BIN, assert_no_leftovers, assert_shared_memory_gone, run_job, wait_for_rank
 
 from rrfp.exec.config import ModelConfig
 from rrfp.exec.data import make_batch
 
-BIN = Path(sys.executable).parent
 HINTS = "1f1b,interleaved-1f1b,zb-h1,bfw,zbv"
-JOB_TIMEOUT = 180
-
-
-def _session_procs(sid: int) -> list[psutil.Process]:
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == sid:
-                out.append(p)
-        except (ProcessLookupError, PermissionError, psutil.Error):
-            continue
-    return out
-
-
-def _assert_no_leftovers(sid: int) -> None:
-    deadline = time.monotonic() + 10
-    while (left := _session_procs(sid)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    for p in left:  # clean up before failing, so one failure does not poison the machine
-        p.kill()
-    assert not left, f"processes left behind: {[(p.pid, p.name()) for p in left]}"
-
-
-def run_job(args: list[str], timeout: float = JOB_TIMEOUT) -> subprocess.CompletedProcess:
-    """Run a command in its own session; kill the session on timeout; check nothing is left."""
-    proc = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # workers dump their state (with thread stacks) on SIGTERM
-        try:
-            out, err = proc.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
-        pytest.fail(f"{args} timed out after {timeout} s\n{err[-3000:]}")
-    _assert_no_leftovers(proc.pid)
-    return subprocess.CompletedProcess(args, proc.returncode, out, err)
 
 
 def rrfp_run(*flags: str, json_out: bool = True) -> dict:
@@ -72,23 +30,25 @@ def rrfp_run(*flags: str, json_out: bool = True) -> dict:
 
 
 def _by_label(result: dict) -> dict[str, dict]:
-    return {t["label"]: t for t in result["trials"]}
+    return {t["trial"]: t for t in result["results"]}
 
 
 def _assert_checks(result: dict, expected: int) -> None:
-    trials = result["trials"]
+    trials = result["results"]
     assert len(trials) == expected
-    bad = [(t["label"], t["check"]) for t in trials if not (t["check"] and t["check"]["ok"])]
+    bad = [(t["trial"], t["check"]) for t in trials if not (t["check"] and t["check"]["ok"])]
     assert not bad, bad
     assert result["ok"]
 
 
 def test_check_pp4_every_hint_both_policies() -> None:
     """`rrfp-run --gpus 4 --check`: fixed and rrfp x five hints at pp = 4 match the reference."""
-    result = rrfp_run("--gpus", "4", "--check", "--hint", HINTS, "--iterations", "1", "--warmup", "0")
-    _assert_checks(result, 10)
-    assert all(t["check"]["max_rel_diff"] <= 1e-5 for t in result["trials"])
-    assert {t["hint"] for t in result["trials"]} == set(HINTS.split(","))
+    result = rrfp_run(
+        "--gpus", "4", "-m", "8", "--check", "--hint", HINTS, "--iterations", "1", "--warmup", "0"
+    )
+    _assert_checks(result, 10)  # fixed/bfw runs 1F1B's order split: a schedule of its own, kept
+    assert all(t["check"]["max_rel_diff"] <= 1e-5 for t in result["results"])
+    assert {t["hint"] for t in result["results"]} == set(HINTS.split(","))
 
 
 def test_check_pp2_deterministic_is_bitwise_identical_under_jitter() -> None:
@@ -122,13 +82,14 @@ def test_check_data_parallel_and_budget() -> None:
     but this run asks for 1e-9, so the check must fail and the job exit 1 (with the JSON printed).
     """
     res = run_job([
-        str(BIN / "rrfp-run"), "--gpus", "4", "--pp", "2", "--dp", "2", "--check", "--memory-budget", "1x,2x",
+        str(BIN / "rrfp-run"), "--gpus", "4", "--pp", "2", "--dp", "2", "--check", "--hint", "1f1b",
+        "--memory-budget", "1x,2x",
         "--iterations", "2", "--warmup", "0", "--microbatches", "6", "--tolerance", "1e-9", "--json",
     ])  # fmt: skip
     assert res.returncode == 1, res.stderr[-3000:]
     result = json.loads(res.stdout)
-    assert len(result["trials"]) == 4 and not result["ok"]
-    for t in result["trials"]:
+    assert len(result["results"]) == 4 and not result["ok"]
+    for t in result["results"]:
         assert 0 < t["check"]["max_rel_diff"] <= 1e-5 and not t["check"]["ok"], t["check"]
     rows = _by_label(result)
     assert rows["rrfp/1f1b@2x"]["peak_activations"][0] <= 4
@@ -153,8 +114,9 @@ def test_torchrun_joins() -> None:
         [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "rrfp.exec", "--check"]
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "fixed/1f1b" in res.stdout and "rrfp/1f1b" in res.stdout
-    assert res.stdout.count(" ok (max rel diff") == 2
+    assert "fixed/1f1b" in res.stdout and "rrfp/1f1b" in res.stdout and "rrfp/bf" in res.stdout
+    assert res.stdout.count(" ok (max rel diff") == 3  # the default hints 1f1b,bf: fixed/bf is fixed/1f1b
+    assert "summary: " in res.stdout
 
 
 def test_baseline_jitter_and_trace(tmp_path: Path) -> None:
@@ -163,8 +125,8 @@ def test_baseline_jitter_and_trace(tmp_path: Path) -> None:
 
     trace = tmp_path / "run.parquet"
     result = rrfp_run(
-        "--gpus", "2", "--check", "--baseline", "torch:1F1B", "--jitter", "lognormal", "--cv", "0.5",
-        "--inject-ms", "2", "--iterations", "2", "--warmup", "0", "--trace-out", str(trace),
+        "--gpus", "2", "--check", "--hint", "1f1b", "--baseline", "torch:1F1B", "--jitter", "lognormal",
+        "--cv", "0.5", "--inject-ms", "2", "--iterations", "2", "--warmup", "0", "--trace-out", str(trace),
     )  # fmt: skip
     _assert_checks(result, 3)
     assert "torch:1F1B" in _by_label(result)
@@ -182,20 +144,50 @@ def test_synthetic_sleeps_with_perfetto_trace(tmp_path: Path) -> None:
     """--synthetic: no model, 4 ranks sleep sampled durations; the Perfetto JSON names every rank."""
     trace = tmp_path / "run.json"
     result = rrfp_run(
-        "--gpus", "4", "--synthetic", "--jitter", "lognormal", "--cv", "0.5", "--time-unit-ms", "2",
-        "--iterations", "2", "--warmup", "0", "--hint", "1f1b,bfw", "--trace-out", str(trace),
+        "--gpus", "4", "-m", "8", "--synthetic", "--jitter", "lognormal", "--cv", "0.5",
+        "--time-unit-ms", "2", "--iterations", "2", "--warmup", "0", "--hint", "1f1b,bfw",
+        "--trace-out", str(trace),
     )  # fmt: skip
-    assert len(result["trials"]) == 4
-    assert all(t["iteration_time"]["median"] > 0 for t in result["trials"])
+    assert len(result["results"]) == 4
+    assert all(t["iteration_time"]["median"] > 0 for t in result["results"])
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
     names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     assert len(names) >= 4
 
 
+SAME_TWICE = ["--gpus", "2", "--synthetic", "--trials", "fixed/1f1b,fixed/1f1b@2x", "--iterations", "12",
+              "--time-unit-ms", "2"]  # fmt: skip
+
+
+def test_the_same_schedule_twice_shows_no_significant_difference() -> None:
+    """fixed/1f1b and fixed/1f1b@2x are one schedule (fixed ignores the budget), so the paired 95%
+    interval of their speedup contains 1 -- it once read 1.00x vs 0.88x without one. Interleaved, the
+    pairs are iteration k of each (paired); --sequential runs them one after the other (unpaired).
+    A correct 95% interval misses 1 in one launch of twenty, so a miss gets one more launch."""
+    from rrfp.study.schema import validate
+
+    for attempt in range(2):
+        result = rrfp_run(*SAME_TWICE)
+        validate(result)
+        (sp,) = result["speedups"]
+        assert (sp["trial"], sp["baseline"]["trial"], sp["paired"]) == ("fixed/1f1b@2x", "fixed/1f1b", True)
+        if sp["ci_low"] <= 1 <= sp["ci_high"]:
+            break
+        assert attempt == 0, f"the paired interval missed 1 twice: {sp}"
+    assert result["config"]["command"] == "rrfp-run " + " ".join([*SAME_TWICE, "--json", "--dump-dir"]) + (
+        " " + result["config"]["dump_dir"]
+    )
+    res = run_job([str(BIN / "rrfp-run"), *SAME_TWICE, "--sequential", "--iterations", "3", "--json"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "rrfp-run: deprecated: --json prints schema_version 2" in res.stderr  # schema 1's keys, once
+    (sp,) = json.loads(res.stdout)["speedups"]
+    assert sp["paired"] is False and sp["ci_low"] < sp["mean"] < sp["ci_high"]
+
+
 def test_killed_worker_ends_the_job(tmp_path: Path) -> None:
     """SIGKILL one worker mid-run: the job ends non-zero within 60 s, names the killed rank, the
-    survivors wrote dumps, and no process is left."""
+    survivors wrote dumps, and no process (nor shared memory) is left."""
     dumps = tmp_path / "dumps"
     args = [str(BIN / "rrfp-run"), "--gpus", "4", "--iterations", "100000", "--policy", "rrfp"]
     proc = subprocess.Popen(
@@ -203,7 +195,7 @@ def test_killed_worker_ends_the_job(tmp_path: Path) -> None:
         start_new_session=True,
     )  # fmt: skip
     try:
-        victim = _wait_for_rank(proc, "rrfp-rank2", timeout=90)
+        victim = wait_for_rank(proc, 2, timeout=90)
         assert proc.stdout is not None
         assert proc.stdout.readline().startswith("rrfp-run: "), "rank 0 announces the run once set up"
         time.sleep(3)  # mid-run: iterations are under way
@@ -215,7 +207,8 @@ def test_killed_worker_ends_the_job(tmp_path: Path) -> None:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
-    _assert_no_leftovers(proc.pid)
+    assert_no_leftovers(proc.pid)
+    assert_shared_memory_gone(dumps, ranks=4)
     assert proc.returncode != 0
     assert elapsed < 60
     assert "rrfp-run: job failed: rank 2 " in err, err[-3000:]  # the killed rank, not a survivor
@@ -223,17 +216,3 @@ def test_killed_worker_ends_the_job(tmp_path: Path) -> None:
     assert written == ["rank0.json", "rank1.json", "rank3.json"], written
     dump = json.loads((dumps / "rank1.json").read_text())
     assert {"ready", "pending_inputs", "held_activations", "reason"} <= set(dump)
-
-
-def _wait_for_rank(proc: subprocess.Popen, name: str, timeout: float) -> psutil.Process:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        for p in psutil.Process(proc.pid).children(recursive=True):
-            try:
-                if p.name() == name:
-                    return p
-            except psutil.NoSuchProcess:
-                continue
-        time.sleep(0.2)
-    raise AssertionError(f"no process named {name} within {timeout} s")

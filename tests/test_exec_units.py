@@ -131,7 +131,7 @@ def test_header_round_trips_any_shape_and_rejects_what_it_cannot_carry() -> None
 
 def test_compare_finds_the_worst_tensor_and_slices_tp_shards() -> None:
     cfg = RunConfig(world=1, pp=1, model=SMALL, microbatches=2)
-    ref = reference(cfg)
+    (ref,) = reference(cfg)
     name = "blocks.1.fc.lin.weight"
     exact = [(n, None, g.clone()) for n, g in ref.grads.items()]
     assert compare(ref, [((0, 0, 0), exact)], ref.loss, 1, 1e-5).ok
@@ -186,27 +186,37 @@ def test_a_broken_channel_raises_lost_peer_at_once() -> None:
 
 
 def test_failure_report_names_the_killed_rank_not_the_ones_that_stopped_after_it() -> None:
-    failures = {r: SimpleNamespace(exitcode=code) for r, code in [(0, 3), (1, 143), (2, -9), (3, 3)]}
-    text = failure_report(failures, "/nonexistent", 4)
+    failures = {2: SimpleNamespace(exitcode=-9)}
+    faults = {r: {"reason": "lost rank 2: gone", "code": 3, "lost": [2]} for r in (0, 1, 3)}
+    text = failure_report(failures, faults, "/dumps")
     assert "rank 2 was killed by SIGKILL" in text and "ranks 0, 1, 3 stopped after losing it" in text
-    assert "rank 1 exited with code 1" in failure_report({1: SimpleNamespace(exitcode=1)}, "/nonexistent", 2)
+    assert "rank 1 exited with code 1" in failure_report({1: SimpleNamespace(exitcode=1)}, {}, "/dumps")
 
 
-def test_failure_report_finds_the_rank_without_a_dump(tmp_path: Path) -> None:
-    """The launcher saw a survivor exit first; the dumps still say who died."""
-    for r in (0, 1, 3):
-        (tmp_path / f"rank{r}.json").write_text("{}")
-    text = failure_report({1: SimpleNamespace(exitcode=3)}, str(tmp_path), 4)
-    assert text.startswith("rrfp-run: job failed: rank 2 died without writing a dump")
-    assert "ranks 0, 1, 3 stopped after losing it; 3 dumps in" in text
+def test_failure_report_blames_the_lost_rank_from_the_store_not_from_dumps() -> None:
+    """The launcher saw a survivor exit first; the survivors' fault records say whom they lost (no
+    dump file is read: rank 2 died without one, and the others' may be missing too)."""
+    faults = {r: {"reason": "lost rank 2: gone", "code": 3, "lost": [2]} for r in (0, 1, 3)}
+    text = failure_report({1: SimpleNamespace(exitcode=3)}, faults, "/dumps")
+    assert text.startswith("rrfp-run: job failed: rank 2 died without a word (killed?)")
+    assert text.endswith("ranks 0, 1, 3 stopped after losing it; dumps and logs in /dumps")
 
 
-def test_failure_report_puts_the_killed_rank_before_survivors_stopped_without_a_dump(tmp_path: Path) -> None:
-    """The launcher SIGTERMed ranks 1 and 3 before they wrote a dump: rank 2's SIGKILL is the cause
-    (seen once in CI: the report named rank 1 first)."""
-    (tmp_path / "rank0.json").write_text("{}")
-    text = failure_report({2: SimpleNamespace(exitcode=-9)}, str(tmp_path), 4)
-    assert text.startswith("rrfp-run: job failed: rank 2 was killed by SIGKILL; ranks 0, 1, 3 stopped")
+def test_failure_report_names_a_hung_rank_whoever_exited_first() -> None:
+    """Rank 1 was stopped: rank 0 found it hung (no heartbeat) and exited first with the fault code;
+    the launcher killed rank 1. Rank 1 is named as hung, rank 0 is not blamed."""
+    faults = {0: {"reason": "rank 1 is hung ...", "code": 3, "hung": {"1": "hung"}, "lost": [1]}}
+    faults[3] = {"reason": "stopped by SIGTERM", "code": 143, "hung": {}, "lost": []}
+    text = failure_report({0: SimpleNamespace(exitcode=3)}, faults, "/dumps")
+    assert text.startswith("rrfp-run: job failed: rank 1 is hung (its heartbeat stopped")
+    assert "ranks 0, 3 stopped after losing it" in text
+
+
+def test_failure_report_puts_a_crashed_rank_first_with_its_own_words() -> None:
+    faults = {0: {"reason": "crashed: ValueError: x; traceback in /d/rank0.log", "code": 1}}
+    faults[1] = {"reason": "lost rank 0: closed", "code": 3, "lost": [0]}
+    text = failure_report({1: SimpleNamespace(exitcode=3)}, faults, "/d")
+    assert text.startswith("rrfp-run: job failed: rank 0 failed: crashed: ValueError: x; traceback in")
 
 
 _SIGTERM_DURING_DUMP = """

@@ -69,8 +69,9 @@ def test_simulator_trace_replays_exactly(hint: str, policy: str) -> None:
 
 @pytest.mark.parametrize(
     ("options", "replay_options"),
-    [({"contention": True}, {"contention": True}), ({"send": "rendezvous"}, {"send": "rendezvous"})],
-)
+    [({"contention": True}, {"contention": True}), ({"send": "rendezvous"}, {"send": "rendezvous"}),
+     ({"send": "megatron"}, {"send": "megatron"})],
+)  # fmt: skip
 def test_queueing_traces_replay_exactly_with_the_same_send_options(
     options: dict, replay_options: dict
 ) -> None:

@@ -261,3 +261,53 @@ def test_max_prefix_tree_matches_plain_prefix_sums(
         hi = data.draw(st.integers(lo, len(values)))
         assert tree.max_prefix(lo, hi) == max(accumulate(values[lo:hi], initial=0))
     assert tree.max_prefix(0, len(values)) == max(accumulate(values, initial=0))
+
+
+def _view_reads(path: str) -> set[str]:
+    """Names a policy module reads off a parameter annotated as the scheduler view."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).resolve().parents[1] / path).read_text())
+    names: set[str] = set()
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        views = {
+            a.arg
+            for a in fn.args.args
+            if a.annotation is not None and "SchedulerView" in ast.unparse(a.annotation)
+        }
+        for node in ast.walk(fn):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in views
+            ):
+                names.add(node.attr)
+    return names
+
+
+def _view_names() -> set[str]:
+    from rrfp.dispatch.view import SchedulerView
+
+    own = set(vars(SchedulerView)) | set(SchedulerView.__annotations__)
+    return {n for n in own if not n.startswith("_")}
+
+
+@pytest.mark.parametrize("path", ["rrfp/dispatch/policies.py", "rrfp/dispatch/backfill.py"])
+def test_policies_read_the_scheduler_only_through_its_view(path: str) -> None:
+    reads = _view_reads(path)
+    assert reads, "the check found no reads at all: is the view annotation gone?"
+    assert reads <= _view_names(), f"{path} reads {sorted(reads - _view_names())} outside SchedulerView"
+
+
+def test_the_view_check_sees_an_internal_read() -> None:
+    assert "_fheap" not in _view_names() and "head" in _view_names()
+    reads = _view_reads("rrfp/dispatch/policies.py") | {"_fheap"}  # what a policy poking inside would add
+    assert not reads <= _view_names()
+
+
+def test_the_scheduler_provides_the_whole_view() -> None:
+    sched = RankScheduler(rrfp.make_hint("1f1b", 2, 2), 0, "rrfp")
+    assert all(hasattr(sched, name) for name in _view_names())

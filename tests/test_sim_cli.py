@@ -52,7 +52,8 @@ def test_json_is_byte_identical_for_identical_seeds(capsys):
     assert {"bubble_fraction", "lower_bound_ratio", "peak_activations"} <= set(r)
     assert len(r["peak_activations"]) == 3
     sp = data["speedups"][1]
-    assert (sp["hint"], sp["policy"], sp["baseline"]) == ("bfw", "rrfp", {"policy": "fixed", "hint": "1f1b"})
+    assert (sp["trial"], sp["hint"], sp["policy"], sp["paired"]) == ("rrfp/bfw", "bfw", "rrfp", True)
+    assert sp["baseline"] == {"trial": "fixed/1f1b", "policy": "fixed", "hint": "1f1b", "memory_budget": "1x"}
     assert sp["ci_low"] <= sp["mean"] <= sp["ci_high"]
 
 
@@ -136,3 +137,21 @@ def test_console_script_and_module_entry_points():
         assert done.stderr == "rrfp-sim: error: stages must be an integer >= 1, got 0\n"
     help_text = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=120)
     assert help_text.returncode == 0 and "--memory-budget" in help_text.stdout
+
+
+def test_option_defaults_come_from_the_config_dataclasses():
+    from rrfp.sim.cli import compare, sweep
+    from rrfp.sim.config import ExperimentConfig, from_options, option_defaults
+
+    defaults = option_defaults()
+    for command in (compare, sweep):
+        shared = {p.name: p.default for p in command.params if p.name in defaults}
+        assert shared == defaults  # every shared option, and no default of its own
+    assert from_options({}) == ExperimentConfig()  # the defaults build the dataclasses' own config
+    assert (defaults["jitter"], defaults["cv"]) == (ExperimentConfig().workload.jitter, 0.3)
+
+
+def test_options_given_on_the_command_line_are_read_from_the_context_passed_in(capsys):
+    # --cv next to --replay is refused because it was typed, not because it differs from the default.
+    code, _, err = run_cli(["--replay", "traces/gpt-fixed-1f1b.parquet", "--cv", "0.3"], capsys)
+    assert code == 2 and "--cv cannot be combined with --replay" in err

@@ -3,6 +3,7 @@ of that instant -- the mechanism behind the same-instant rule."""
 
 from __future__ import annotations
 
+import pytest
 from simpy.events import Event, Timeout
 
 from rrfp.sim.engine import InstantEnvironment
@@ -79,3 +80,55 @@ def test_schedule_at_uses_the_absolute_time():
     env.schedule_at(event, when)
     env.drain()
     assert log == [("abs", when)]
+
+
+# -- the public API the model uses (only sim/engine.py touches SimPy's private state) ----------------
+@pytest.mark.parametrize("runner", ["drain", "run"])
+def test_now_is_simpys_clock_in_every_callback(runner: str) -> None:
+    env = InstantEnvironment()
+    seen: list[tuple[float, float]] = []
+
+    def look(*_args: object) -> None:
+        seen.append((env.now, env._now))  # the public clock and SimPy's own
+        env.arm()
+
+    env.on_instant_end = lambda: seen.append((env.now, env._now))
+    env.call_at(0.5, look, None)
+    Timeout(env, 1.5).callbacks.append(look)
+    env.event_at(2.5).callbacks.append(look)
+    getattr(env, runner)()
+    assert all(a == b for a, b in seen), seen
+    want = [0.5, 0.5, 1.5, 1.5, 2.5, 2.5] if runner == "drain" else [0.5, 1.5, 2.5]  # run(): no hook
+    assert [a for a, _ in seen] == want and env.now == 2.5
+
+
+def test_an_inline_entry_from_call_queue_is_a_call_at():
+    from heapq import heappush
+
+    from simpy.events import NORMAL
+
+    env = InstantEnvironment()
+    log: list[str] = []
+    heap, ids = env.call_queue()
+    env.call_at(1.0, log.append, "a")
+    heappush(heap, (1.0, NORMAL, next(ids), log.append, "b"))  # what the model's hot path does
+    env.event_at(1.0, "c").callbacks.append(lambda e: log.append(e.value))
+    env.call_at(1.0, log.append, "d")
+    env.drain()
+    assert log == ["a", "b", "c", "d"] and env.now == 1.0
+
+
+def test_only_the_engine_touches_simpys_private_names():
+    import re
+    from pathlib import Path
+
+    private = re.compile(r"\._(queue|eid|now|value|ok|defused|triggered|processed)\b")
+    sim = Path(__file__).resolve().parents[1] / "sim"
+    found = {
+        f"{path.name}:{n}": line.strip()
+        for path in sorted(sim.glob("*.py"))
+        if path.name != "engine.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if private.search(line)
+    }
+    assert not found, found

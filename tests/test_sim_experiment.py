@@ -10,7 +10,8 @@ import pytest
 
 import rrfp
 from rrfp.sim import ClusterConfig, ExperimentConfig
-from rrfp.sim.experiment import RunKey, plan_runs, run_experiment
+from rrfp.sim.experiment import plan_runs, run_experiment
+from rrfp.study.trial import TrialId
 from rrfp.traces.trace import to_perfetto
 from rrfp.workload.jitter import DISTRIBUTIONS
 from rrfp.workload.model import WORKLOAD_PRESETS, WorkloadConfig
@@ -23,36 +24,53 @@ def small(**kw) -> ExperimentConfig:
 
 def test_default_plan_is_fixed_1f1b_vs_rrfp_on_1f1b_and_bf():
     plans = plan_runs(ExperimentConfig())
-    assert [p.key for p in plans] == [RunKey("fixed", "1f1b"), RunKey("rrfp", "1f1b"), RunKey("rrfp", "bf")]
-    assert [p.baseline for p in plans] == [None, RunKey("fixed", "1f1b"), RunKey("fixed", "1f1b")]
+    assert [p.key.label for p in plans] == ["fixed/1f1b", "rrfp/1f1b", "rrfp/bf"]
+    assert [p.key for p in plans] == [
+        TrialId("fixed", "1f1b"),
+        TrialId("rrfp", "1f1b"),
+        TrialId("rrfp", "bf"),
+    ]
+    assert [p.baseline for p in plans] == [None, TrialId("fixed", "1f1b"), TrialId("fixed", "1f1b")]
 
 
 def test_class_hints_pair_with_fixed_on_their_reference():
     plans = {p.key: p for p in plan_runs(small(hints=("bfw", "zb-h1", "fb")))}
     assert set(plans) == {
-        RunKey("fixed", "1f1b"), RunKey("rrfp", "bfw"), RunKey("fixed", "zb-h1"), RunKey("rrfp", "zb-h1"),
-        RunKey("rrfp", "fb"),
+        TrialId("fixed", "1f1b"), TrialId("rrfp", "bfw"), TrialId("fixed", "zb-h1"), TrialId("rrfp", "zb-h1"),
+        TrialId("rrfp", "fb"),
     }  # fmt: skip
-    assert plans[RunKey("rrfp", "bfw")].baseline == RunKey("fixed", "1f1b")
-    assert plans[RunKey("rrfp", "zb-h1")].baseline == RunKey("fixed", "zb-h1")
-    assert plans[RunKey("rrfp", "bfw")].hint.spec.split  # rrfp/bfw runs the split order
+    assert plans[TrialId("rrfp", "bfw")].baseline == TrialId("fixed", "1f1b")
+    assert plans[TrialId("rrfp", "zb-h1")].baseline == TrialId("fixed", "zb-h1")
+    assert plans[TrialId("rrfp", "bfw")].hint.spec.split  # rrfp/bfw runs the split order
 
 
 def test_without_fixed_there_is_nothing_to_pair():
     result = run_experiment(small(policies=("rrfp",), seeds=2))
-    assert [s.key for s in result.stats] == [RunKey("rrfp", "1f1b"), RunKey("rrfp", "bf")]
+    assert [s.key for s in result.stats] == [TrialId("rrfp", "1f1b"), TrialId("rrfp", "bf")]
     assert result.speedups == []
 
 
 def test_budget_scales_with_the_factor():
     plans = {p.key: p for p in plan_runs(small(memory_budget="2x"))}
-    assert plans[RunKey("rrfp", "bf")].budget == {0: 6, 1: 4, 2: 2}
+    assert plans[TrialId("rrfp", "bf", "2x")].budget == {0: 6, 1: 4, 2: 2}
+    assert plans[TrialId("rrfp", "bf", "2x")].baseline == TrialId("fixed", "1f1b", "2x")
+
+
+def test_every_hint_and_policy_runs_at_every_budget_against_fixed_at_the_first():
+    plans = plan_runs(small(memory_budget="1x,2x"))
+    assert [p.key.label for p in plans] == [
+        "fixed/1f1b", "rrfp/1f1b", "fixed/1f1b@2x", "rrfp/1f1b@2x", "rrfp/bf", "rrfp/bf@2x",
+    ]  # fmt: skip
+    assert {p.key.label: p.baseline.label for p in plans if p.baseline} == {
+        "rrfp/1f1b": "fixed/1f1b", "fixed/1f1b@2x": "fixed/1f1b", "rrfp/1f1b@2x": "fixed/1f1b",
+        "rrfp/bf": "fixed/1f1b", "rrfp/bf@2x": "fixed/1f1b",
+    }  # fmt: skip
 
 
 def test_common_random_numbers_do_not_depend_on_what_else_runs():
     alone = run_experiment(small(hints=("1f1b",), policies=("fixed",), seeds=3))
     crowd = run_experiment(small(hints=("1f1b", "bf", "gpipe"), seeds=5))
-    assert crowd.stats[0].key == RunKey("fixed", "1f1b")
+    assert crowd.stats[0].key == TrialId("fixed", "1f1b")
     assert crowd.stats[0].iteration_time[:3] == alone.stats[0].iteration_time
 
 
@@ -99,7 +117,7 @@ def test_every_preset_and_distribution_runs(preset, family):
 
 def test_iterations_after_the_first_are_averaged():
     one = run_experiment(small(hints=("1f1b",), policies=("fixed",), iterations=1, seeds=2))
-    three = run_experiment(small(hints=("1f1b",), policies=("fixed",), iterations=3, seeds=2))
+    three = run_experiment(small(hints=("1f1b",), policies=("fixed",), iterations=2, warmup=1, seeds=2))
     # iteration 0 draws the same numbers in both; the 3-iteration mean skips it
     assert one.stats[0].iteration_time != three.stats[0].iteration_time
 

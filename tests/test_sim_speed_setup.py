@@ -21,7 +21,7 @@ import rrfp
 from rrfp.dispatch import segtree
 from rrfp.dispatch.backfill import Backfill, BackfillError
 from rrfp.dispatch.policies import Policy
-from rrfp.dispatch.scheduler import RankScheduler, _rank_plan
+from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.dispatch.segtree import MaxPrefixTree
 from rrfp.plan import hints
 from rrfp.plan.task import Op, Task
@@ -88,18 +88,19 @@ def test_codes_name_each_task_once() -> None:
         m = hint.spec.microbatches
         slot = {Op.F: 0, Op.B: 1, Op.I: 1, Op.W: 2}
         for rank, order in hint.orders.items():
-            assert hint.codes(rank) == [(t.stage * 3 + slot[t.op]) * m + t.mb for t in order]
-            table = hint.tasks_by_code()
-            assert [table[c] for c in hint.codes(rank)] == list(order)
+            codes = hint.plan.codes[rank].tolist()
+            assert codes == [(t.stage * 3 + slot[t.op]) * m + t.mb for t in order]
+            table = hint.plan.tasks_by_code
+            assert [table[c] for c in codes] == list(order)
 
 
-def test_make_hint_shares_a_live_hint_and_a_class_hint_shares_its_orders_memo() -> None:
+def test_make_hint_shares_a_live_hint_and_a_class_hint_shares_its_compiled_plan() -> None:
     one = rrfp.make_hint("1f1b", 4, 8)
     assert rrfp.make_hint("1f1b", 4, 8) is one
     bf = rrfp.make_hint("bf", 4, 8)
-    assert bf.orders == one.orders and bf.orders_memo is one.orders_memo
+    assert bf.orders is one.orders and bf.plan is one.plan
     assert bf.priority(0) != one.priority(0)
-    assert _rank_plan(bf, 0).prio == bf.priority(0) and _rank_plan(one, 0).prio == one.priority(0)
+    assert bf.ranking(0).prio == bf.priority(0) and one.ranking(0).prio == one.priority(0)
 
 
 # -- per-rank wiring ------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ def test_scheduler_wiring_matches_the_dag_rules() -> None:
     for hint in every_hint():
         spec = hint.spec
         for rank, order in hint.orders.items():
-            plan = _rank_plan(hint, rank)
+            plan, ranking = hint.plan.wiring(rank), hint.ranking(rank)
             index = {t: p for p, t in enumerate(order)}
             assert plan.index == index
             assert plan.need == [len(spec.deps(t)) for t in order]
@@ -119,8 +120,8 @@ def test_scheduler_wiring_matches_the_dag_rules() -> None:
             for p, t in enumerate(order):
                 local = [index[c] for c in spec.consumers(t) if not spec.is_remote(t, c)]
                 assert sorted(c for c in (plan.feeds[p], plan.feeds_too[p]) if c >= 0) == sorted(local)
-            assert sorted(plan.pos_of_prio) == list(range(len(order)))
-            assert all(plan.prio[plan.pos_of_prio[k]] == k for k in range(len(order)))
+            assert sorted(ranking.pos_of_prio) == list(range(len(order)))
+            assert all(ranking.prio[ranking.pos_of_prio[k]] == k for k in range(len(order)))
 
 
 def test_simulator_wiring_matches_the_remote_consumers() -> None:

@@ -25,6 +25,7 @@ m divisible by their rounds max(1, m // pp) (e.g. pp=4, m=9), 1F1B needs m >= pp
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 
@@ -195,3 +196,40 @@ def test_refusals(args: tuple, message: str) -> None:
 def test_names_are_case_insensitive_like_torch() -> None:
     assert ts.canonical_name("zbvzerobubble") == "ZBVZeroBubble"
     assert rrfp.hint_orders("torch:gpipe", 2, 2) == rrfp.hint_orders("gpipe", 2, 2)
+
+
+def test_one_schedule_table_agrees_with_torch() -> None:
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+    for name, entry in ts.TORCH_TABLE.items():
+        single = issubclass(get_schedule_class(name), PipelineScheduleSingle)
+        assert (entry.stages_per_rank == 1) == single, name
+        assert (entry.placement == "v") == (name in ("ZBVZeroBubble", "DualPipeV")), name
+
+
+def _schedule_name_collections(path: Path) -> list[int]:
+    """Lines of tuple/list/set literals holding two or more of torch's schedule names."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            names = [e.value for e in node.elts if isinstance(e, ast.Constant) and e.value in ts.TORCH_TABLE]
+            if len(names) >= 2:
+                found.append(node.lineno)
+    return found
+
+
+def test_no_other_module_keeps_its_own_copy_of_the_schedule_table(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    copies = {
+        str(p.relative_to(root)): lines
+        for folder in ("rrfp", "sim", "exec", "traces")
+        for p in (root / folder).rglob("*.py")
+        if p.name != "torch_schedules.py" and (lines := _schedule_name_collections(p))
+    }
+    assert copies == {}, f"schedule-name tables outside rrfp/plan/torch_schedules.py: {copies}"
+    assert _schedule_name_collections(root / "rrfp/plan/torch_schedules.py") == []  # built from TORCH_TABLE
+    planted = tmp_path / "copy.py"  # the check sees a copy when there is one
+    planted.write_text('V_SHAPED = ("ZBVZeroBubble", "DualPipeV")\n')
+    assert _schedule_name_collections(planted) == [1]

@@ -24,6 +24,7 @@ from rrfp.plan.task import Op, Task
 from rrfp.traces.trace import (
     COLUMNS,
     KINDS,
+    PLAIN_VERSION,
     SCHEMA_VERSION,
     TraceError,
     TraceRecorder,
@@ -167,7 +168,7 @@ def test_round_trip_preserves_values_and_dtypes(frame: pd.DataFrame, tmp_path: P
     back = read_trace(path)
     assert back.dtypes.to_dict() == frame.dtypes.to_dict()
     pd.testing.assert_frame_equal(back, frame, check_exact=True)
-    assert back.attrs["schema_version"] == SCHEMA_VERSION
+    assert back.attrs["schema_version"] == PLAIN_VERSION  # no token data: written as v2 (test_tokens_trace)
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind
 
 
@@ -175,8 +176,8 @@ def test_version_is_stored_in_parquet_metadata_and_csv_header(frame: pd.DataFram
     write_trace(frame, tmp_path / "t.parquet")
     write_trace(frame, tmp_path / "t.csv")
     meta = pq.read_schema(tmp_path / "t.parquet").metadata
-    assert meta[b"rrfp.trace.schema_version"] == str(SCHEMA_VERSION).encode()
-    assert (tmp_path / "t.csv").read_text().splitlines()[0] == f"# rrfp-trace schema_version={SCHEMA_VERSION}"
+    assert meta[b"rrfp.trace.schema_version"] == str(PLAIN_VERSION).encode()
+    assert (tmp_path / "t.csv").read_text().splitlines()[0] == f"# rrfp-trace schema_version={PLAIN_VERSION}"
 
 
 def test_round_trip_of_empty_trace(tmp_path: Path) -> None:
@@ -197,7 +198,8 @@ def test_extra_columns_are_kept(frame: pd.DataFrame, tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------------
 def check_perfetto(doc: dict) -> None:
     """Structural validity: what Perfetto needs to show every slice, arrow, counter and name."""
-    assert doc["displayTimeUnit"] == "ms" and doc["metadata"]["rrfp_trace_schema_version"] == SCHEMA_VERSION
+    assert doc["displayTimeUnit"] == "ms"
+    assert doc["metadata"]["rrfp_trace_schema_version"] in (PLAIN_VERSION, SCHEMA_VERSION)
     events = doc["traceEvents"]
     by_ph = defaultdict(list)
     for e in events:

@@ -37,12 +37,12 @@ from typing import Any
 
 import numpy as np
 
+from rrfp.plan.task import Op
 from rrfp.traces.replay import Replay, ReplayError, load_replay
 from rrfp.workload import rng as rngs
 from rrfp.workload.model import IterationSample
 
 FAMILIES = ("lognorm", "gamma", "weibull_min", "norm")
-OP_INDEX = {"F": 0, "B": 1, "I": 2, "W": 3}
 MIN_SAMPLES = 5  # fewer values than this: no shape fitted, the multiplier is constant 1
 
 
@@ -229,7 +229,7 @@ class FittedWorkload:
         """The fit quality table: one line per (stage, op) and per message direction."""
         head = f"fit of {self.source} (run {self.run!r}): {self.num_stages} stages, pp={self.pp}"
         rows = [["what", "n", "mean s", "cv", "family", "KS D", "KS p", "AIC " + "/".join(FAMILIES)]]
-        for (s, op), f in sorted(self.ops.items(), key=lambda kv: (kv[0][0], OP_INDEX[kv[0][1]])):
+        for (s, op), f in sorted(self.ops.items(), key=lambda kv: (kv[0][0], Op(kv[0][1]).code)):
             rows.append(_row(f"stage {s} {op}", f))
         for name, f in zip(("activation msg", "gradient msg"), self.latency or (), strict=False):
             rows.append(_row(name, f))
@@ -262,9 +262,7 @@ def fit_replay(rep: Replay) -> FittedWorkload:
     dur, lat = rep.durations[used], rep.latency[used]
     ops = ("F", "I", "W") if rep.spec.split else ("F", "B")
     fits = {
-        (s, op): fit_values(dur[:, :, :, OP_INDEX[op], s, :])
-        for s in range(rep.spec.num_stages)
-        for op in ops
+        (s, op): fit_values(dur[:, :, :, Op(op).code, s, :]) for s in range(rep.spec.num_stages) for op in ops
     }
     waited = rep.waited[used]
     latency = None

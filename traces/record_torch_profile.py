@@ -28,9 +28,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-SINGLE_STAGE = ("GPipe", "1F1B")
+from rrfp.plan.torch_schedules import RECORDED_SCHEDULES as SCHEDULES
+from rrfp.plan.torch_schedules import SINGLE_STAGE, V_SHAPED
+
 DIM = 16  # features of the tiny MLP; every stage is Linear(DIM, DIM) + tanh
 BATCH_PER_MB = 2  # rows per microbatch
 

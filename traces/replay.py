@@ -54,13 +54,13 @@ from rrfp.plan.hints import Hint, HintError
 from rrfp.plan.sources import make_hint
 from rrfp.plan.spec import PipelineSpec, SpecError
 from rrfp.plan.task import Op, Task
+from rrfp.study.trial import TrialId
 from rrfp.traces.trace import TraceError, read_trace
 from rrfp.workload.model import IterationSample
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import pandas as pd
 
-OPS = ("F", "B", "I", "W")
 EPS = 1e-9  # s: tolerance of the ordering checks (times are recorded floats, not exact sums)
 RunId = tuple[str, str, str, int]  # (run, policy, hint, seed)
 TIMINGS = ("exact", "runtime", "runtime-median")
@@ -124,7 +124,16 @@ class Replay:
 
     @property
     def label(self) -> str:
-        return f"{self.policy}/{self.hint}"
+        """``policy/hint``: the run's trial without its budget (the budget is :attr:`budget_text`)."""
+        return TrialId(self.policy, self.hint).label
+
+    @property
+    def trial(self) -> TrialId:
+        """The trial the run was: policy, hint and the budget its ``run`` name gives after ``@``
+        (``exec/rrfp/bf@2x``: ``2x``); None when the name gives none or ``1x`` (the default)."""
+        named = re.search(r"@([^@/\s]+)$", self.run)
+        budget = named.group(1) if named else None
+        return TrialId(self.policy, self.hint, None if budget == "1x" else budget)
 
     @property
     def measured_mean(self) -> float:
@@ -525,7 +534,7 @@ class _Loader:
         out = np.full((n, self.dp, self.tp, 4, *shape), np.nan)
         for (it, gid, task), (start, end) in occ.items():
             _, t, d = self.coords[gid]
-            out[self.iters[it], d, t, OPS.index(task.op.value), task.stage, task.mb] = end - start
+            out[self.iters[it], d, t, task.op.code, task.stage, task.mb] = end - start
         return out
 
     # -- messages ------------------------------------------------------------------------------------

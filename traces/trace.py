@@ -1,12 +1,15 @@
-"""Trace schema v2: one long table of timed events, shared by the simulator and the executor.
+"""Trace schema v3: one long table of timed events, shared by the simulator and the executor.
 
 One row per event (docs/design.md §6; every column is documented in ``traces/README.md``)::
 
     run iteration rank pp_rank tp_rank dp_rank stage op microbatch kind start end bytes held peer msg
-    policy hint seed budget
+    policy hint seed budget tokens images
 
 v2 added ``budget`` (the rank's activation budget, so a replay runs at the recorded budget); v1 files
-still load, with ``budget = -1`` (not recorded).
+still load, with ``budget = -1`` (not recorded). v3 added ``tokens`` and ``images`` on compute rows (the
+text tokens and images of the task's microbatch, in token mode; -1 elsewhere); v1/v2 files load with -1.
+A frame without token data is written as v2, byte for byte what rrfp wrote before v3
+(:func:`written_version`); one with token data as v3.
 
 ``kind`` is one of :data:`KINDS`. Times are seconds from the run's time origin. A cross-rank message is
 two rows with the same ``msg`` id: ``send`` on the source rank (start = posted, end = handed to the link)
@@ -36,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rrfp.errors import UserError
-from rrfp.plan.task import Task
+from rrfp.plan.task import OPS, Task
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import pandas as pd
@@ -44,9 +47,11 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from rrfp.dispatch.driver import Run
     from rrfp.plan.spec import PipelineSpec
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+PLAIN_VERSION = 2  # what a frame without token data is written as (its files unchanged by v3)
+TOKEN_COLUMNS = ("tokens", "images")  # v3's columns: a frame may lack them (no token data)
 KINDS = ("compute", "send", "recv", "wait", "allreduce")
-OPS = ("F", "B", "I", "W")
+OP_NAMES = tuple(op.value for op in OPS)  # the op column's values (besides "" for no task)
 
 # Column -> logical type ("str", "int", "float"), in file order.
 COLUMNS: dict[str, str] = {
@@ -70,9 +75,11 @@ COLUMNS: dict[str, str] = {
     "hint": "str",
     "seed": "int",
     "budget": "int",  # v2: activation budget of the row's pipeline rank in its run; -1 if not recorded
+    "tokens": "int",  # v3: compute rows in token mode: text tokens of the task's microbatch; else -1
+    "images": "int",  # v3: compute rows in token mode: images of the task's microbatch; else -1
 }
 # Columns added after v1: (version that added it, the value older files get).
-ADDED: dict[str, tuple[int, Any]] = {"budget": (2, -1)}
+ADDED: dict[str, tuple[int, Any]] = {"budget": (2, -1), "tokens": (3, -1), "images": (3, -1)}
 # Rows are grouped by run identity first, so a merged frame keeps each run contiguous; within one run
 # this is the (iteration, rank, start) order of the contract.
 SORT_KEYS = ("run", "policy", "hint", "seed", "iteration", "rank", "start")
@@ -132,9 +139,12 @@ class TraceRecorder:
         held: int = -1,
         peer: int = -1,
         msg: int = -1,
+        tokens: int = -1,
+        images: int = -1,
     ) -> None:
-        """Append one event. Values are checked once, in :meth:`frame` (keeps this call cheap)."""
-        self._rows.append((kind, iteration, rank, task, start, end, nbytes, held, peer, msg))
+        """Append one event. Values are checked once, in :meth:`frame` (keeps this call cheap).
+        ``tokens``/``images``: a compute row's microbatch sizes in token mode (v3)."""
+        self._rows.append((kind, iteration, rank, task, start, end, nbytes, held, peer, msg, tokens, images))
 
     def extend(self, other: TraceRecorder) -> None:
         """Merge ``other``'s rows (a snapshot: rows added to ``other`` later are not seen)."""
@@ -158,8 +168,8 @@ class TraceRecorder:
         import pandas as pd
 
         n = len(self._rows)
-        kind, iteration, rank, tasks, start, end, nbytes, held, peer, msg = (
-            zip(*self._rows, strict=True) if n else ((),) * 10
+        kind, iteration, rank, tasks, start, end, nbytes, held, peer, msg, tokens, images = (
+            zip(*self._rows, strict=True) if n else ((),) * 12
         )
         ints = lambda v: np.fromiter(v, dtype=np.int64, count=n)  # noqa: E731
         floats = lambda v: np.fromiter(v, dtype=np.float64, count=n)  # noqa: E731
@@ -172,6 +182,7 @@ class TraceRecorder:
         cols.update(run=[self.run] * n, policy=[self.policy] * n, hint=[self.hint] * n, seed=self.seed)
         cols.update(zip(("pp_rank", "tp_rank", "dp_rank"), self._coord_columns(cols["rank"]), strict=True))
         cols["budget"] = ints(self.budget.get(int(r), -1) for r in cols["pp_rank"])
+        cols.update(tokens=ints(tokens), images=ints(images))
         return pd.DataFrame({name: cols[name] for name in COLUMNS}, index=pd.RangeIndex(n))
 
     def _coord_columns(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -231,11 +242,14 @@ def _typed(frame: pd.DataFrame, source: str, line_offset: int | None = None) -> 
     """
     import pandas as pd
 
-    missing = [c for c in COLUMNS if c not in frame.columns]
+    missing = [c for c in COLUMNS if c not in frame.columns and c not in TOKEN_COLUMNS]
     if missing:
         raise TraceError(f"{source}: missing column(s) {', '.join(missing)} (trace schema v{SCHEMA_VERSION})")
     out = {}
     for name, logical in COLUMNS.items():
+        if name not in frame.columns:  # a v3 column: the frame has no token data
+            out[name] = np.full(len(frame), -1, dtype=np.int64)
+            continue
         out[name] = _cast_column(frame[name], name, logical, source, line_offset)
     extra = {c: frame[c].set_axis(pd.RangeIndex(len(frame))) for c in frame.columns if c not in COLUMNS}
     return pd.DataFrame({**out, **extra}, index=pd.RangeIndex(len(frame)))
@@ -279,6 +293,29 @@ def _cast_column(col: pd.Series, name: str, logical: str, source: str, line_offs
     return values.astype(np.int64)
 
 
+def _token_checks(col: dict[str, np.ndarray], is_compute: np.ndarray) -> list[tuple[str, np.ndarray, str]]:
+    """v3: tokens and images >= 0 or -1, recorded together, on compute rows only."""
+    tokens, images = col["tokens"], col["images"]
+    return [
+        ("tokens", tokens < -1, "must be >= 0, or -1 for n/a"),
+        ("images", images < -1, "must be >= 0, or -1 for n/a"),
+        ("tokens", ~is_compute & (tokens != -1), "only compute rows carry tokens (-1 elsewhere)"),
+        ("images", (tokens == -1) != (images == -1), "tokens and images are recorded together"),
+    ]
+
+
+def written_version(frame: pd.DataFrame) -> int:
+    """The schema version :func:`write_trace` writes ``frame`` as: v3 when it carries token data (a
+    tokens or images value >= 0), else v2 (without the v3 columns: what rrfp wrote before v3)."""
+    has = any(c in frame.columns and bool((frame[c].to_numpy() >= 0).any()) for c in TOKEN_COLUMNS)
+    return SCHEMA_VERSION if has else PLAIN_VERSION
+
+
+def _file_version(frame: pd.DataFrame) -> int:
+    """The version of a frame :func:`write_trace` prepared (v2 frames had the v3 columns dropped)."""
+    return SCHEMA_VERSION if "tokens" in frame.columns else PLAIN_VERSION
+
+
 def _fail(source: str, row: int, field: str, problem: str, line_offset: int | None = None) -> None:
     where = f"row {row}" if line_offset is None else f"row {row} (line {row + line_offset})"
     raise TraceError(f"{source}: {where}, field {field!r}: {problem}")
@@ -303,7 +340,7 @@ def validate(frame: pd.DataFrame, source: str = "<frame>", line_offset: int | No
     """
     col = {name: frame[name].to_numpy() for name in COLUMNS if COLUMNS[name] != "str"}
     known_kind = frame["kind"].isin(KINDS).to_numpy()  # hash-based, unlike np.isin on objects
-    known_op = frame["op"].isin(OPS).to_numpy()
+    known_op = frame["op"].isin(OP_NAMES).to_numpy()
     task_less = (frame["op"] == "").to_numpy()
     kind = frame["kind"]
     is_compute = (kind == "compute").to_numpy()
@@ -318,6 +355,7 @@ def validate(frame: pd.DataFrame, source: str = "<frame>", line_offset: int | No
         ("bytes", ~(col["bytes"] >= 0), "negative or non-finite byte count"),
         ("held", col["held"] < -1, "must be >= 0, or -1 for n/a"),
         ("budget", col["budget"] < -1, "must be >= 0, or -1 for n/a"),
+        *_token_checks(col, is_compute),
         ("op", is_compute & task_less, "compute row without a task"),
         ("stage", _task_field_bad(col["stage"], task_less), "must be >= 0 with a task, -1 without"),
         ("microbatch", _task_field_bad(col["microbatch"], task_less), "must be >= 0 with a task, -1 without"),
@@ -348,15 +386,32 @@ def write_trace(frame: pd.DataFrame, path: str | Path) -> None:
         raise TraceError(f"{path}: unknown trace suffix {path.suffix!r} (expected .parquet, .csv or .json)")
     typed = _typed(frame, "<frame>")
     validate(typed, "<frame>")
+    if written_version(typed) < SCHEMA_VERSION:
+        typed = typed.drop(columns=list(TOKEN_COLUMNS))  # no token data: the v2 file, byte for byte
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     try:
         writer(typed, Path(tmp))
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it 0600; the trace gets a plain file's mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _umask() -> int:
+    """The process umask (Linux reports it in /proc; elsewhere set and restore it)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
@@ -365,13 +420,13 @@ def _write_parquet(frame: pd.DataFrame, path: Path) -> None:
 
     table = pa.Table.from_pandas(frame, preserve_index=False)
     meta = dict(table.schema.metadata or {})
-    meta[META_KEY] = str(SCHEMA_VERSION).encode()
+    meta[META_KEY] = str(_file_version(frame)).encode()
     pq.write_table(table.replace_schema_metadata(meta), path)
 
 
 def _write_csv(frame: pd.DataFrame, path: Path) -> None:
     with open(path, "w", newline="", encoding="utf-8") as fh:
-        fh.write(CSV_HEADER + "\n")
+        fh.write(f"# rrfp-trace schema_version={_file_version(frame)}\n")
         # repr-exact floats, so a CSV round trip reproduces the times bit for bit
         frame.to_csv(fh, index=False, float_format=None)
 
@@ -387,7 +442,7 @@ def _write_json(frame: pd.DataFrame, path: Path) -> None:
 # Reading
 # --------------------------------------------------------------------------------------------------
 def read_trace(path: str | Path) -> pd.DataFrame:
-    """Load a ``.parquet`` or ``.csv`` trace (schema v1 or v2), validate it, return the typed frame.
+    """Load a ``.parquet`` or ``.csv`` trace (schema v1..v3), validate it, return the typed frame.
 
     Any problem -- missing file, not Parquet/CSV, newer schema version, missing column, a value of the
     wrong type, an unknown kind, negative or out-of-order times -- raises TraceError with one line
@@ -544,7 +599,7 @@ def to_perfetto(frame: pd.DataFrame) -> dict[str, Any]:
         "traceEvents": _metadata_events(cols, len(runs) > 1, pids, threads) + events,
         "displayTimeUnit": "ms",
         "metadata": {
-            "rrfp_trace_schema_version": SCHEMA_VERSION,
+            "rrfp_trace_schema_version": written_version(typed),
             "runs": [dict(zip(("run", "policy", "hint", "seed"), key, strict=True)) for key in runs],
         },
     }
@@ -594,6 +649,8 @@ def _slices(cols: dict[str, list], pids: list[int], tids: list[int]) -> list[dic
             args.update(peer=cols["peer"][i], msg=cols["msg"][i], bytes=cols["bytes"][i])
         elif k == "allreduce":
             args["bytes"] = cols["bytes"][i]
+        if cols["tokens"][i] >= 0:
+            args.update(tokens=cols["tokens"][i], images=cols["images"][i])
         if cols["held"][i] >= 0:
             args["held"] = cols["held"][i]
         start = cols["start"][i]  # ns

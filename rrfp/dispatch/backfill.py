@@ -30,7 +30,7 @@ still ends in time.
 
 Why it is safe:
 
-* memory and deadlock: every forward passes hint-safe admission (:meth:`RankScheduler.admissible`), so
+* memory and deadlock: every forward passes hint-safe admission (:meth:`SchedulerView.admissible`), so
   following the hint stays feasible from every state; a ready head always passes, and a rank only idles
   while its head waits for a cross-rank input, so the argument for ``fixed`` carries over -- the first
   unfinished task of the hint's dry run is some rank's head, and its inputs are done.
@@ -68,13 +68,15 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from weakref import WeakKeyDictionary
 
 from rrfp.dispatch.policies import Policy, register_policy
 from rrfp.errors import UserError
 from rrfp.plan.task import Op, Task
 
 if TYPE_CHECKING:
-    from rrfp.dispatch.scheduler import RankScheduler
+    from rrfp.dispatch.view import SchedulerView
+    from rrfp.plan.compiled import CompiledPlan
 
 CostModel = Callable[[Task], float]
 """Expected seconds a task computes for."""
@@ -99,14 +101,14 @@ def unit_costs(task: Task) -> float:
 
 @dataclass(frozen=True, slots=True)
 class _Plan:
-    """Static facts about one rank's hint positions, built once per (policy, hint, rank)."""
+    """Static facts about one rank's hint positions, built once per (policy, order, rank)."""
 
     owner: Backfill
     """The policy the plan was built for (a scheduler may be handed another one)."""
     cost: list[float]
     """Expected seconds of each position."""
     filler: list[bool]
-    """No output of the task crosses ranks."""
+    """No output of the task crosses ranks (the wiring's own list)."""
     arrive: list[float]
     """Expected seconds from the cross-rank producer's start to the input's arrival (0 if none)."""
 
@@ -149,9 +151,12 @@ class Backfill(Policy):
         ):
             raise BackfillError(f"announced_ops must be None or a frozenset of Op, got {announced_ops!r}")
         self.announced_ops = announced_ops
+        # Plans by compiled order and rank, shared by every scheduler of that rank (TP members, DP
+        # replicas, a class hint and its reference); weak, so they go with the hint's plan.
+        self._plans: WeakKeyDictionary[CompiledPlan, dict[int, _Plan]] = WeakKeyDictionary()
 
     # -- Policy interface -------------------------------------------------------------------
-    def pick(self, s: RankScheduler) -> Task | None:
+    def pick(self, s: SchedulerView) -> Task | None:
         head, plan = s.head, s.policy_state
         if type(plan) is _Plan and plan.owner is self and head < len(s.tasks):
             if not plan.filler[head] and s.is_ready(head):
@@ -160,11 +165,11 @@ class Backfill(Policy):
             return s.tasks[pos]
         return None
 
-    def candidates(self, s: RankScheduler) -> list[Task]:
+    def candidates(self, s: SchedulerView) -> list[Task]:
         return [s.tasks[p] for p in self._passing(s, first_only=False)]
 
     # -- the rule ---------------------------------------------------------------------------
-    def _passing(self, s: RankScheduler, first_only: bool) -> list[int]:
+    def _passing(self, s: SchedulerView, first_only: bool) -> list[int]:
         """Runnable positions that pass the rule: critical work (outputs cross ranks) before fillers,
         then the hint's priority."""
         head = s.head
@@ -197,7 +202,7 @@ class Backfill(Policy):
                     break
         return out
 
-    def _runnable(self, s: RankScheduler, head: int) -> list[int]:
+    def _runnable(self, s: SchedulerView, head: int) -> list[int]:
         """Ready, admissible positions after the head within the window (most waits have none).
 
         Once a forward is refused, every later forward is too (its prefix of the hint order contains the
@@ -223,7 +228,7 @@ class Backfill(Policy):
             pos = s.next_ready(pos + 1, end)
         return out
 
-    def _head_slack(self, s: RankScheduler, plan: _Plan) -> float:
+    def _head_slack(self, s: SchedulerView, plan: _Plan) -> float:
         """How long from now until the (unstarted) head can start: its expected input arrival as
         :meth:`_room` computes it, 0 without a clock or an awaited cross-rank input."""
         head, now = s.head, s.now
@@ -233,7 +238,7 @@ class Backfill(Policy):
         eta = (now - self.announce_delay if since is None else since) + plan.arrive[head]
         return eta - now if eta > now else 0.0
 
-    def _room(self, s: RankScheduler, plan: _Plan, candidates: list[int]) -> dict[int, float]:
+    def _room(self, s: SchedulerView, plan: _Plan, candidates: list[int]) -> dict[int, float]:
         """For each candidate position j, the longest task (s) that may move from j to now.
 
         Follow the hint from now: position i (unstarted, in order) starts at ``old_i = max(previous end,
@@ -274,43 +279,31 @@ class Backfill(Policy):
         return room
 
     # -- per-scheduler plan -----------------------------------------------------------------
-    def _plan(self, s: RankScheduler) -> _Plan:
+    def _plan(self, s: SchedulerView) -> _Plan:
         """This policy's plan of ``s``'s rank: kept on the scheduler (``policy_state``) for the hot path,
-        and shared through the hint's memo by every scheduler of that rank (TP members, DP replicas)."""
-        plans: dict[tuple[int, int], _Plan] = s.hint.memo.setdefault("backfill_plans", {})
-        key = (id(self), s.rank)  # the plan holds its owner, so this id is not reused while it lives
-        plan = plans.get(key)
-        if plan is None or plan.owner is not self:
-            plan = plans[key] = self._build_plan(s)
+        and on this policy by the hint's compiled plan and the rank, for every scheduler of that rank."""
+        compiled = s.hint.plan
+        plans = self._plans.get(compiled)
+        if plans is None:
+            plans = self._plans[compiled] = {}
+        plan = plans.get(s.rank)
+        if plan is None:
+            plan = plans[s.rank] = self._build_plan(s)
         s.policy_state = plan
         return plan
 
-    def _build_plan(self, s: RankScheduler) -> _Plan:
-        """From the hint's task codes: a task crosses ranks at most once each way -- F(s) feeds F(s+1),
-        B/I(s) feeds B/I(s-1) -- so its one remote input and its one remote output are found by stage."""
-        import numpy as np  # lazy: keeps numpy out of `import rrfp`
-
-        hint, rank = s.hint, s.rank
-        spec = hint.spec
-        m, row, last = spec.microbatches, 3 * spec.microbatches, spec.num_stages - 1
-        code = np.asarray(hint.codes(rank), dtype=np.int64).reshape(len(s.tasks))
-        stage, slot = code // row, (code // m) % 3  # slot 0 = F, 1 = B/I, 2 = W (local in and out)
-        rank_of = np.append(np.asarray(spec._stage_rank, dtype=np.int64), -1)  # [-1]: no stage
-        after = rank_of[np.where(stage < last, stage + 1, -1)]  # rank of stage s+1 (-1: none)
-        before = rank_of[stage - 1]  # rank of stage s-1 (stage 0 reads [-1]: none)
-        remote_after, remote_before = (after >= 0) & (after != rank), (before >= 0) & (before != rank)
-        fwd, bwd = slot == 0, slot == 1
-        filler = ~((fwd & remote_after) | (bwd & remote_before))
-        from_before = fwd & remote_before  # F(s-1) -> F(s)
-        from_after = bwd & remote_after  # B/I(s+1) -> B/I(s)
-        has_source = from_before | from_after
-        source = np.where(from_before, code - row, code + row)[has_source]
+    def _build_plan(self, s: SchedulerView) -> _Plan:
+        """The costs of ``s``'s positions and of their cross-rank producers (a task has at most one
+        cross-rank input); which outputs cross ranks comes from the compiled plan's wiring."""
+        compiled = s.hint.plan
+        filler = compiled.wiring(s.rank).filler
+        producers = compiled.sources(s.rank).task
         cost = self._costs(s.tasks)
-        source_cost = iter(self._costs(hint.tasks_by_code()[source].tolist()))  # in position order
-        arrive = [next(source_cost) + self.latency if has else 0.0 for has in has_source.tolist()]
+        source_cost = iter(self._costs([t for t in producers if t is not None]))  # in position order
+        arrive = [0.0 if t is None else next(source_cost) + self.latency for t in producers]
         if self.announced_ops is not None:  # unheard-of producers: their inputs may land any moment
             arrive = [a if t.op in self.announced_ops else 0.0 for a, t in zip(arrive, s.tasks, strict=True)]
-        return _Plan(self, cost, filler.tolist(), arrive)
+        return _Plan(self, cost, filler, arrive)
 
     def _costs(self, tasks: Sequence[Task]) -> list[float]:
         """``_cost`` of each task in turn; the common case (every value a float or int, all finite and

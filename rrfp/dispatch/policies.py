@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 from rrfp.errors import UserError
 
 if TYPE_CHECKING:
-    from rrfp.dispatch.scheduler import RankScheduler
+    from rrfp.dispatch.view import SchedulerView
     from rrfp.plan.task import Task
 
 
@@ -30,10 +30,10 @@ class Policy:
     """True if the policy reads the scheduler's optional timing hooks (``tick``/``announce``): drivers
     then call them; for the others they skip that work."""
 
-    def pick(self, s: RankScheduler) -> Task | None:
+    def pick(self, s: SchedulerView) -> Task | None:
         raise NotImplementedError
 
-    def candidates(self, s: RankScheduler) -> list[Task]:
+    def candidates(self, s: SchedulerView) -> list[Task]:
         task = self.pick(s)
         return [] if task is None else [task]
 
@@ -66,7 +66,7 @@ class Fixed(Policy):
 
     name = "fixed"
 
-    def pick(self, s: RankScheduler) -> Task | None:
+    def pick(self, s: SchedulerView) -> Task | None:
         head = s.head
         if head < len(s.tasks) and s.is_ready(head):
             return s.tasks[head]
@@ -79,14 +79,14 @@ class Rrfp(Policy):
 
     name = "rrfp"
 
-    def pick(self, s: RankScheduler) -> Task | None:
+    def pick(self, s: SchedulerView) -> Task | None:
         o = s.top(forwards=False)
         f = s.top(forwards=True)
         if f is not None and (o is None or s.prio[f] < s.prio[o]) and s.admissible(f):
             return s.tasks[f]
         return None if o is None else s.tasks[o]
 
-    def candidates(self, s: RankScheduler) -> list[Task]:
+    def candidates(self, s: SchedulerView) -> list[Task]:
         out: list[Task] = []
         forwards_blocked = False
         for pos in s.ready_positions():

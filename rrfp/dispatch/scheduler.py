@@ -30,13 +30,13 @@ Only forwards take memory, so only forwards can be refused by hint-safe admissio
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from heapq import heappop, heappush
-from typing import Any
+from weakref import WeakKeyDictionary
 
 from rrfp.dispatch.policies import Policy, get_policy
 from rrfp.dispatch.segtree import MaxPrefixTree
 from rrfp.errors import InternalError
+from rrfp.plan.compiled import RankWiring
 from rrfp.plan.hints import Hint
 from rrfp.plan.task import Task
 
@@ -51,28 +51,29 @@ class RankScheduler:
     def __init__(
         self, hint: Hint, rank: int, policy: str | Policy = "rrfp", budget: int | None = None
     ) -> None:
-        plan = _rank_plan(hint, rank)
+        wiring = hint.plan.wiring(rank)  # shared by every scheduler of this order's rank
+        ranking = hint.ranking(rank)  # ... and what this hint's priorities add to it
         self.hint = hint
         self.rank = rank
         self.policy = get_policy(policy) if isinstance(policy, str) else policy
-        self.tasks: tuple[Task, ...] = hint.orders[rank]
-        self.index: dict[Task, int] = plan.index
-        self.prio: tuple[int, ...] = plan.prio
-        self._pos_of_prio = plan.pos_of_prio
-        self._plan = plan
-        self._delta = plan.delta
-        self.is_forward = plan.is_forward
-        self._releases = plan.releases
-        self._need0 = plan.need
-        self._remote0 = plan.remote  # how many of those inputs are messages
-        self._feeds, self._feeds_too = plan.feeds, plan.feeds_too  # local consumers (-1: none)
+        self.tasks: tuple[Task, ...] = wiring.tasks
+        self.index: dict[Task, int] = wiring.index
+        self.prio: tuple[int, ...] = ranking.prio
+        self._pos_of_prio = ranking.pos_of_prio
+        self._wiring, self._ranking, self._tree0 = wiring, ranking, _admission_tree(wiring)
+        self._delta = wiring.delta
+        self.is_forward = wiring.is_forward
+        self._releases = wiring.releases
+        self._need0 = wiring.need
+        self._remote0 = wiring.remote  # how many of those inputs are messages
+        self._feeds, self._feeds_too = wiring.feeds, wiring.feeds_too  # local consumers (-1: none)
         self.now: float | None = None
         """Driver clock (s) at the latest :meth:`tick`; None if the driver never ticks."""
         self.policy_state: object = None
         """Per-scheduler scratch space for the policy (e.g. its static plan of this rank)."""
-        self._ready_forwards0 = sum(1 for r, f in zip(plan.ready, self.is_forward, strict=True) if r and f)
+        self._ready_forwards0 = sum(1 for r, f in zip(wiring.ready, self.is_forward, strict=True) if r and f)
         self._source: Callable[[int], float | None] | None = None  # listen(): pulled announcements
-        peak = plan.peak
+        peak = wiring.peak
         self.budget = peak if budget is None else budget
         if self.budget < peak:
             raise SchedulerError(f"rank {rank}: budget {self.budget} is below the hint's own peak {peak}")
@@ -81,7 +82,7 @@ class RankScheduler:
     def reset(self) -> None:
         """Start a new iteration: nothing delivered, started or completed."""
         n = len(self.tasks)
-        plan = self._plan
+        wiring, ranking = self._wiring, self._ranking
         self._need = list(self._need0)
         self._remote = list(self._remote0)
         self._started = bytearray(n)
@@ -90,12 +91,12 @@ class RankScheduler:
         self.head = 0  # first position not yet started: what `fixed` waits for
         self.held = 0  # activation slots held now (in-flight forwards included)
         self.peak = 0
-        self._tree = plan.tree.copy()
+        self._tree = self._tree0.copy()
         self._since: dict[int, float] = {}  # position -> announced start of its cross-rank producer
-        self._fheap: list[int] = list(plan.fheap)  # the initially ready positions' priorities
-        self._oheap: list[int] = list(plan.oheap)
-        self._ready = bytearray(plan.ready)  # 1 where ready and not started: what next_ready() finds
-        self._ready_count = plan.ready.count(1)
+        self._fheap: list[int] = list(ranking.fheap)  # the initially ready positions' priorities
+        self._oheap: list[int] = list(ranking.oheap)
+        self._ready = bytearray(wiring.ready)  # 1 where ready and not started: what next_ready() finds
+        self._ready_count = wiring.ready.count(1)
         self._ready_forwards = self._ready_forwards0
 
     # -- events from the driver -----------------------------------------------------------
@@ -272,105 +273,13 @@ class RankScheduler:
             raise SchedulerError(f"rank {self.rank}: {task} is not one of this rank's tasks") from None
 
 
-@dataclass(frozen=True)
-class _RankPlan:
-    """Static wiring of one rank's tasks, shared by every scheduler built on the same hint."""
-
-    index: dict[Task, int]  # task -> position in the hint order
-    prio: tuple[int, ...]  # the hint's priority of each position
-    pos_of_prio: list[int]  # its inverse
-    delta: list[int]  # activation slots each position takes (+1) or gives back (-1)
-    is_forward: list[bool]
-    releases: list[bool]
-    need: list[int]  # inputs per position (local + cross-rank)
-    remote: list[int]  # of which cross-rank
-    feeds: list[int]  # the position on this rank that each position feeds first (-1: none) ...
-    feeds_too: list[int]  # ... and second: at most two (F: B/I and F(s+1); B/I: W and B/I(s-1))
-    peak: int  # most activation slots the hint order itself holds
-    tree: MaxPrefixTree  # over `delta`; each reset starts from a copy
-    fheap: list[int]  # priorities of the forwards ready at the start, as a heap
-    oheap: list[int]  # ... and of the other ready tasks
-    ready: bytes  # 1 at the positions ready at the start
+# The admission tree of each wiring before any start (over its deltas): built once per order's rank and
+# copied by each scheduler's reset(); weak, so it goes with the plan that holds the wiring.
+_TREES: WeakKeyDictionary[RankWiring, MaxPrefixTree] = WeakKeyDictionary()
 
 
-def _rank_plan(hint: Hint, rank: int) -> _RankPlan:
-    """The plan of ``hint``'s ``rank`` (memoised). The wiring is built once per order (a class hint and
-    its reference share it) and only the priority fields once per hint."""
-    memo: dict[int, _RankPlan] = hint.memo.setdefault("rank_plans", {})
-    if rank in memo:
-        return memo[rank]
-    shared: dict[int, _RankPlan] = hint.orders_memo.setdefault("rank_plans", {})
-    plan = shared.get(rank)
-    if plan is None:
-        plan = shared[rank] = _build_rank_plan(hint, rank)
-    prio = hint.priority(rank)
-    if plan.prio != prio:
-        plan = replace(plan, **_priority_fields(prio, plan.need, plan.is_forward))
-    memo[rank] = plan
-    return plan
-
-
-def _priority_fields(prio: tuple[int, ...], need: list[int], is_forward: list[bool]) -> dict[str, Any]:
-    """What a plan derives from the priorities: them, their inverse and the initial ready heaps (the
-    positions ready at the start pushed in position order, as reset() used to)."""
-    import numpy as np  # lazy: keeps numpy out of `import rrfp`
-
-    fheap: list[int] = []
-    oheap: list[int] = []
-    for pos, count in enumerate(need):
-        if count == 0:
-            heappush(fheap if is_forward[pos] else oheap, prio[pos])
-    pos_of_prio = np.argsort(np.asarray(prio, dtype=np.int64).reshape(len(prio))).tolist()  # a permutation
-    return {"prio": prio, "pos_of_prio": pos_of_prio, "fheap": fheap, "oheap": oheap}
-
-
-def _build_rank_plan(hint: Hint, rank: int) -> _RankPlan:
-    """Build the wiring from the DAG rules in rrfp.plan.spec, on the hint's integer task codes with numpy
-    rather than Task objects: schedulers for 128 ranks x 1024 microbatches must build in well under a
-    second."""
-    import numpy as np  # lazy: keeps numpy out of `import rrfp`
-
-    spec, order = hint.spec, hint.orders[rank]
-    n, m, last = len(order), spec.microbatches, spec.num_stages - 1
-    row = 3 * m
-    code = np.asarray(hint.codes(rank), dtype=np.int64).reshape(n)
-    stage, slot = code // row, (code // m) % 3
-    fwd, bwd = slot == 0, slot == 1  # slot 1 is B, or I when split; slot 2 is W
-    rank_of = np.append(np.asarray(spec._stage_rank, dtype=np.int64), -1)  # [-1]: no stage
-    after = rank_of[np.where(stage < last, stage + 1, -1)]  # rank of the next stage (-1: none)
-    before = rank_of[stage - 1]  # rank of the previous stage (stage 0 reads [-1]: none)
-    need = np.where(fwd, stage > 0, np.where(bwd, np.where(stage == last, 1, 2), 1))
-    remote = np.where(fwd, (before >= 0) & (before != rank), bwd & (after >= 0) & (after != rank))
-    # Local consumers: F(s) feeds B/I(s) and F(s+1) if that is here; B/I(s) feeds W(s) (split) and
-    # B/I(s-1) if that is here. Positions come from the sorted codes (every code looked up exists).
-    by_code = np.argsort(code, kind="stable")
-    sorted_code = code[by_code]
-
-    def pos_of(wanted: np.ndarray, valid: np.ndarray) -> np.ndarray:
-        at = np.minimum(np.searchsorted(sorted_code, wanted), n - 1)
-        if not (sorted_code[at] == wanted)[valid].all():
-            raise SchedulerError(f"rank {rank}: the hint order lacks a consumer of its own tasks")
-        return np.where(valid, by_code[at], -1)
-
-    own = pos_of(code + m, fwd | (bwd & spec.split))
-    near_f = pos_of(code + row, fwd & (after == rank))
-    near = np.where(fwd, near_f, pos_of(code - row, bwd & (before == rank)))
-    release_slot = 2 if spec.split else 1
-    delta = np.where(fwd, 1, np.where(slot == release_slot, -1, 0))
-    is_forward = fwd.tolist()
-    need_list = need.astype(np.int64).tolist()
-    delta_list = delta.tolist()
-    return _RankPlan(
-        index=dict(zip(order, range(n), strict=True)),
-        delta=delta_list,
-        is_forward=is_forward,
-        releases=(slot == release_slot).tolist(),
-        need=need_list,
-        remote=remote.astype(np.int64).tolist(),
-        feeds=own.tolist(),
-        feeds_too=near.tolist(),
-        peak=max(0, int(np.cumsum(delta).max())) if n else 0,
-        tree=MaxPrefixTree(delta_list),
-        ready=(need == 0).astype(np.uint8).tobytes(),
-        **_priority_fields(hint.priority(rank), need_list, is_forward),
-    )
+def _admission_tree(wiring: RankWiring) -> MaxPrefixTree:
+    tree = _TREES.get(wiring)
+    if tree is None:
+        tree = _TREES[wiring] = MaxPrefixTree(wiring.delta)
+    return tree

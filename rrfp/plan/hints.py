@@ -28,8 +28,19 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
-from rrfp.errors import UserError
+from rrfp.errors import InternalError, UserError
 from rrfp.plan import schedules
+from rrfp.plan.compiled import (
+    SLOT_BACKWARD,
+    SLOT_F,
+    SLOT_W,
+    SLOTS,
+    CompiledPlan,
+    RankPriority,
+    code_count,
+    rank_priority,
+    task_codes,
+)
 from rrfp.plan.spec import PipelineSpec, SpecError
 from rrfp.plan.task import Op, Task
 
@@ -96,6 +107,16 @@ class Hint:
     """The sequence hint the orders come from (the hint itself for sequence hints)."""
     classes: dict[Op, int] | None = field(default=None)
     """Op classes for class-priority hints; None for sequence hints."""
+    plan: CompiledPlan = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    """The orders compiled once (:mod:`rrfp.plan.compiled`): what every scheduler, policy and interpreter
+    reads the wiring from. A class hint shares its reference order's. Compiled here when not given."""
+    _rankings: dict[int, RankPriority] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.plan is None:
+            object.__setattr__(self, "plan", CompiledPlan(self.spec, self.orders))
+        elif self.plan.orders is not self.orders or self.plan.spec != self.spec:
+            raise InternalError(f"hint {self.name!r}: its plan was compiled from other orders")
 
     @property
     def is_sequence(self) -> bool:
@@ -126,39 +147,13 @@ class Hint:
             out[rank] = tuple(prio)
         return out
 
-    @cached_property
-    def memo(self) -> dict[str, Any]:
-        """Scratch space for structures derived from this hint (e.g. the scheduler's per-rank wiring),
-        so the many schedulers built on one hint share them. Never part of equality."""
-        return {}
-
-    @property
-    def orders_memo(self) -> dict[str, Any]:
-        """The part of :attr:`memo` that derives from the spec and orders alone, not the priorities:
-        a class hint shares it with the reference hint whose order it runs (e.g. bf with 1f1b)."""
-        return self.memo.setdefault("orders", {})
-
-    def codes(self, rank: int) -> list[int]:
-        """Each position of ``orders[rank]`` as an int, ``(stage * 3 + slot) * microbatches + mb`` with
-        slot 0 = F, 1 = B/I, 2 = W: the form the setup code walks the DAG in (memoised)."""
-        codes: dict[int, list[int]] = self.orders_memo.setdefault("codes", {})
-        if rank not in codes:
-            codes[rank] = task_codes(self.spec, self.orders[rank])
-        return codes[rank]
-
-    def tasks_by_code(self) -> Any:
-        """Every task of the hint's orders indexed by its code (:meth:`codes`), as a numpy object array
-        (None where no task; memoised): set-up code that walks codes hands out the orders' own Task
-        objects, without building new ones."""
-        table = self.orders_memo.get("tasks_by_code")
-        if table is None:
-            import numpy as np  # lazy: keeps numpy out of `import rrfp`
-
-            table = np.full(self.spec.num_stages * 3 * self.spec.microbatches, None, dtype=object)
-            for rank, order in self.orders.items():
-                table[self.codes(rank)] = np.fromiter(order, dtype=object, count=len(order))
-            self.orders_memo["tasks_by_code"] = table
-        return table
+    def ranking(self, rank: int) -> RankPriority:
+        """What a scheduler of ``rank`` derives from this hint's priorities (built once per rank; the
+        priority-free wiring is :attr:`plan`'s)."""
+        ranking = self._rankings.get(rank)
+        if ranking is None:
+            ranking = self._rankings[rank] = rank_priority(self.plan.wiring(rank), self.priority(rank))
+        return ranking
 
     def order_strings(self) -> dict[int, list[str]]:
         return {r: [str(t) for t in order] for r, order in self.orders.items()}
@@ -211,49 +206,42 @@ def convert_split(orders: Orders, split: bool) -> Orders:
 
 
 def hint_from_orders(name: str, spec: PipelineSpec, orders: Orders) -> Hint:
-    """Validate per-rank orders against ``spec`` and wrap them as a sequence hint."""
-    codes = _validated_codes(spec, orders)
-    hint = Hint(name, spec, {r: tuple(orders[r]) for r in range(spec.pp)}, name)
-    hint.orders_memo["codes"] = codes
-    return hint
+    """Validate per-rank orders against ``spec`` and wrap them as a sequence hint (with the plan the
+    validation compiled)."""
+    plan = _validated_plan(spec, orders)
+    return Hint(name, spec, plan.orders, name, plan=plan)
 
 
 def validate_orders(spec: PipelineSpec, orders: Orders) -> None:
     """Every rank lists exactly its own tasks once, and following all orders cannot deadlock."""
-    _validated_codes(spec, orders)
+    _validated_plan(spec, orders)
 
 
-def _validated_codes(spec: PipelineSpec, orders: Orders) -> dict[int, list[int]]:
-    """:func:`validate_orders`, returning each rank's order as task codes (see :meth:`Hint.codes`)."""
+def _validated_plan(spec: PipelineSpec, orders: Orders) -> CompiledPlan:
+    """:func:`validate_orders`, returning the orders compiled (their task codes come from the check)."""
     if sorted(orders) != list(range(spec.pp)):
         raise HintError(f"orders must cover ranks 0..{spec.pp - 1}, got ranks {sorted(orders)}")
     codes = {rank: _check_rank_tasks(spec, rank, orders[rank]) for rank in range(spec.pp)}
-    _check_no_deadlock(spec, orders, codes)
-    return codes
+    plan = CompiledPlan(spec, {r: tuple(orders[r]) for r in range(spec.pp)}, codes)
+    _check_no_deadlock(plan)
+    return plan
 
 
-_OP_SLOT = {Op.F: 0, Op.B: 1, Op.I: 1, Op.W: 2}
 _ROUNDS_PER_STEP = 4  # the vectorised rounds' budget, per step of the longest order (plus per rank)
 _Steps = tuple[Any, Any, Any, Any]  # numpy arrays per position: code, first input, second input, wakes
-_SPEC_SLOTS = {  # split -> the slot of each op the spec has
-    False: {Op.F: 0, Op.B: 1},
-    True: {Op.F: 0, Op.I: 1, Op.W: 2},
+_SPEC_SLOTS = {  # split -> the DAG slot of each op the spec has
+    False: {Op.F: SLOT_F, Op.B: SLOT_BACKWARD},
+    True: {Op.F: SLOT_F, Op.I: SLOT_BACKWARD, Op.W: SLOT_W},
 }
-
-
-def task_codes(spec: PipelineSpec, order: Sequence[Task]) -> list[int]:
-    """Each task as its int code ``(stage * 3 + slot) * microbatches + mb`` (see :meth:`Hint.codes`)."""
-    m, slot = spec.microbatches, _OP_SLOT
-    return [(s * 3 + slot[op]) * m + mb for s, op, mb in order]
 
 
 def _rank_codes(spec: PipelineSpec, rank: int, order: Sequence[Task]) -> list[int] | None:
     """The order's codes if it lists exactly ``rank``'s tasks once each, else None. With every op one
     of the spec's and every microbatch in range, a code names one task, so equal code sets are equal
-    task sets."""
+    task sets. (:func:`task_codes` inlined with only the spec's ops: another op fails the lookup.)"""
     m, slot = spec.microbatches, _SPEC_SLOTS[spec.split]
     try:
-        codes = [(s * 3 + slot[op]) * m + mb for s, op, mb in order]
+        codes = [(s * SLOTS + slot[op]) * m + mb for s, op, mb in order]
         mbs = [mb for _, _, mb in order]
     except (KeyError, TypeError, ValueError):
         return None
@@ -262,7 +250,7 @@ def _rank_codes(spec: PipelineSpec, rank: int, order: Sequence[Task]) -> list[in
     expected: set[int] = set()
     for s in spec.stages_of(rank):
         for k in slot.values():
-            base = (s * 3 + k) * m
+            base = (s * SLOTS + k) * m
             expected.update(range(base, base + m))
     if len(codes) != len(expected) or set(codes) != expected:
         return None
@@ -293,30 +281,30 @@ def _check_rank_tasks(spec: PipelineSpec, rank: int, order: Sequence[Task]) -> l
     if missing:
         shown = ", ".join(map(str, missing[:5]))
         raise HintError(f"rank {rank}: {len(missing)} tasks missing from its order ({shown}...)")
-    return task_codes(spec, order)  # unreachable: an order the walk accepts has the expected task set
+    raise InternalError(f"rank {rank}: an order with the expected task set failed the code check")
 
 
-def _check_no_deadlock(spec: PipelineSpec, orders: Orders, coded: dict[int, list[int]]) -> None:
+def _check_no_deadlock(plan: CompiledPlan) -> None:
     """Dry run: follow every order; a step whose input never comes is a deadlock.
 
-    Tasks are the int codes of :meth:`Hint.codes` (``(stage * 3 + slot) * M + mb``, slot 0 = F,
-    1 = B/I, 2 = W); each step's inputs and the rank its output may wake are precomputed per rank with
-    numpy. The run goes in vectorised rounds (every rank takes its next step if its inputs are done)
-    while that pays, then a worklist walk finishes it (a blocked rank is re-examined only when the very
-    input it waits for is produced): 128 ranks x 1024 microbatches take well under a second.
+    Tasks are the plan's int codes (rrfp.plan.compiled); each step's inputs and the rank its output may
+    wake come from the plan's edges, per rank with numpy. The run goes in vectorised rounds (every rank
+    takes its next step if its inputs are done) while that pays, then a worklist walk finishes it (a
+    blocked rank is re-examined only when the very input it waits for is produced): 128 ranks x 1024
+    microbatches take well under a second.
     """
-    m = spec.microbatches
-    none = spec.num_stages * 3 * m  # a cell of `done` that is always set: "no such input"
-    steps = [_step_inputs(spec, rank, coded[rank]) for rank in range(spec.pp)]
+    spec, orders = plan.spec, plan.orders
+    none = code_count(spec)  # a cell of `done` that is always set: "no such input"
+    steps = [_step_inputs(plan, rank, none) for rank in range(spec.pp)]
     done, pos = _dry_run_rounds(steps, none)
     _dry_run_walk(steps, done, pos)
-    stuck = [r for r in range(spec.pp) if pos[r] < len(coded[r])]
+    stuck = [r for r in range(spec.pp) if pos[r] < len(orders[r])]
     if stuck:
         r = stuck[0]
         task = orders[r][pos[r]]
 
         def is_done(d: Task) -> bool:
-            return bool(done[(d.stage * 3 + _OP_SLOT[d.op]) * m + d.mb])
+            return bool(done[task_codes(spec, [d])[0]])
 
         waits = [str(d) for d in spec.deps(task) if not is_done(d)]
         ctx = " ".join(str(t) for t in orders[r][max(0, pos[r] - 3) : pos[r] + 4])
@@ -381,22 +369,14 @@ def _dry_run_walk(steps: list[_Steps], done: bytearray, pos: list[int]) -> None:
             waits_for[rank] = first[p] if not done[first[p]] else second[p]
 
 
-def _step_inputs(spec: PipelineSpec, rank: int, codes: list[int]) -> _Steps:
-    """``codes`` and, per position of ``rank``'s coded order, the codes of its (up to two) inputs
-    (``none``, see :func:`_check_no_deadlock`, where there is no such input) and the other rank its
-    completion may wake (-1 if none): F(s) needs F(s-1) and wakes s+1's rank; B/I(s) needs F(s) and
-    B/I(s+1) and wakes s-1's rank; W(s) needs I(s)."""
+def _step_inputs(plan: CompiledPlan, rank: int, none: int) -> _Steps:
+    """``rank``'s codes and, per position, the codes of its (up to two) inputs (``none`` where there is
+    no such input) and the other rank its completion may wake (-1 if none), from the plan's edges: an F
+    needs its pipe input, a B/I its local and its pipe input, a W its local input."""
     import numpy as np  # lazy: keeps numpy out of `import rrfp`
 
-    n_st, m = spec.num_stages, spec.microbatches
-    row, none, last = 3 * m, n_st * 3 * m, n_st - 1
-    code = np.asarray(codes, dtype=np.int64).reshape(len(codes))
-    stage, slot = code // row, (code // m) % 3
-    fwd, bwd = slot == 0, slot == 1
-    first = np.where(fwd, np.where(stage > 0, code - row, none), code - m)
-    second = np.where(bwd & (stage < last), code + row, none)
-    rank_of = np.append(np.asarray(spec._stage_rank, dtype=np.int64), -1)  # [-1] -> no stage: -1
-    peer = np.where(fwd, np.where(stage < last, stage + 1, -1), np.where(bwd, stage - 1, -1))
-    wakes = rank_of[peer]
-    wakes[wakes == rank] = -1
-    return code, first, second, wakes
+    e = plan.edges(rank)
+    first = np.where(e.local_in >= 0, e.local_in, np.where(e.pipe_in >= 0, e.pipe_in, none))
+    second = np.where((e.local_in >= 0) & (e.pipe_in >= 0), e.pipe_in, none)
+    wakes = np.where(e.pipe_out_rank == rank, -1, e.pipe_out_rank)
+    return e.code, first, second, wakes

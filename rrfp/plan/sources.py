@@ -70,8 +70,8 @@ def _live_key(
     return None
 
 
-# Built-in hints still in use, by make_hint's arguments: a hint is immutable (its memo only caches what
-# is derived from it), so asking again -- e.g. bf for its reference 1f1b -- shares it and its memo.
+# Built-in hints still in use, by make_hint's arguments: a hint is immutable (its plan only caches what
+# is derived from it), so asking again -- e.g. bf for its reference 1f1b -- shares it and its plan.
 _LIVE: WeakValueDictionary[tuple[Any, ...], Hint] = WeakValueDictionary()
 
 
@@ -104,9 +104,8 @@ def _make_hint(
         if hint.spec != spec:  # else the reference order is already this spec's (validated) order
             orders = convert_split({r: list(o) for r, o in hint.orders.items()}, use_split)
             hint = _built_in(ref, spec, orders)
-        out = Hint(name, spec, hint.orders, ref, dict(CLASS_HINTS[name]))
-        out.memo["orders"] = hint.orders_memo  # the same orders: share what derives from them alone
-        return out
+        # The same orders: the same compiled plan (built once, shared with the reference hint).
+        return Hint(name, spec, hint.orders, ref, dict(CLASS_HINTS[name]), plan=hint.plan)
     if name.startswith("torch:"):
         spec, orders = torch_orders(name.removeprefix("torch:"), pp, microbatches, virtual_stages)
         return _built_in(name, spec, orders)

@@ -73,7 +73,7 @@ class PipelineSpec:
     def rank_of(self, stage: int) -> int:
         if not 0 <= stage < self.num_stages:
             raise SpecError(f"stage {stage} out of range 0..{self.num_stages - 1}")
-        return self._stage_rank[stage]
+        return self.stage_ranks[stage]
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         if not 0 <= rank < self.pp:
@@ -81,7 +81,8 @@ class PipelineSpec:
         return self._rank_stages[rank]
 
     @cached_property
-    def _stage_rank(self) -> tuple[int, ...]:
+    def stage_ranks(self) -> tuple[int, ...]:
+        """The rank of each stage (``stage_ranks[s]`` is :meth:`rank_of` ``(s)``, unchecked)."""
         if self.placement == "loop":
             return tuple(s % self.pp for s in range(self.num_stages))
         return tuple(s if s < self.pp else 2 * self.pp - 1 - s for s in range(self.num_stages))
@@ -89,7 +90,7 @@ class PipelineSpec:
     @cached_property
     def _rank_stages(self) -> tuple[tuple[int, ...], ...]:
         by_rank: list[list[int]] = [[] for _ in range(self.pp)]
-        for stage, rank in enumerate(self._stage_rank):
+        for stage, rank in enumerate(self.stage_ranks):
             by_rank[rank].append(stage)
         return tuple(tuple(stages) for stages in by_rank)
 
@@ -134,11 +135,11 @@ class PipelineSpec:
 
     def is_remote(self, producer: Task, consumer: Task) -> bool:
         """True when the edge producer -> consumer crosses ranks (it is a message)."""
-        return self._stage_rank[producer.stage] != self._stage_rank[consumer.stage]
+        return self.stage_ranks[producer.stage] != self.stage_ranks[consumer.stage]
 
     def remote_consumers(self, task: Task) -> list[tuple[int, Task]]:
         """(destination rank, consumer task) for each message that completing ``task`` sends."""
-        return [(self._stage_rank[c.stage], c) for c in self.consumers(task) if self.is_remote(task, c)]
+        return [(self.stage_ranks[c.stage], c) for c in self.consumers(task) if self.is_remote(task, c)]
 
     def remote_deps(self, task: Task) -> int:
         """How many of ``task``'s inputs arrive as messages from other ranks."""

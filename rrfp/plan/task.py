@@ -24,6 +24,17 @@ class Op(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def code(self) -> int:
+        """The op's number, its place in :data:`OPS` (F = 0, B = 1, I = 2, W = 3): the op axis of duration
+        tables and trace arrays, and the op field of the executor's wire format. (Task codes number ops
+        by their DAG slot instead, see :mod:`rrfp.plan.compiled`.)"""
+        return _OP_CODE[self]
+
+
+OPS: tuple[Op, ...] = (Op.F, Op.B, Op.I, Op.W)
+"""Every op, in :attr:`Op.code` order: ``OPS[op.code] is op``."""
+_OP_CODE = {op: code for code, op in enumerate(OPS)}
 
 _TASK_RE = re.compile(r"^\s*(\d+)\s*([FBIW])\s*(\d+)\s*$")
 

@@ -30,6 +30,7 @@ same position (the same compute, in the same order).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from rrfp.plan.hints import HintError
@@ -38,12 +39,48 @@ from rrfp.plan.task import Op, Task
 
 Orders = dict[int, list[Task]]
 
-SINGLE_STAGE = ("GPipe", "1F1B")
-"""Schedules with one stage per rank (torch's PipelineScheduleSingle)."""
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-"""Schedules with two stages per rank in v placement."""
-TORCH_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", *V_SHAPED)
+
+@dataclass(frozen=True)
+class TorchSchedule:
+    """What rrfp knows of one of torch's schedules: the one table every tool reads."""
+
+    name: str
+    """torch's lookup name (``get_schedule_class``)."""
+    stages_per_rank: int
+    """1 for torch's PipelineScheduleSingle (GPipe, 1F1B); 2 for the multi-stage ones rrfp runs."""
+    placement: str
+    """``loop`` (stage = chunk * pp + rank) or ``v`` (rank r holds r and 2pp - 1 - r)."""
+    baseline: bool
+    """rrfp-run runs it as a ``--baseline`` (DualPipeV is not wired in: its OVERLAP_F_B actions and v
+    placement have not been run through rrfp-run's baseline)."""
+    recorded: bool
+    """traces/record_torch_profile.py records it and rrfp.traces.torch_profile imports it (DualPipeV's
+    OVERLAP_F_B profiler events time a forward and a backward together, so they are refused)."""
+
+
+TORCH_TABLE: dict[str, TorchSchedule] = {
+    s.name: s
+    for s in (
+        TorchSchedule("GPipe", 1, "loop", baseline=True, recorded=True),
+        TorchSchedule("1F1B", 1, "loop", baseline=True, recorded=True),
+        TorchSchedule("Interleaved1F1B", 2, "loop", baseline=True, recorded=True),
+        TorchSchedule("LoopedBFS", 2, "loop", baseline=True, recorded=True),
+        TorchSchedule("InterleavedZeroBubble", 2, "loop", baseline=True, recorded=True),
+        TorchSchedule("ZBVZeroBubble", 2, "v", baseline=True, recorded=True),
+        TorchSchedule("DualPipeV", 2, "v", baseline=False, recorded=False),
+    )
+}
+"""torch's schedules rrfp accepts after ``torch:``, by lookup name."""
+TORCH_SCHEDULES = tuple(TORCH_TABLE)
 """torch's lookup names (``get_schedule_class``) that rrfp accepts after ``torch:``."""
+SINGLE_STAGE = tuple(n for n, s in TORCH_TABLE.items() if s.stages_per_rank == 1)
+"""Schedules with one stage per rank (torch's PipelineScheduleSingle)."""
+V_SHAPED = tuple(n for n, s in TORCH_TABLE.items() if s.placement == "v")
+"""Schedules with two stages per rank in v placement."""
+BASELINE_SCHEDULES = tuple(n for n, s in TORCH_TABLE.items() if s.baseline)
+"""Schedules rrfp-run runs as ``--baseline torch:<Name>``."""
+RECORDED_SCHEDULES = tuple(n for n, s in TORCH_TABLE.items() if s.recorded)
+"""Schedules whose torch.profiler traces rrfp records and imports."""
 
 _OPS = {"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}
 

@@ -6,7 +6,8 @@
 * lower bound from realised durations (:func:`lower_bound`): per rank head + work + tail, at least every
   task's longest dependency path; report policy / LB.
 * speedup = baseline / candidate iteration time, paired per replication (common random numbers), with a
-  Student-t interval (:func:`paired_speedup`).
+  Student-t interval (:func:`paired_speedup`); for trials that ran one after the other, the ratio of
+  means with Welch's interval (:func:`unpaired_speedup`).
 
 Only numpy at import time; scipy.special is imported inside :func:`t_interval`.
 
@@ -230,3 +231,28 @@ def paired_speedup(
     if b.size and (b.min() <= 0 or c.min() <= 0):
         raise MetricsError("paired_speedup needs iteration times > 0")
     return t_interval(b / c, confidence)
+
+
+def unpaired_speedup(
+    baseline: Sequence[float], candidate: Sequence[float], confidence: float = 0.95
+) -> tuple[float, float, float]:
+    """Speedup of ``candidate`` over ``baseline`` when their samples are not paired (the trials ran
+    one after the other): mean(baseline) / mean(candidate), with a delta-method interval on Welch's
+    degrees of freedom. (x, nan, nan) when either side has a single value."""
+    b = np.asarray(baseline, dtype=np.float64).ravel()
+    c = np.asarray(candidate, dtype=np.float64).ravel()
+    if not b.size or not c.size or b.min() <= 0 or c.min() <= 0 or not np.all(np.isfinite([*b, *c])):
+        raise MetricsError("unpaired_speedup needs finite iteration times > 0 on both sides")
+    if not 0 < confidence < 1:
+        raise MetricsError(f"confidence must be in (0, 1), got {confidence!r}")
+    ratio = float(b.mean() / c.mean())
+    if b.size < 2 or c.size < 2:
+        return ratio, math.nan, math.nan
+    from scipy import special
+
+    vb, vc = b.var(ddof=1) / b.size / b.mean() ** 2, c.var(ddof=1) / c.size / c.mean() ** 2  # relative
+    if vb + vc == 0:
+        return ratio, ratio, ratio
+    df = (vb + vc) ** 2 / (vb**2 / (b.size - 1) + vc**2 / (c.size - 1))
+    half = float(special.stdtrit(df, 0.5 + confidence / 2)) * ratio * math.sqrt(vb + vc)
+    return ratio, ratio - half, ratio + half

@@ -48,13 +48,21 @@ class TrialResult:
     bubble fractions and lower bound), under names the source documents."""
 
     def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise UserError(f"result source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+        _check_source(self.source)
+        # Tuples of plain numbers whatever came in (lists, numpy arrays): comparable, hashable, JSON-able.
+        object.__setattr__(self, "iteration_times", tuple(float(t) for t in self.iteration_times))
+        object.__setattr__(self, "peaks", tuple(int(p) for p in self.peaks))
+        object.__setattr__(self, "budget", tuple(int(b) for b in self.budget))
 
     @property
     def mean_time(self) -> float:
         """Mean seconds per measured iteration."""
         return statistics.fmean(self.iteration_times)
+
+
+def _check_source(source: str) -> None:
+    if source not in SOURCES:
+        raise UserError(f"result source must be one of {', '.join(SOURCES)}, got {source!r}")
 
 
 def iteration_rows(results: Iterable[TrialResult]) -> list[dict[str, Any]]:
@@ -73,7 +81,14 @@ def _row(r: TrialResult, iteration: int, time: float) -> dict[str, Any]:
 
 def compare_sources(results: Iterable[TrialResult], base: str = "sim", other: str = "exec") -> list[dict]:
     """Join ``base`` and ``other`` results on the trial label: per label present in both, the mean
-    iteration time of each (over all their iterations) and ``ratio`` = other / base (rounded to 1e-9)."""
+    iteration time of each (over all their iterations) and ``ratio`` = other / base (rounded to 1e-9),
+    in the order the base results come. Labels carry the budget: ``rrfp/bf@2x`` joins only ``rrfp/bf@2x``.
+    A source name that is not one of :data:`SOURCES` (or base = other) is a :class:`UserError`, not an
+    empty join."""
+    _check_source(base)
+    _check_source(other)
+    if base == other:
+        raise UserError(f"compare_sources needs two different sources, got {base!r} twice")
     times: dict[str, dict[str, list[float]]] = {base: {}, other: {}}
     for r in results:
         if r.source in times:

@@ -49,13 +49,13 @@ import numpy as np
 
 from rrfp.errors import UserError
 from rrfp.plan.spec import PipelineSpec, SpecError
-from rrfp.plan.task import Op, Task
+from rrfp.plan.task import OPS, Op, Task
 from rrfp.workload import rng as rngs
 from rrfp.workload.jitter import Distribution, JitterError, make_distribution
 
 WORKLOAD_PRESETS = ("language", "multimodal")
 _PRESET_SEQ_CV = {"language": 0.0, "multimodal": 0.3}
-_OPS = ("F", "I", "W")
+_OPS = tuple(op.value for op in OPS if op is not Op.B)  # F, I, W: the ops with a cost of their own
 
 
 class WorkloadError(UserError):
@@ -229,6 +229,11 @@ class IterationSample:
     """Sequence-length factor per microbatch, shape (microbatches,) (to scale message bytes, if wanted)."""
     images: np.ndarray | None = None
     """multimodal: image count per microbatch, shape (microbatches,)."""
+    tokens: np.ndarray | None = None
+    """Token mode (rrfp.workload.tokens): text tokens per microbatch, shape (microbatches,), int64."""
+    msg_bytes: np.ndarray | None = None
+    """Token mode: bytes of each message, shape (num_stages, microbatches, 2), indexed like ``comm``;
+    None: every message has the workload's constant ``msg_bytes``."""
     _lists: dict[Op, list[list[float]]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -266,7 +271,7 @@ def _stage_ranks(pp: int, num_stages: int, microbatches: int, placement: str) ->
         spec = PipelineSpec(pp, microbatches, num_stages // pp, placement)
     except SpecError as e:
         raise WorkloadError(str(e)) from e
-    return np.array([spec.rank_of(s) for s in range(num_stages)])
+    return np.array(spec.stage_ranks)
 
 
 def stage_loads(cfg: WorkloadConfig, pp: int, num_stages: int) -> tuple[np.ndarray, np.ndarray]:

@@ -2,7 +2,9 @@
 
 Shared by ``make.py`` (writes ``data/``) and ``tests/test_golden.py`` (re-runs each case and
 compares bytes). ``{out}`` in an argument is the directory a case writes its files into; every file
-a case writes there is part of its golden output, next to what it prints on stdout.
+a case writes there is part of its golden output, next to what it prints on stdout. rrfp's version
+(``config.rrfp_version`` in JSON, ``--version``) is written as ``{version}``: a release changes no
+output.
 """
 
 from __future__ import annotations
@@ -54,6 +56,11 @@ def cases() -> dict[str, list[str]]:
             *trace, "--policy", "rrfp", "--hint", "1f1b,bf", "--memory-budget", "1x,2x", "--json",
         ]  # fmt: skip
     out["error-hint"] = [*SMALL, "--hint", "1f1b,nope"]  # a user error: one line, exit 2
+    out["error-usage"] = [*SMALL, "--bogus"]  # click's usage error: one line too, exit 2
+    out["version"] = ["--version"]
+    out["budgets"] = [*SMALL, "--hint", "1f1b,bfw", "--memory-budget", "1x,2x", "--json"]
+    out["warmup"] = [*SMALL, "--iterations", "2", "--warmup", "1", "--json"]
+    out["table-budgets"] = [*SMALL, "--memory-budget", "1x,2x"]
     out["sweep"] = [
         "sweep", *SMALL, "--hint", "1f1b,bfw", "--grid", "cv=0.1,1.0", "--grid", "memory-budget=1x,2x",
         "--out", "{out}/sweep.csv",
@@ -68,6 +75,7 @@ def run_case(args: list[str], out: Path) -> dict[str, bytes]:
     it wrote into ``out``.
     """
     from rrfp.sim.cli import main
+    from rrfp.study.options import version
 
     argv = [a.replace("{out}", str(out)) for a in args]
     buf, err = io.StringIO(), io.StringIO()
@@ -81,8 +89,11 @@ def run_case(args: list[str], out: Path) -> dict[str, bytes]:
         code = e.code
     finally:
         os.chdir(cwd)
+    stdout = buf.getvalue().replace(str(out), "{out}")
+    stdout = stdout.replace(f'"rrfp_version": "{version()}"', '"rrfp_version": "{version}"')
+    stdout = stdout.replace(f"rrfp-sim {version()}\n", "rrfp-sim {version}\n")
     files = {
-        "stdout": buf.getvalue().replace(str(out), "{out}").encode(),
+        "stdout": stdout.encode(),
         "stderr": err.getvalue().replace(str(out), "{out}").encode(),
         "code": f"{code}\n".encode(),
     }

@@ -1,0 +1,291 @@
+"""The options rrfp-sim and rrfp-run share: one table of names, short forms, grammar, defaults and help.
+
+Both CLIs build these options from :data:`SHARED` (:func:`click_options`), so a spelling, a short form,
+a grammar or a default cannot drift apart between them (tests/test_cli_vocabulary.py pins both CLIs
+against this table). Where the two CLIs must differ, the entry says how and why
+(:attr:`SharedOption.differs`); nothing else may differ.
+
+Around the options, what both CLIs do alike: ``--version`` (:func:`version`), one stderr line
+``<prog>: error: <message>`` and exit status 2 for every user error, click's usage errors included
+(:func:`one_line_errors`), the memory-budget grammar (:func:`parse_budgets`), a one-line deprecation
+note (:func:`deprecated`) and the command line a JSON ``config`` records (:func:`command_line`).
+
+This module is plain data at import time; click is imported inside the functions that build options.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rrfp.errors import RunFailure, UserError
+
+PROGS = ("rrfp-sim", "rrfp-run")
+ARGV_KEY = "rrfp.argv"
+"""Where a command's context keeps the arguments it was given (:func:`command_line`)."""
+
+
+class OptionError(UserError):
+    """An option value that breaks its shared grammar (a memory-budget item, ...)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SharedOption:
+    """One option both CLIs offer under the same spellings, grammar and default."""
+
+    name: str
+    """The parameter name both commands receive (``stages``, ``memory_budget``, ...)."""
+    flags: tuple[str, ...]
+    """Long spellings, canonical first (``--stages``, ``--pp``); ``--a/--no-a`` for an on/off switch."""
+    short: str | None
+    """The short form (``-m``), or None."""
+    kind: str
+    """``int``, ``float``, ``text``, ``list`` (comma text), ``flag``, ``switch`` (on/off, None = auto)
+    or ``version``."""
+    default: Any
+    help: str
+    """The help text both CLIs show (a CLI's own default is appended where it differs); ``{hints}`` and
+    ``{policies}`` stand for the registered names (:meth:`help_text`)."""
+    grammar: str = ""
+    """What a value looks like, as the help and the docs write it."""
+    differs: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    """prog -> (its default, why): the one place a CLI may depart from :attr:`default`."""
+
+    def default_for(self, prog: str) -> Any:
+        """This option's default in ``prog`` (rrfp-sim or rrfp-run)."""
+        _check_prog(prog)
+        return self.differs[prog][0] if prog in self.differs else self.default
+
+    def help_text(self, prog: str) -> str:
+        """The help ``prog`` shows: the names filled in, and where this CLI differs, how and why."""
+        from rrfp.dispatch.policies import policy_names
+        from rrfp.plan.hints import hint_names
+
+        text = self.help.format(hints=", ".join(hint_names()), policies=", ".join(policy_names()))
+        if prog in self.differs:
+            text += f" [{prog}: {self.differs[prog][1]}]"
+        return text
+
+    @property
+    def spellings(self) -> tuple[str, ...]:
+        """Every spelling on the command line: the long ones, then the short form."""
+        longs = tuple(s for f in self.flags for s in f.split("/"))
+        return longs + ((self.short,) if self.short else ())
+
+
+SHARED: tuple[SharedOption, ...] = (
+    SharedOption("stages", ("--stages", "--pp"), None, "int", 8, "Pipeline ranks.", "N >= 1",
+                 differs={"rrfp-run": (None, "one rank per worker: the workers / (tp x dp), 4 without "
+                                             "--gpus (a real job's size is the launch's)")}),
+    SharedOption("microbatches", ("--microbatches",), "-m", "int", None,
+                 "Microbatches per iteration [4 x stages].", "N >= 1"),
+    SharedOption("virtual_stages", ("--virtual-stages",), "-v", "int", None,
+                 "Stages per rank [the hint's own: 2 for interleaved-1f1b and zbv, else 1].", "N >= 1"),
+    SharedOption("hints", ("--hint",), None, "list", "1f1b,bf",
+                 "Comma list of hints: {hints}, torch:<Name>, or a torch CSV path.", "NAME[,...]"),
+    SharedOption("policies", ("--policy",), None, "list", "fixed,rrfp",
+                 "Comma list of policies: {policies}.", "NAME[,...]"),
+    SharedOption("memory_budget", ("--memory-budget",), None, "list", "1x",
+                 "Comma list of activation budgets per rank: Nx = N times the hint's own peak (1x, 1.5x, "
+                 "2x), or a whole number of activation slots.", "Nx|SLOTS[,...]"),
+    SharedOption("jitter", ("--jitter",), None, "text", "lognormal",
+                 "Compute jitter: none, normal, lognormal, gamma, pareto, spike (rrfp-run: sampled with "
+                 "--synthetic, injected as sleeps with --inject-ms).", "FAMILY"),
+    SharedOption("cv", ("--cv",), None, "float", 0.3, "Compute jitter CV (std / mean).", "X >= 0"),
+    SharedOption("seed", ("--seed",), None, "int", 0, "Base seed of every random stream.", "N >= 0"),
+    SharedOption("iterations", ("--iterations",), None, "int", 1,
+                 "Measured iterations (after --warmup) per run.", "N >= 1",
+                 differs={"rrfp-run": (5, "a real iteration is noisy: its interval needs several")}),
+    SharedOption("warmup", ("--warmup",), None, "int", 0,
+                 "Unmeasured iterations before the measured ones.", "N >= 0",
+                 differs={"rrfp-run": (1, "a real first iteration pays for allocation and calibration")}),
+    SharedOption("json", ("--json",), None, "flag", False,
+                 "Print one JSON object (schema_version 2) instead of the table.", ""),
+    SharedOption("trace_out", ("--trace-out",), None, "text", None,
+                 "Write the timeline: .parquet, .csv or .json (Perfetto) (rrfp-sim: replication 0).", "PATH"),
+    SharedOption("progress", ("--progress/--no-progress",), None, "switch", None,
+                 "Progress bar on stderr [auto: when stderr is a terminal].", ""),
+    SharedOption("version", ("--version",), None, "version", None, "Print the version and exit.", ""),
+)  # fmt: skip
+"""The shared options, in the order both CLIs list them."""
+
+BY_NAME: dict[str, SharedOption] = {o.name: o for o in SHARED}
+
+
+def _check_prog(prog: str) -> None:
+    if prog not in PROGS:
+        raise ValueError(f"prog must be one of {', '.join(PROGS)}, got {prog!r}")
+
+
+def defaults(prog: str) -> dict[str, Any]:
+    """Every shared option's default in ``prog``, by name (``version`` has none)."""
+    return {o.name: o.default_for(prog) for o in SHARED if o.kind != "version"}
+
+
+def version() -> str:
+    """rrfp's version: the installed distribution's, else the source tree's."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("rrfp")
+    except metadata.PackageNotFoundError:  # pragma: no cover - a bare source tree
+        return "0+unknown"
+
+
+# -- the memory-budget grammar -----------------------------------------------------------------------
+_BUDGET_ITEM = re.compile(r"^(\d+(\.\d+)?x|\d+)$", re.IGNORECASE)
+
+
+def parse_budgets(text: str | Iterable[str]) -> tuple[str, ...]:
+    """``"1x, 2x,6"`` -> ("1x", "2x", "6"): a comma list (or a sequence) of budgets, each ``Nx`` (a
+    factor of the hint's own peak) or a whole number of activation slots. Whether a factor is at least
+    1x, or a count covers the hint's peak, depends on the hint (rrfp.plan.budget.resolve_budget)."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = tuple(str(i).strip() for i in items if str(i).strip())
+    if not out:
+        raise OptionError("--memory-budget needs at least one budget, e.g. 1x or 1x,2x")
+    for item in out:
+        if not _BUDGET_ITEM.match(item):
+            raise OptionError(
+                f"--memory-budget item {item!r} is neither a factor like 2x nor a whole number of "
+                "activation slots"
+            )
+    if len({i.lower() for i in out}) != len(out):
+        raise OptionError(f"--memory-budget {','.join(out)!r} names a budget twice")
+    return out
+
+
+def budget_label(text: str | None) -> str | None:
+    """A budget as a trial label writes it: None for the default ``1x``."""
+    return None if text is None or text.strip().lower() in ("", "1x") else text.strip()
+
+
+# -- click -------------------------------------------------------------------------------------------
+def click_options(
+    prog: str, names: Iterable[str] | None = None, defaults: Mapping[str, Any] | None = None
+) -> list[Callable[[Any], Any]]:
+    """click decorators for the shared options ``names`` (all, in table order, by default) of
+    ``prog``. ``defaults``: values to use instead of the table's (rrfp-sim passes its config
+    dataclasses' defaults, which tests hold equal to the table's)."""
+    import click
+
+    wanted = [o.name for o in SHARED] if names is None else list(names)
+    unknown = sorted(set(wanted) - set(BY_NAME))
+    if unknown:
+        raise ValueError(f"not shared options: {unknown}")
+    out = []
+    for option in (o for o in SHARED if o.name in wanted):
+        default = (defaults or {}).get(option.name, option.default_for(prog))
+        out.append(_click_option(click, prog, option, default))
+    return out
+
+
+def _click_option(click: Any, prog: str, o: SharedOption, default: Any) -> Callable[[Any], Any]:
+    decls = [*o.flags, *((o.short,) if o.short else ()), o.name]
+    text = o.help_text(prog)
+    if o.kind == "version":
+        return click.version_option(version(), "--version", prog_name=prog, message="%(prog)s %(version)s",
+                                    help=o.help)  # fmt: skip
+    if o.kind == "flag":
+        return click.option(*decls, is_flag=True, default=bool(default), help=text)
+    if o.kind == "switch":
+        return click.option(*decls, default=default, help=text)
+    types = {"int": int, "float": float, "text": str, "list": str}
+    show = default is not None
+    callback = _budget_callback if o.name == "memory_budget" else None
+    return click.option(*decls, type=types[o.kind], default=default, show_default=show, help=text,
+                        metavar=o.grammar.split(" ")[0] or None,
+                        callback=callback)  # fmt: skip
+
+
+def _budget_callback(ctx: Any, param: Any, value: str | None) -> str | None:
+    """Check ``--memory-budget``'s grammar as click parses it (one line naming the bad item)."""
+    if value is None:
+        return value
+    return ",".join(parse_budgets(value))
+
+
+def command_line(ctx: Any, prog: str) -> str:
+    """The command line that started this command, quoted as a shell would take it back."""
+    argv = ctx.meta.get(ARGV_KEY) if ctx is not None else None
+    return shlex.join([prog, *(sys.argv[1:] if argv is None else argv)])
+
+
+def fail(prog: str, message: str, code: int = 2) -> None:
+    """Print ``<prog>: error: <message>`` as one line on stderr and exit with ``code``."""
+    line = " ".join(str(message).split())  # one line, whatever the exception held
+    print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def deprecated(prog: str, message: str) -> None:
+    """One line on stderr: ``<prog>: deprecated: <message>`` (old spellings work for one release)."""
+    print(f"{prog}: deprecated: {' '.join(message.split())}", file=sys.stderr, flush=True)
+
+
+def one_line_errors(base: type, prog: str, os_errors: bool = False) -> type:
+    """``base`` (a click command class) whose standalone ``main`` reports every user error as one line
+    ``<prog>: error: <message>`` with exit status 2 -- click's usage errors (an unknown option, a bad
+    number) and :class:`rrfp.errors.UserError` alike; a :class:`rrfp.errors.RunFailure` is one line
+    with status 1 (``os_errors``: an OSError too, as "cannot write output"); anything else is a bug
+    and keeps its traceback. The context records the arguments (:func:`command_line`)."""
+    import click
+
+    class OneLine(base):  # type: ignore[misc, valid-type]
+        def make_context(self, info_name: Any, args: list[str], parent: Any = None, **extra: Any) -> Any:
+            argv = list(args)
+            ctx = super().make_context(info_name, args, parent=parent, **extra)
+            ctx.meta.setdefault(ARGV_KEY, argv)
+            return ctx
+
+        def main(self, args: Any = None, prog_name: Any = None, complete_var: Any = None,
+                 standalone_mode: bool = True, **extra: Any) -> Any:  # fmt: skip
+            if not standalone_mode:
+                return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            try:
+                rv = super().main(args, prog_name or prog, complete_var, standalone_mode=False, **extra)
+            except click.ClickException as e:  # usage errors, bad values: the user's
+                fail(prog, e.format_message(), 2)
+            except click.Abort:
+                fail(prog, "interrupted", 130)
+            except UserError as e:
+                fail(prog, str(e), 2)
+            except RunFailure as e:
+                fail(prog, str(e), 1)
+            except OSError as e:
+                if not os_errors:
+                    raise
+                fail(prog, f"cannot write output: {e}", 1)
+            sys.exit(rv if isinstance(rv, int) else 0)
+
+    OneLine.__name__ = OneLine.__qualname__ = f"OneLine{base.__name__}"
+    return OneLine
+
+
+def with_options(decorators: Iterable[Callable[[Any], Any]]) -> Callable[[Any], Any]:
+    """One decorator applying click option decorators in the order listed (the first shows first)."""
+    listed = list(decorators)
+
+    def apply(fn: Any) -> Any:
+        for option in reversed(listed):
+            fn = option(fn)
+        return fn
+
+    return apply
+
+
+def costs_text(costs: str | Mapping[str, float]) -> str:
+    """Mean costs as both CLIs write them, ``F=1,B=2 (I=1,W=1)``: B is what an unsplit backward costs,
+    I and W its halves when split (``costs``: a dict with F, I, W, or text rrfp.workload parses)."""
+    if isinstance(costs, str):
+        from rrfp.workload.model import parse_costs
+
+        costs = parse_costs(costs)
+    if set(costs) != {"F", "I", "W"}:
+        return ",".join(f"{k}={v:g}" for k, v in costs.items())
+    f, i, w = costs["F"], costs["I"], costs["W"]
+    return f"F={f:g},B={i + w:g} (I={i:g},W={w:g})"

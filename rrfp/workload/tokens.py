@@ -1,0 +1,550 @@
+"""Token-level workloads: one sample size drives every task's duration and every message's bytes.
+
+A :class:`TokenWorkload` draws real samples (text tokens and images, from a :class:`LengthsTable`) for
+each iteration, forms microbatches of them, and derives from their sizes what each task costs and what
+each message weighs -- instead of :class:`~rrfp.workload.model.WorkloadConfig`'s unit-mean sequence
+factor and constant message size. It plugs into the simulator exactly like a ``WorkloadConfig``
+(:meth:`TokenWorkload.sample` returns an :class:`IterationSample`; jitter, stragglers and comm jitter
+come from its ``base`` WorkloadConfig, drawn from the same streams in the same way).
+
+**Samples and microbatches** (per iteration and DP replica, from the ``lengths`` and ``images`` streams,
+:func:`data_streams`):
+
+* ``packing="none"``: ``microbatches x microbatch_size`` rows drawn uniformly with replacement; each
+  microbatch holds ``microbatch_size`` of them, one per row.
+* ``packing="greedy"``: samples drawn one by one (in blocks of :data:`PACK_BLOCK` rows, a fixed part of
+  the stream's contract) are packed first-fit into ``microbatches x microbatch_size`` bins of
+  ``pack_tokens`` decoder tokens (:class:`~rrfp.workload.lengths.FirstFit`); packing ends at the first
+  sample that fits no bin. Bin b is row ``b % microbatch_size`` of microbatch ``b // microbatch_size``.
+  A sample longer than ``pack_tokens`` is a :class:`~rrfp.workload.lengths.LengthsError`.
+* text longer than ``seq_len`` (when given) is cut to ``seq_len`` tokens first.
+* images: a multimodal sample has the table's ``images`` if the source has them, else
+  Poisson(images_mean * X), X of family ``images_dist`` with mean 1 and CV ``images_cv`` (the heavy-
+  tailed mixture of WorkloadConfig's multimodal preset, per *sample* here), capped when packing so
+  that the sample fits a row (the table's own counts are never changed: a sample of them longer than
+  a row is an error). Each image is P = (image_size / patch)^2 image tokens. Without an encoder images
+  are ignored.
+
+**FLOPs** (h = ``hidden``, h_v = ``vision_hidden`` or h; per layer, forward; Narayanan et al. 2021's
+24 b s h^2 + 4 b s^2 h, with attention masked to each document -- each sample's own sequence)::
+
+    decoder layer:  D = 24 h^2 sum_i d_i + 4 h sum_i d_i^2     d_i = text_i + P images_i (multimodal)
+    encoder layer:  V = 24 h_v^2 P sum_i images_i + 4 h_v P^2 sum_i images_i    (each image attends to itself)
+    stage s:        L_s D + E_s V       (L_s decoder and E_s encoder layers on s; the last stage's
+                                         decoder part x (1 + imbalance), its LM head and loss)
+
+Image tokens are appended to the text on every stage after the encoder: with ``encoder="first"`` the
+encoder and its share of decoder layers are on stage 0 (Megatron's LLaVA, WORKLOAD_FACTS §8), so every
+stage's decoder sees text + image tokens; with ``"separate"`` the first ``encoder_stages`` stages hold
+only the encoder and every later stage sees text + image tokens. Decoder layers split as evenly as
+integers allow over the decoder stages (the first ones take the remainder), encoder layers over theirs.
+
+**Durations.** ``duration(s, op, m) = costs[op] * pp * flops_op(s, m) / E[total forward FLOPs of a
+microbatch] * jitter * straggler``: the mean microbatch costs ``costs`` per rank (the option keeps its
+meaning), heavier ones more. The expectation is exact for unpacked data (the table's moments x
+microbatch_size; drawn images by their Poisson-mixture moments) and, for packed data, the mean over
+:data:`REFERENCE_BINS` bins packed from fixed streams (the same for every seed, so runs stay paired).
+Backward ops (I, W; B = I + W) use the same FLOPs, except that a frozen encoder's layers cost nothing
+there: its stages keep their B/I/W tasks at zero duration, so every hint stays valid.
+
+**Messages.** A message carries the activation (or its gradient) at a stage boundary: ``tokens x width x
+dtype_bytes`` bytes -- decoder tokens x h after a decoder stage, image tokens x h_v inside a separate
+encoder (x h out of its last stage, after the projection), and nothing back into a frozen encoder.
+:attr:`IterationSample.msg_bytes` carries them per message, so they vary per microbatch.
+
+**Decision: encoder stages are pipeline stages.** ``separate`` does not change the pipeline's shape: the
+workload takes the spec's S = pp x v stages as they are and gives the first ``encoder_stages`` of them
+to the encoder, the other S - K to the decoder. The hint, its budget and the pairing are built for a
+shape before the workload is consulted, and hints in one comparison differ in v (interleaved: 2), so
+"add K stages" has no single meaning across them; as ordinary stages, the encoder's get F/B/I/W tasks
+and every hint, budget and policy applies unchanged. To compare ``first`` and ``separate`` at the same
+decoder depth, give the pipeline K more stages.
+
+**Streams** (common random numbers, rrfp.workload.rng): the samples come from components ``lengths``
+and ``images`` (``/dp{d}`` for DP replica d > 0), new names, so no existing draw moves. rrfp-run builds
+the same microbatches by calling :func:`batch_sizes` with the same (seed, replication, iteration, dp).
+
+    >>> from rrfp.workload.lengths import LengthsTable
+    >>> w = TokenWorkload(lengths=LengthsTable([100, 300]), layers=4, hidden=64, heads=4, microbatch_size=1)
+    >>> s = w.sample(2, 2, 4, rngs.streams(0, 0, components=(*rngs.COMPONENTS, "lengths")))
+    >>> s.F.shape, s.msg_bytes.shape, sorted(set(s.tokens.tolist())) <= [100, 300]
+    ((2, 4), (2, 4, 2), True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from rrfp.workload import rng as rngs
+from rrfp.workload.jitter import Distribution, JitterError, make_distribution
+from rrfp.workload.lengths import FirstFit, LengthsError, LengthsTable, draw_rows, lengths_table
+from rrfp.workload.model import (
+    _OPS,
+    IterationSample,
+    WorkloadConfig,
+    WorkloadError,
+    _stage_ranks,
+    _straggler,
+)
+
+ENCODERS = ("none", "first", "separate")
+PACKINGS = ("none", "greedy")
+DATA_COMPONENTS = ("lengths", "images")
+"""Streams the samples come from (shared by a DP replica's TP members: the same data)."""
+STREAM_COMPONENTS = (*rngs.COMPONENTS, "lengths")
+"""Every component :meth:`TokenWorkload.sample` draws from."""
+PACK_BLOCK = 256
+"""Rows drawn per block while packing: part of the stream's contract (changing it moves the draws)."""
+REFERENCE_BINS = 4096
+"""Bins packed (from fixed streams) to estimate a packed microbatch's expected FLOPs."""
+_REFERENCE_SEED = 0
+TOKEN_OPTIONS = ("lengths", "layers", "hidden", "heads", "microbatch_size", "seq_len", "dtype_bytes",
+                 "packing", "pack_tokens", "encoder", "encoder_stages", "freeze_encoder",
+                 "vision_layers", "vision_hidden", "image_size", "patch", "images_dist", "images_mean",
+                 "images_cv")  # fmt: skip
+"""Option names of the token mode; each is the :class:`TokenWorkload` field of the same name."""
+DERIVED_OPTIONS = ("seq_cv", "msg_bytes")
+"""WorkloadConfig options token mode derives from the samples (giving one is an error)."""
+
+
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity, never elementwise by accident
+class BatchSizes:
+    """The samples of one iteration of one DP replica and the microbatch and row each one sits in."""
+
+    microbatches: int
+    tokens: np.ndarray
+    """Text tokens of each sample (after ``seq_len``), shape (n,), int64."""
+    images: np.ndarray
+    """Images of each sample (0 without an encoder), shape (n,), int64."""
+    microbatch: np.ndarray
+    """Microbatch of each sample, shape (n,), non-decreasing."""
+    row: np.ndarray
+    """Row of each sample within its microbatch (its packing bin), shape (n,)."""
+
+    def per_microbatch(self, values: np.ndarray) -> np.ndarray:
+        """Sum of a per-sample quantity over each microbatch, shape (microbatches,), float64."""
+        return np.bincount(self.microbatch, weights=values, minlength=self.microbatches)
+
+    @property
+    def tokens_per_microbatch(self) -> np.ndarray:
+        return np.rint(self.per_microbatch(self.tokens)).astype(np.int64)
+
+    @property
+    def images_per_microbatch(self) -> np.ndarray:
+        return np.rint(self.per_microbatch(self.images)).astype(np.int64)
+
+    def rows(self, mb: int) -> list[list[tuple[int, int]]]:
+        """Microbatch ``mb`` as rows, each a list of (text tokens, images) samples in stream order."""
+        out: list[list[tuple[int, int]]] = []
+        for k in np.flatnonzero(self.microbatch == mb).tolist():
+            while len(out) <= self.row[k]:
+                out.append([])
+            out[self.row[k]].append((int(self.tokens[k]), int(self.images[k])))
+        return out
+
+
+@dataclass(frozen=True, eq=False)  # arrays: compared by identity, never elementwise by accident
+class _Moments:
+    """Per-microbatch sums the FLOPs are linear in: decoder tokens (A1), their squares per sample (A2),
+    image tokens (G1) and images (N); arrays (one per microbatch) or expectations (shape (1,))."""
+
+    A1: np.ndarray
+    A2: np.ndarray
+    G1: np.ndarray
+    N: np.ndarray
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenWorkload:
+    """A token-level workload (see the module docstring). Validated at construction."""
+
+    lengths: LengthsTable | str
+    """The samples: a table, a ``DIST:k=v,...`` spec or a lengths file (rrfp.workload.lengths)."""
+    base: WorkloadConfig = field(default_factory=WorkloadConfig)
+    """costs (of the mean microbatch), jitter, stragglers, comm jitter, act_bytes, imbalance. Its preset
+    must be ``language`` with seq_cv 0: token mode derives the variation (its msg_bytes is unused)."""
+    layers: int = 8
+    """Decoder layers, split over the decoder stages."""
+    hidden: int = 64
+    """Decoder width h."""
+    heads: int = 4
+    """Attention heads (h must divide by it; FLOPs do not depend on it)."""
+    microbatch_size: int = 2
+    """Rows per microbatch: samples unpacked, packed bins with packing."""
+    seq_len: int | None = None
+    """Longest text a sample keeps (longer ones are cut, as fine-tuning loaders do); None: no limit."""
+    dtype_bytes: int = 2
+    """Bytes per activation element (2: bf16)."""
+    packing: str = "none"
+    """``none`` or ``greedy`` (first-fit into pack_tokens bins)."""
+    pack_tokens: int | None = None
+    """Decoder tokens per packed row; None: ``seq_len``."""
+    encoder: str = "none"
+    """Vision encoder: ``none`` (text only), ``first`` (on stage 0) or ``separate`` (own stages)."""
+    encoder_stages: int = 1
+    """separate: the leading stages holding the encoder (and no decoder layers)."""
+    freeze_encoder: bool = False
+    """The encoder is not trained: its backward costs nothing (tasks kept at zero duration)."""
+    vision_layers: int = 2
+    """Encoder layers."""
+    vision_hidden: int | None = None
+    """Encoder width h_v; None: ``hidden``."""
+    image_size: int = 16
+    """Square image side, pixels."""
+    patch: int = 8
+    """Square patch side, pixels: P = (image_size / patch)^2 tokens per image."""
+    images_dist: str = "lognormal"
+    """Family of the image-rate mixing factor (when the lengths have no images column)."""
+    images_mean: float = 1.0
+    """Mean images per sample (when the lengths have no images column)."""
+    images_cv: float = 0.0
+    """CV of the image-rate mixing factor."""
+
+    _table: LengthsTable = field(init=False, repr=False, compare=False)
+    _rate: Distribution = field(init=False, repr=False, compare=False)
+    _cache: dict[int, _Moments] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lengths, str):
+            object.__setattr__(self, "lengths", lengths_table(self.lengths))
+        if not isinstance(self.lengths, LengthsTable):
+            raise WorkloadError(f"lengths must be a LengthsTable or a spec/path, got {self.lengths!r}")
+        self._check_sizes()
+        self._check_modes()
+        self._check_base()
+        object.__setattr__(self, "_table", self.lengths.truncated(self.seq_len))
+        object.__setattr__(self, "_cache", {})
+        try:
+            rate = make_distribution(self.images_dist, self.images_cv)
+        except JitterError as e:
+            raise WorkloadError(f"images distribution: {e}") from e
+        object.__setattr__(self, "_rate", rate)
+        self._check_pack_fits()
+
+    def _check_sizes(self) -> None:
+        for name in ("layers", "hidden", "heads", "microbatch_size", "dtype_bytes", "encoder_stages",
+                     "image_size", "patch"):  # fmt: skip
+            _integer(name, getattr(self, name), 1)
+        _integer("vision_layers", self.vision_layers, 0)
+        for name in ("seq_len", "pack_tokens", "vision_hidden"):
+            if getattr(self, name) is not None:
+                _integer(name, getattr(self, name), 1)
+        if self.hidden % self.heads:
+            raise WorkloadError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if self.image_size % self.patch:
+            raise WorkloadError(f"image_size ({self.image_size}) must be divisible by patch ({self.patch})")
+        ok = isinstance(self.images_mean, (int, float)) and math.isfinite(self.images_mean)
+        if not (ok and self.images_mean >= 0):
+            raise WorkloadError(f"images_mean must be a finite number >= 0, got {self.images_mean!r}")
+
+    def _check_modes(self) -> None:
+        for name, choices in (("packing", PACKINGS), ("encoder", ENCODERS)):
+            if getattr(self, name) not in choices:
+                raise WorkloadError(
+                    f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
+                )
+        if not isinstance(self.freeze_encoder, bool):
+            raise WorkloadError(f"freeze_encoder must be a bool, got {self.freeze_encoder!r}")
+        if self.freeze_encoder and self.encoder == "none":
+            raise WorkloadError("freeze_encoder needs an encoder (encoder first or separate)")
+        if self.encoder != "none" and self.vision_layers < 1:
+            raise WorkloadError(f"encoder {self.encoder!r} needs vision_layers >= 1")
+        if self.packing == "greedy" and self.pack_tokens is None and self.seq_len is None:
+            raise WorkloadError("packing greedy needs pack_tokens (or seq_len) tokens per row")
+
+    def _check_base(self) -> None:
+        if not isinstance(self.base, WorkloadConfig):
+            raise WorkloadError(f"base must be a WorkloadConfig, got {type(self.base).__name__}")
+        if self.base.preset != "language":
+            raise WorkloadError(
+                f"token mode has its own multimodal structure (encoder=...): base preset must be "
+                f"'language', got {self.base.preset!r}"
+            )
+        if self.base.seq_cv:
+            raise WorkloadError(f"token mode derives sequence variation from the lengths: seq_cv must be 0, "
+                                f"got {self.base.seq_cv}")  # fmt: skip
+
+    def _check_pack_fits(self) -> None:
+        if self.packing != "greedy":
+            return
+        longest = self._table.tokens.astype(np.int64)
+        if self.multimodal and self._table.images is not None:
+            longest = longest + self.image_tokens * self._table.images
+        if int(longest.max()) > self.pack_capacity:
+            raise LengthsError(
+                f"{self._table.source}: a sample of {int(longest.max())} decoder tokens is longer than "
+                f"pack_tokens = {self.pack_capacity}"
+            )
+
+    # -- derived sizes -------------------------------------------------------------------------------
+    @property
+    def table(self) -> LengthsTable:
+        """The samples after ``seq_len``."""
+        return self._table
+
+    @property
+    def multimodal(self) -> bool:
+        return self.encoder != "none"
+
+    @property
+    def image_tokens(self) -> int:
+        """Tokens per image, P = (image_size / patch)^2; 0 without an encoder."""
+        return (self.image_size // self.patch) ** 2 if self.multimodal else 0
+
+    @property
+    def vision_width(self) -> int:
+        return self.hidden if self.vision_hidden is None else self.vision_hidden
+
+    @property
+    def pack_capacity(self) -> int:
+        """Decoder tokens per packed row."""
+        cap = self.pack_tokens if self.pack_tokens is not None else self.seq_len
+        assert cap is not None, "packing greedy is checked to have a capacity"
+        return cap
+
+    @property
+    def costs(self) -> dict[str, float]:
+        return self.base.costs  # type: ignore[return-value]
+
+    @property
+    def act_bytes(self) -> float:
+        return self.base.act_bytes
+
+    def describe(self) -> dict[str, Any]:
+        """JSON-ready: every token option's value (``lengths`` as its source) and the samples' summary
+        (rows, mean, CV, min, max, content digest) -- what a report's ``config`` shows."""
+        out: dict[str, Any] = {name: getattr(self, name) for name in TOKEN_OPTIONS if name != "lengths"}
+        out["lengths"] = self.lengths.source
+        out["samples"] = {**self._table.describe(), "digest": self._table.digest}
+        return out
+
+    def stage_act_bytes(self, virtual_stages: int) -> float:
+        """As :meth:`WorkloadConfig.stage_act_bytes` (activation memory is not token-scaled yet)."""
+        return self.base.stage_act_bytes(virtual_stages)
+
+    def stage_layers(self, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+        """(decoder, encoder) layers per stage, shape (num_stages,) each (float64, whole numbers)."""
+        k = self.encoder_stages if self.encoder == "separate" else 0
+        if num_stages - k < 1:
+            raise WorkloadError(f"encoder_stages ({k}) leaves no decoder stage of the {num_stages} stages")
+        if self.layers < num_stages - k:
+            raise WorkloadError(f"layers ({self.layers}) must be >= the {num_stages - k} decoder stages")
+        if self.encoder == "separate" and self.vision_layers < k:
+            raise WorkloadError(f"vision_layers ({self.vision_layers}) must be >= encoder_stages ({k})")
+        dec, enc = np.zeros(num_stages), np.zeros(num_stages)
+        dec[k:] = _split(self.layers, num_stages - k)
+        if self.encoder == "first":
+            enc[0] = self.vision_layers
+        elif self.encoder == "separate":
+            enc[:k] = _split(self.vision_layers, k)
+        return dec, enc
+
+    # -- drawing ---------------------------------------------------------------------------------------
+    def draw(self, gens: Mapping[str, np.random.Generator], microbatches: int) -> BatchSizes:
+        """The samples of one iteration from the ``lengths`` and ``images`` generators."""
+        _integer("microbatches", microbatches, 1)
+        if self.packing == "none":
+            n = microbatches * self.microbatch_size
+            rows = draw_rows(self._table, gens["lengths"], n)
+            images = self._images(rows, gens["images"])
+            slot = np.arange(n)
+        else:
+            rows, images, slot = self._pack(gens, microbatches * self.microbatch_size)
+        mbs = self.microbatch_size
+        return BatchSizes(microbatches, self._table.tokens[rows], images, slot // mbs, slot % mbs)
+
+    def _images(self, rows: np.ndarray, gen: np.random.Generator) -> np.ndarray:
+        if not self.multimodal:
+            return np.zeros(len(rows), dtype=np.int64)
+        if self._table.images is not None:
+            return self._table.images[rows]
+        rate = self.images_mean * self._rate.sample(gen, len(rows))
+        images = gen.poisson(rate).astype(np.int64)
+        if self.packing == "greedy":  # drawn counts are unbounded: keep each sample within a packed row
+            images = np.minimum(images, (self.pack_capacity - self._table.tokens[rows]) // self.image_tokens)
+        return images
+
+    def _pack(
+        self, gens: Mapping[str, np.random.Generator], bins: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """First-fit the stream into ``bins`` bins; samples ordered by bin, then stream order."""
+        packer = FirstFit(bins, self.pack_capacity)
+        rows, images, where = [], [], []
+        while not packer.closed:
+            block = draw_rows(self._table, gens["lengths"], PACK_BLOCK)
+            imgs = self._images(block, gens["images"])
+            placed = packer.place(self._table.tokens[block] + self.image_tokens * imgs)
+            rows.append(block[: len(placed)])
+            images.append(imgs[: len(placed)])
+            where.append(np.asarray(placed, dtype=np.int64))
+        order = np.argsort(np.concatenate(where), kind="stable")
+        return np.concatenate(rows)[order], np.concatenate(images)[order], np.concatenate(where)[order]
+
+    # -- FLOPs and bytes -------------------------------------------------------------------------------
+    def moments(self, sizes: BatchSizes) -> _Moments:
+        """The per-microbatch sums the FLOPs are linear in."""
+        g = (self.image_tokens * sizes.images).astype(np.float64)
+        d = sizes.tokens.astype(np.float64) + g
+        per = sizes.per_microbatch
+        return _Moments(per(d), per(d * d), per(g), per(sizes.images.astype(np.float64)))
+
+    def layer_flops(self, mom: _Moments) -> tuple[np.ndarray, np.ndarray]:
+        """Forward FLOPs of one (decoder, encoder) layer per microbatch of ``mom``."""
+        h, hv, p = float(self.hidden), float(self.vision_width), float(self.image_tokens)
+        return 24 * h * h * mom.A1 + 4 * h * mom.A2, 24 * hv * hv * mom.G1 + 4 * hv * p * p * mom.N
+
+    def stage_flops(self, mom: _Moments, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) FLOPs per (stage, microbatch), shape (num_stages, len(mom.A1)) each."""
+        dec_flops, enc_flops = self.layer_flops(mom)
+        dec, enc = self.stage_layers(num_stages)
+        dec[-1] *= 1 + self.base.imbalance  # the LM head and loss (WorkloadConfig's meaning)
+        text = dec[:, None] * dec_flops[None, :]
+        vision = enc[:, None] * enc_flops[None, :]
+        return text + vision, (text if self.freeze_encoder else text + vision)
+
+    def expected_moments(self, microbatches: int) -> _Moments:
+        """E[moments] of one microbatch (exact unpacked; packed: a fixed-stream mean, see the module
+        docstring), arrays of shape (1,)."""
+        key = microbatches if self.packing == "greedy" else 0  # unpacked: independent of the count
+        if key not in self._cache:
+            self._cache[key] = self._packed_mean(microbatches) if key else self._exact_mean()
+        return self._cache[key]
+
+    def _exact_mean(self) -> _Moments:
+        t = self._table.tokens.astype(np.float64)
+        p, b = float(self.image_tokens), float(self.microbatch_size)
+        if not self.multimodal:
+            n1 = n2 = tn = 0.0
+        elif self._table.images is not None:
+            n = self._table.images.astype(np.float64)
+            n1, n2, tn = float(n.mean()), float((n * n).mean()), float((t * n).mean())
+        else:  # Poisson(mu X), E X = 1, Var X = cv^2: E n = mu, E n^2 = mu + mu^2 (1 + cv^2); n indep. of t
+            mu = float(self.images_mean)
+            n1, n2, tn = mu, mu + mu * mu * (1 + self._rate.cv**2), mu * float(t.mean())
+        a1 = float(t.mean()) + p * n1
+        a2 = float((t * t).mean()) + 2 * p * tn + p * p * n2
+        return _Moments(*(np.array([b * x]) for x in (a1, a2, p * n1, n1)))
+
+    def _packed_mean(self, microbatches: int) -> _Moments:
+        reps = max(1, math.ceil(REFERENCE_BINS / (microbatches * self.microbatch_size)))
+        sums = np.zeros(4)
+        for k in range(reps):
+            gens = {c: rngs.stream(_REFERENCE_SEED, 0, f"{c}/reference", k) for c in DATA_COMPONENTS}
+            m = self.moments(self.draw(gens, microbatches))
+            sums += [float(x.sum()) for x in (m.A1, m.A2, m.G1, m.N)]
+        return _Moments(*(np.array([x / (reps * microbatches)]) for x in sums))
+
+    def normaliser(self, microbatches: int) -> float:
+        """E[forward FLOPs of one microbatch over the whole model] (no imbalance): what ``pp x costs``
+        seconds buy. It does not depend on how the layers split over stages."""
+        dec_flops, enc_flops = self.layer_flops(self.expected_moments(microbatches))
+        vision = self.vision_layers * float(enc_flops[0]) if self.multimodal else 0.0
+        return self.layers * float(dec_flops[0]) + vision
+
+    def message_bytes(self, mom: _Moments, num_stages: int) -> np.ndarray:
+        """Bytes of each message, shape (num_stages, microbatches, 2), indexed like IterationSample.comm."""
+        k = self.encoder_stages if self.encoder == "separate" else 0
+        width = np.full(num_stages, float(self.hidden))  # the activation leaving stage s, elements/token
+        width[: max(k - 1, 0)] = self.vision_width  # inside the encoder; its last stage projects to h
+        forward = np.where(np.arange(num_stages)[:, None] < k, mom.G1[None, :], mom.A1[None, :])
+        forward = forward * width[:, None] * self.dtype_bytes
+        forward[-1] = 0.0  # the last stage sends no activation
+        out = np.zeros((num_stages, len(mom.A1), 2))
+        out[:, :, 0] = forward
+        out[1:, :, 1] = forward[:-1]  # a gradient has the shape of the activation it answers
+        if self.freeze_encoder and k:
+            out[1 : k + 1, :, 1] = 0.0  # nothing flows back into a frozen encoder
+        return out
+
+    # -- what the simulator consumes -------------------------------------------------------------
+    def sample(
+        self,
+        pp: int,
+        num_stages: int,
+        microbatches: int,
+        rng: np.random.Generator | rngs.Streams,
+        *,
+        placement: str = "loop",
+    ) -> IterationSample:
+        """Realised durations and message bytes of one iteration (as rrfp.workload.model.sample_iteration;
+        ``rng`` a generator, split by :data:`STREAM_COMPONENTS`, or per-component generators)."""
+        ranks = _stage_ranks(pp, num_stages, microbatches, placement)
+        gens = rngs.split(rng, STREAM_COMPONENTS) if isinstance(rng, np.random.Generator) else rng
+        sizes = self.draw(gens, microbatches)
+        mom = self.moments(sizes)
+        loads = self.stage_flops(mom, num_stages)
+        shape = (num_stages, microbatches)
+        slow = _straggler(self.base, gens["straggler"], ranks, pp, microbatches)
+        per_flop = pp / self.normaliser(microbatches)  # = (S / v) / E[FLOPs]: seconds per FLOP per cost
+        jit = self.base.distribution("compute")
+        # F, then I, then W, each a full (S, M) draw: the order of WorkloadConfig's sample_iteration.
+        arrays = {
+            op: self.costs[op] * (loads[op != "F"] * per_flop * slow) * jit.sample(gens["compute"], shape)
+            for op in _OPS
+        }
+        comm = self.base.distribution("comm").sample(gens["comm"], (*shape, 2))
+        return IterationSample(
+            arrays["F"], arrays["I"], arrays["W"], comm,
+            images=sizes.images_per_microbatch.astype(np.float64), tokens=sizes.tokens_per_microbatch,
+            msg_bytes=self.message_bytes(mom, num_stages),
+        )  # fmt: skip
+
+    def mean_costs(self, pp: int, num_stages: int, microbatches: int) -> dict[str, np.ndarray]:
+        """Expected duration per stage of F, I, W and B = I + W, shape (num_stages,) each; no stragglers
+        (as rrfp.workload.model.mean_costs)."""
+        fwd, bwd = self.stage_flops(self.expected_moments(microbatches), num_stages)
+        per_flop = pp / self.normaliser(microbatches)
+        out = {op: self.costs[op] * (fwd if op == "F" else bwd)[:, 0] * per_flop for op in _OPS}
+        out["B"] = out["I"] + out["W"]
+        return out
+
+    def mean_msg_bytes(self, microbatches: int) -> float:
+        """Expected bytes of a message between two decoder stages (a planning policy's estimate)."""
+        return float(self.expected_moments(microbatches).A1[0]) * self.hidden * self.dtype_bytes
+
+
+# --------------------------------------------------------------------------------------------------
+# Streams, options
+# --------------------------------------------------------------------------------------------------
+def data_streams(seed: int, replication: int, iteration: int, dp: int = 0) -> dict[str, np.random.Generator]:
+    """The ``lengths`` and ``images`` generators of DP replica ``dp`` (rrfp-sim's naming: ``/dp{d}``)."""
+    return {
+        c: rngs.stream(seed, replication, c if dp == 0 else f"{c}/dp{dp}", iteration) for c in DATA_COMPONENTS
+    }
+
+
+def batch_sizes(
+    cfg: TokenWorkload, seed: int, replication: int, iteration: int, microbatches: int, dp: int = 0
+) -> BatchSizes:
+    """The samples rrfp-sim draws for (seed, replication, iteration, DP replica): what rrfp-run must run."""
+    return cfg.draw(data_streams(seed, replication, iteration, dp), microbatches)
+
+
+def check_token_options(given: Iterable[str]) -> None:
+    """Refuse options token mode derives (:data:`DERIVED_OPTIONS`), by option name."""
+    derived = [name for name in DERIVED_OPTIONS if name in set(given)]
+    if derived:
+        flags = ", ".join("--" + name.replace("_", "-") for name in derived)
+        raise WorkloadError(f"{flags}: token mode derives it (from the lengths, hidden and dtype bytes)")
+
+
+def token_workload(values: Mapping[str, Any], base: WorkloadConfig | None = None) -> TokenWorkload:
+    """A TokenWorkload from option values by name (those of :data:`TOKEN_OPTIONS` present)."""
+    fields_ = {name: values[name] for name in TOKEN_OPTIONS if name in values}
+    return TokenWorkload(**fields_, base=WorkloadConfig() if base is None else base)
+
+
+def _integer(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
+        raise WorkloadError(f"{name} must be an integer >= {low}, got {value!r}")
+
+
+def _split(total: int, parts: int) -> np.ndarray:
+    """``total`` layers over ``parts`` stages as evenly as integers allow, the first ones taking more."""
+    base, extra = divmod(total, parts)
+    return np.array([base + (i < extra) for i in range(parts)], dtype=np.float64)

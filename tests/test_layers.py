@@ -1,0 +1,71 @@
+"""The layers hold (docs/design.md): errors -> plan -> dispatch -> workload -> study -> traces -> sim ->
+exec, each importing only those before it; no layer imports the top-level ``rrfp`` facade; no import
+cycle, at module level or inside functions; ``import rrfp`` stays light.
+
+The graph is read from the source (tests/layering.py); the checks on it are themselves checked on
+graphs with a planted violation, so they cannot pass vacuously.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from layering import ALLOWED, LAYERS, Edge, cycles, edges, layer_of, modules, violations
+
+
+def test_every_module_belongs_to_a_layer() -> None:
+    names = modules()
+    assert len(names) > 50
+    homeless = sorted(m for m in names if m != "rrfp" and layer_of(m) is None)
+    assert not homeless, f"modules outside every layer: {homeless}"
+
+
+def test_each_layer_imports_only_the_layers_before_it() -> None:
+    assert violations() == []
+
+
+def test_no_import_cycle_even_inside_functions() -> None:
+    assert cycles() == []
+
+
+def test_the_one_edge_between_the_interpreters_is_rrfp_run_cli_to_the_simulator_lazily() -> None:
+    assert ALLOWED == {("rrfp.exec.cli", "rrfp.sim")}
+    assert LAYERS.index("rrfp.exec") > LAYERS.index("rrfp.sim")
+    assert violations([Edge("rrfp.exec.cli", "rrfp.sim.model", 1, True)]) == []
+
+
+def test_the_graph_sees_lazy_and_relative_imports() -> None:
+    found = {(e.source, e.target): e for e in edges()}
+    # A lazy import inside a function (numpy-free `import rrfp`) and a relative one are both edges.
+    assert ("rrfp.workload.costs", "rrfp.workload.model") in found
+    assert found[("rrfp.workload.costs", "rrfp.workload.model")].lazy
+    assert ("rrfp.sim.cli", "rrfp.sim.config") in found  # `from .config import ...`
+
+
+@pytest.mark.parametrize(
+    ("planted", "complaint"),
+    [
+        (Edge("rrfp.plan.hints", "rrfp.dispatch.scheduler", 1, True), "a later layer"),
+        (Edge("rrfp.sim.model", "rrfp", 1, False), "top-level package"),
+        (Edge("rrfp.traces.trace", "rrfp.exec.cli", 1, False), "a later layer"),
+        (Edge("rrfp.exec.trials", "rrfp.sim.model", 1, True), "interpreters stay apart"),
+        (Edge("rrfp.exec.cli", "rrfp.sim.model", 1, False), "interpreters stay apart"),
+    ],
+)
+def test_the_layer_check_fails_on_a_planted_violation(planted: Edge, complaint: str) -> None:
+    bad = violations([planted])
+    assert len(bad) == 1 and complaint in bad[0]
+
+
+def test_the_cycle_check_fails_on_a_planted_cycle() -> None:
+    planted = [Edge("rrfp.sim.a", "rrfp.sim.b", 1, False), Edge("rrfp.sim.b", "rrfp.sim.a", 9, True)]
+    assert cycles(planted) == [["rrfp.sim.a", "rrfp.sim.b"]]
+
+
+def test_import_rrfp_loads_neither_simpy_torch_nor_pandas() -> None:
+    code = "import rrfp, sys; print(sorted(m for m in ('simpy', 'torch', 'pandas') if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
