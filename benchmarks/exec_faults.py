@@ -23,24 +23,11 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from execkit import session_procs  # the tests' own process-session walk
+from execkit import session_procs, wait_for_rank  # the tests' own process-session helpers
 
 BIN = Path(sys.executable).parent
 CAP = 150.0  # seconds after the fault before a job is declared hung and killed
 BASE = ["--gpus", "4", "--synthetic", "-m", "8", "--iterations", "100000", "--time-unit-ms", "5"]
-
-
-def _rank(sid: int, rank: int, timeout: float = 90.0) -> psutil.Process:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in session_procs(sid):
-            try:
-                if p.name() == f"rrfp-rank{rank}":
-                    return p
-            except psutil.Error:
-                continue
-        time.sleep(0.2)
-    raise RuntimeError(f"rank {rank} never appeared")
 
 
 def _wait_started(out: Path, proc: subprocess.Popen, timeout: float = 120.0) -> bool:
@@ -71,7 +58,7 @@ def run(name: str, extra: list[str], fault: str, work: Path) -> dict[str, object
         if fault == "kill9-launcher":
             proc.kill()
         elif fault.startswith("stop-rank"):
-            victim = _rank(sid, int(fault[-1]))
+            victim = wait_for_rank(proc, int(fault[-1]))
             victim.suspend()
             stopped.append(victim)
         elif fault in ("sigterm", "sigint"):

@@ -24,7 +24,7 @@ import torch
 
 from rrfp.errors import InternalError
 from rrfp.exec.config import RunConfig
-from rrfp.exec.data import make_batch
+from rrfp.exec.data import run_batch
 from rrfp.exec.model import build_stage
 
 
@@ -74,7 +74,7 @@ def _reference_step(cfg: RunConfig, model: Any, names: list[str], params: list[A
     total: dict[str, torch.Tensor] = {n: torch.zeros_like(p) for n, p in zip(names, params, strict=True)}
     loss = 0.0
     for replica in range(cfg.dp):
-        for mb in make_batch(cfg.model, cfg.seed, replica, it, cfg.microbatches):
+        for mb in run_batch(cfg, replica, it)[0]:
             out = model(None, mb)
             loss += float(out.detach())
             for n, g in zip(names, torch.autograd.grad(out, params, allow_unused=True), strict=True):

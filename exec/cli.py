@@ -8,6 +8,7 @@ NCCL with CUDA); inside torchrun it joins the job::
     rrfp-run --gpus 4 --baseline torch:1F1B --iterations 12      # torch.distributed.pipelining beside
     rrfp-run --gpus 4 --pp 2 --tp 2 --check                      # Megatron TP inside each stage
     rrfp-run --gpus 16 --synthetic --jitter lognormal --cv 0.5   # sleeps only: many ranks, few cores
+    rrfp-run --gpus 4 --lengths samples.csv --check              # token mode: rrfp-sim's sizes
     torchrun --standalone --nproc-per-node 2 -m rrfp.exec --check
     torchrun --nnodes 16 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m rrfp.exec --pp 16 --tp 8 --hint zbv --policy rrfp
@@ -43,7 +44,9 @@ from rrfp.exec.config import (
 )
 from rrfp.exec.launch import env_world_size, in_launcher_env, join, launch_local
 from rrfp.exec.preflight import check_outputs, preflight
+from rrfp.exec.tokens import DEFAULT_SEQ_LEN, longest_microbatch, run_workload
 from rrfp.study.options import (
+    TOKEN_SHARED,
     budget_label,
     click_options,
     command_line,
@@ -56,7 +59,8 @@ from rrfp.study.options import (
 PROG = "rrfp-run"
 DEFAULT_WORKERS = 4
 SHARED_NAMES = ("stages", "microbatches", "virtual_stages", "hints", "policies", "memory_budget", "jitter",
-                "cv", "seed", "iterations", "warmup", "json", "trace_out", "progress", "version")  # fmt: skip
+                "cv", "seed", "iterations", "warmup", "json", "trace_out", "progress", "version",
+                *TOKEN_SHARED)  # fmt: skip
 """The options rrfp-run shares with rrfp-sim (rrfp.study.options.SHARED), in the order --help lists them."""
 RUN_NAMES = {"stages": "pp", "hints": "hint", "policies": "policy"}
 """Shared option names -> the names rrfp-run's rules (rrfp.exec.config.check_options_used) know them by."""
@@ -91,11 +95,6 @@ def build_config(o: dict[str, Any], given: Collection[str] = ()) -> RunConfig:
     set on the command line, refused where the run would not use them."""
     world = _world(o["gpus"], o["stages"], o["tp"], o["dp"])
     pp = o["stages"] if o["stages"] is not None else max(1, world // (o["tp"] * o["dp"]))
-    model = ModelConfig(
-        kind=o["model"], layers=o["layers"], hidden=o["hidden"], heads=o["heads"], seq_len=o["seq_len"],
-        vocab=o["vocab"], microbatch_size=o["microbatch_size"], vision_layers=o["vision_layers"],
-        image_size=o["image_size"], patch=o["patch"], max_images=o["max_images"],
-    )  # fmt: skip
     baselines = tuple(_baseline_name(b) for b in split_list(o["baseline"]))
     # The shared jitter default applies where something is jittered (sampled durations, injected sleeps);
     # a real model's run without --inject-ms has none, unless --jitter asks (then the preflight says so).
@@ -103,6 +102,8 @@ def build_config(o: dict[str, Any], given: Collection[str] = ()) -> RunConfig:
     jitter = o["jitter"] if jittered else "none"
     cv = o["cv"] if jitter != "none" else 0.0
     microbatches = o["microbatches"] if o["microbatches"] is not None else 4 * pp
+    tokens = run_workload(o, given, jitter, cv)  # --lengths: token mode (rrfp.exec.tokens), else None
+    model = _model(o, tokens, microbatches)
     cfg = RunConfig(
         world=world, pp=pp, tp=o["tp"], dp=o["dp"], model=model, microbatches=microbatches,
         virtual_stages=o["virtual_stages"], policies=split_list(o["policies"]), hints=split_list(o["hints"]),
@@ -116,10 +117,28 @@ def build_config(o: dict[str, Any], given: Collection[str] = ()) -> RunConfig:
         trace_out=o["trace_out"], json=o["json"], backend=o["backend"], threads=o["threads"], lr=o["lr"],
         start_method=o["start_method"], announce=o["announce"],
         progress=sys.stderr.isatty() if o.get("progress") is None else o["progress"],
-        command=o.get("command", ""),
+        command=o.get("command", ""), tokens=tokens,
     )  # fmt: skip
     check_options_used(cfg, {RUN_NAMES.get(n, n) for n in given}, joined=in_launcher_env())
     return cfg
+
+
+def _model(o: dict[str, Any], tokens: Any, microbatches: int) -> ModelConfig:
+    """The model's sizes; in token mode its kind follows the encoder, and (with a model) its positions
+    cover the run's longest microbatch, drawn here before any worker starts (rrfp.exec.tokens)."""
+    kind, positions = o["model"], None
+    if tokens is not None:
+        kind = "multimodal" if tokens.multimodal else "gpt"
+        if not o["synthetic"]:
+            dp = o["dp"] if isinstance(o["dp"], int) and o["dp"] >= 1 else 1  # RunConfig refuses a bad one
+            steps = o["warmup"] + o["iterations"] if o["warmup"] >= 0 and o["iterations"] >= 1 else 1
+            positions = longest_microbatch(tokens, o["seed"], microbatches, steps, dp)
+    seq_len = DEFAULT_SEQ_LEN if o["seq_len"] is None else o["seq_len"]
+    return ModelConfig(
+        kind=kind, layers=o["layers"], hidden=o["hidden"], heads=o["heads"], seq_len=seq_len,
+        vocab=o["vocab"], microbatch_size=o["microbatch_size"], vision_layers=o["vision_layers"],
+        image_size=o["image_size"], patch=o["patch"], max_images=o["max_images"], positions=positions,
+    )  # fmt: skip
 
 
 def _baseline_name(text: str) -> str:
@@ -140,15 +159,7 @@ _O = click.option
 @_O("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
 @_O("--dp", type=int, default=1, show_default=True, help="Data-parallel degree.")
 @_O("--model", default="gpt", show_default=True, help="gpt or multimodal.")
-@_O("--layers", type=int, default=8, show_default=True, help="Decoder blocks.")
-@_O("--hidden", type=int, default=64, show_default=True, help="Model width.")
-@_O("--heads", type=int, default=4, show_default=True, help="Attention heads.")
-@_O("--seq-len", type=int, default=32, show_default=True, help="Text tokens per sample (max for multimodal).")
 @_O("--vocab", type=int, default=128, show_default=True, help="Vocabulary size.")
-@_O("--microbatch-size", type=int, default=2, show_default=True, help="Samples per microbatch.")
-@_O("--vision-layers", type=int, default=2, show_default=True, help="multimodal: vision blocks.")
-@_O("--image-size", type=int, default=16, show_default=True, help="multimodal: image side (pixels).")
-@_O("--patch", type=int, default=8, show_default=True, help="multimodal: patch side (pixels).")
 @_O("--max-images", type=int, default=4, show_default=True, help="multimodal: most images per microbatch.")
 @_O("--trials", default=None, help="Comma list of exact trials, e.g. fixed/1f1b,rrfp/1f1b@2x,torch:1F1B.")
 @_O("--baseline", default=None, help="Comma list of torch:<Schedule> to run beside (e.g. torch:1F1B).")

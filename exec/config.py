@@ -15,8 +15,11 @@ from dataclasses import dataclass, field
 from itertools import product
 
 from rrfp.errors import UserError
+from rrfp.plan.spec import MAX_DEGREE, MAX_TASKS
 from rrfp.study.compare import fixed_hint
+from rrfp.study.options import MAX_CV, MAX_ITERATIONS, MAX_SECONDS, MAX_SEED  # shared with rrfp-sim
 from rrfp.study.trial import TORCH_POLICY, TORCH_PREFIX, TrialError, TrialId
+from rrfp.workload.tokens import TokenWorkload
 
 MODELS = ("gpt", "multimodal")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -32,21 +35,12 @@ TORCH_BASELINE_PREFIX = TORCH_PREFIX
 """``--baseline torch:<Schedule>``: the same prefix every tool writes a torch baseline's label with."""
 
 
-MAX_DEGREE = 4096
-"""Most pipeline ranks (and TP, DP degree, stages per rank) a run may ask for."""
+# MAX_DEGREE: most pipeline ranks (and TP, DP degree, stages per rank) a run may ask for; MAX_TASKS: most
+# tasks (pp x v x m x ops) one hint may hold -- the plan layer's limits (rrfp.plan.spec), defined once.
 MAX_WORKERS = 1 << 20
-MAX_TASKS = 1 << 22
-"""Most tasks (pp x v x m x ops) one hint may hold: beyond, building it alone takes minutes."""
-PROGRESS_TASKS = 1 << 18
-"""Above this many tasks, the preflight shows its progress (it takes seconds per hint)."""
-MAX_ITERATIONS = 10_000_000
-MAX_SEED = (1 << 63) - 1
 MAX_THREADS = 4096
-MAX_SECONDS = 86_400.0
-"""Longest --timeout: a day (longer waits overflow the process groups' millisecond timeouts)."""
 MAX_TASK_MS = 3_600_000.0
 """Longest injected sleep or synthetic time unit per task: an hour."""
-MAX_CV = 100.0
 MAX_LR = 1e6
 MODEL_LIMITS = {
     "layers": (1, MAX_DEGREE * 64),
@@ -61,6 +55,8 @@ MODEL_LIMITS = {
     "max_images": (0, 1 << 12),
 }
 """ModelConfig's integers: (least, most)."""
+MAX_POSITIONS = 1 << 24
+"""Most decoder positions a token-mode model may need (its longest microbatch)."""
 
 
 class ExecConfigError(UserError):
@@ -93,12 +89,17 @@ class ModelConfig:
     """multimodal: square patch side in pixels."""
     max_images: int = 4
     """multimodal: most images per microbatch (the count per microbatch is drawn in 0..max_images)."""
+    positions: int | None = None
+    """Token mode: decoder positions -- the longest microbatch's tokens, set by rrfp-run (exec/tokens.py);
+    None: ``seq_len`` (+ ``max_images`` x patches per image for multimodal)."""
 
     def __post_init__(self) -> None:
         if self.kind not in MODELS:
             raise ExecConfigError(f"--model {self.kind!r} is unknown: choose one of {', '.join(MODELS)}")
         for name, (low, high) in MODEL_LIMITS.items():
             _positive(name, getattr(self, name), minimum=low, maximum=high)
+        if self.positions is not None:
+            _positive("positions", self.positions, maximum=MAX_POSITIONS)
         if self.hidden % self.heads:
             raise ExecConfigError(f"--hidden {self.hidden} must be divisible by --heads {self.heads}")
         if self.kind == "multimodal" and self.image_size % self.patch:
@@ -112,7 +113,9 @@ class ModelConfig:
 
     @property
     def max_positions(self) -> int:
-        """Longest decoder sequence: every image's patches, then the text."""
+        """Longest decoder sequence: every image's patches, then the text (token mode: ``positions``)."""
+        if self.positions is not None:
+            return self.positions
         extra = self.max_images * self.patches_per_image if self.kind == "multimodal" else 0
         return self.seq_len + extra
 
@@ -197,6 +200,9 @@ class RunConfig:
     """Rank 0 shows a progress bar on the console (the CLI decides: --progress, or a terminal)."""
     command: str = ""
     """The command line that started the run, as the ``--json`` config records it."""
+    tokens: TokenWorkload | None = None
+    """Token mode (``--lengths``, exec/tokens.py): the samples of every microbatch, as rrfp-sim draws
+    them; None: exec/data.make_batch's synthetic shapes."""
 
     def __post_init__(self) -> None:
         _positive("world", self.world, maximum=MAX_WORKERS)
@@ -246,6 +252,12 @@ class RunConfig:
             raise ExecConfigError("--synthetic has no model: it cannot --check or run a --baseline")
         if baselines and (self.tp > 1 or self.dp > 1 or self.model.kind != "gpt"):
             raise ExecConfigError("--baseline runs torch's schedules on --model gpt with --tp 1 --dp 1 only")
+        if baselines and self.tokens is not None:
+            raise ExecConfigError(
+                "--baseline runs torch's schedules, which need one shape: not with --lengths"
+            )
+        if self.tokens is not None and not isinstance(self.tokens, TokenWorkload):
+            raise ExecConfigError(f"tokens must be a TokenWorkload, got {type(self.tokens).__name__}")
 
     @property
     def trials(self) -> list[TrialId]:
@@ -299,6 +311,9 @@ def parse_trial(text: str) -> TrialId:
 NO_MODEL_OPTIONS = (*MODEL_LIMITS, "model", "lr", "deterministic")
 """Options a --synthetic run has no use for: it has no model, no weights, no gradients."""
 MULTIMODAL_OPTIONS = ("vision_layers", "image_size", "patch", "max_images")
+TOKEN_SIZED = ("layers", "hidden", "heads", "seq_len", "microbatch_size", "vision_layers", "image_size",
+               "patch")  # fmt: skip
+"""Model sizes a --synthetic run uses in token mode: they shape the sampled durations (FLOPs)."""
 SYNTHETIC_OPTIONS = ("costs", "workload", "time_unit_ms")
 PRODUCT_OPTIONS = ("policy", "hint", "memory_budget")
 """What --trials replaces: the policies x hints x budgets product."""
@@ -309,11 +324,21 @@ def check_options_used(cfg: RunConfig, given: Collection[str], joined: bool = Fa
     parameter names of the options the user set; ``joined``: inside torchrun, not our launcher) -- an
     option that silently does nothing hides a mistake in the command."""
     backfill = any(t.policy == "backfill" for t in cfg.trials)
+    tokens = cfg.tokens is not None
+    # token mode: --synthetic's sleeps follow the model's sizes (FLOPs), and images need an encoder
+    sized = TOKEN_SIZED if tokens else ()
+    vision = not (cfg.tokens.multimodal if tokens else cfg.model.kind == "multimodal")  # type: ignore[union-attr]
     rules: list[tuple[Collection[str], bool, str]] = [
-        (NO_MODEL_OPTIONS, cfg.synthetic, "does nothing with --synthetic (there is no model)"),
+        ([n for n in NO_MODEL_OPTIONS if n not in sized], cfg.synthetic,
+         "does nothing with --synthetic (there is no model)"),
         (SYNTHETIC_OPTIONS, not cfg.synthetic, "only applies with --synthetic"),
-        (MULTIMODAL_OPTIONS, not cfg.synthetic and cfg.model.kind != "multimodal",
-         "only applies to --model multimodal"),
+        (("max_images",), tokens, "does nothing with --lengths (the images come from the lengths or "
+                                  "--images-*)"),
+        ([n for n in MULTIMODAL_OPTIONS if not tokens or n != "max_images"],
+         vision and not (cfg.synthetic and not tokens),
+         "only applies to --model multimodal (with --lengths: --encoder first or separate)"),
+        (("images_dist", "images_mean", "images_cv", "encoder_stages", "freeze_encoder"), tokens and vision,
+         "only applies with an encoder (--encoder first or separate)"),
         (PRODUCT_OPTIONS, bool(cfg.explicit_trials), "does nothing with --trials (it names exact trials)"),
         (("cv",), cfg.jitter == "none", "only applies with --jitter"),
         (("tolerance",), not cfg.check, "only applies with --check"),

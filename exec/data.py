@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from rrfp.errors import UserError
-from rrfp.exec.config import ModelConfig
+from rrfp.exec.config import ModelConfig, RunConfig
 from rrfp.workload import rng as rngs
-from rrfp.workload.tokens import BatchSizes
+from rrfp.workload.tokens import BatchSizes, batch_sizes
 
 IMAGE_RATE_SIGMA = 0.8  # lognormal sigma of the per-microbatch image rate (heavy right tail)
 
@@ -62,6 +62,16 @@ def make_batch(
     return out
 
 
+def run_batch(cfg: RunConfig, replica: int, iteration: int) -> tuple[list[Microbatch], BatchSizes | None]:
+    """The microbatches DP replica ``replica`` runs in ``iteration`` (every rank of it, and the --check
+    reference, build the same), and in token mode their sizes: ``batch_sizes`` at replication 0 with
+    the replica as rrfp-sim's DP index, so they are the samples rrfp-sim simulates (exec/tokens.py)."""
+    if cfg.tokens is None:
+        return make_batch(cfg.model, cfg.seed, replica, iteration, cfg.microbatches), None
+    sizes = batch_sizes(cfg.tokens, cfg.seed, 0, iteration, cfg.microbatches, dp=replica)
+    return make_token_batch(cfg.model, sizes, cfg.seed, replica, iteration), sizes
+
+
 class TokenBatchError(UserError):
     """Token-mode microbatches that do not fit the model (longer than its positions)."""
 
@@ -76,6 +86,8 @@ def make_token_batch(
     and all their images (1, n, 3, H, W) -- so every microbatch carries exactly the tokens and images
     rrfp-sim charges for it. The model's attention spans the whole row (it has no document mask), so
     its attention FLOPs are those of one T-token sequence, not the per-sample sum rrfp-sim assumes.
+    rrfp-run sizes the model's positions to the run's longest microbatch before any worker starts
+    (rrfp.exec.tokens), so :class:`TokenBatchError` is a guard there, not an outcome.
     """
     np_rng = rngs.stream(seed, replica, "data/tokens", iteration)
     gen = torch.Generator().manual_seed(int(np_rng.integers(0, 2**62)))

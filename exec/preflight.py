@@ -15,12 +15,13 @@ import time
 from pathlib import Path
 
 from rrfp.dispatch.policies import get_policy
-from rrfp.exec.config import MAX_TASKS, PROGRESS_TASKS, ExecConfigError, RunConfig, switch_interval
+from rrfp.exec.config import ExecConfigError, RunConfig, switch_interval
 from rrfp.exec.faults import default_dump_dir
 from rrfp.exec.model import partition
-from rrfp.plan import hints as _hints
 from rrfp.plan.budget import resolve_budget
-from rrfp.plan.sources import make_hint
+from rrfp.plan.sources import PipelineSize, make_hint
+from rrfp.plan.sources import task_count as _plan_task_count
+from rrfp.plan.spec import MAX_TASKS, PROGRESS_TASKS
 from rrfp.plan.torch_schedules import BASELINE_SCHEDULES, TORCH_TABLE
 from rrfp.workload.jitter import make_distribution
 from rrfp.workload.model import WorkloadConfig
@@ -65,19 +66,10 @@ def preflight(cfg: RunConfig) -> None:
         progress.done()
 
 
-def task_count(name: str, pp: int, microbatches: int, virtual_stages: int | None) -> tuple[int, str]:
-    """(tasks, "pp x v x m x ops") of hint ``name`` -- without building it. torch:<Name> and CSV hints
-    count at most (v 2, or --virtual-stages; three ops); a CSV hint is also bounded by its file."""
-    seq = _hints.SEQUENCE_HINTS.get(name)
-    if seq is not None:
-        v, ops = virtual_stages or seq.v_default, 3 if seq.split else 2
-    elif name in _hints.CLASS_HINTS:  # the split default is the hint module's own (bfw: split)
-        split = getattr(_hints, "_CLASS_SPLIT_DEFAULT", {}).get(name, True)
-        v, ops = virtual_stages or 1, 3 if split else 2
-    else:
-        v, ops = virtual_stages or 2, 3
-    shape = f"pp {pp} x v {v} x m {microbatches} x {ops} ops"
-    return pp * v * microbatches * ops, shape
+def task_count(name: str, pp: int, microbatches: int, virtual_stages: int | None) -> PipelineSize:
+    """(tasks, "pp x v x m x ops") of hint ``name`` -- without building it (the plan layer's
+    :func:`rrfp.plan.sources.task_count`: torch:<Name> and CSV hints count at most)."""
+    return _plan_task_count(name, pp, microbatches, virtual_stages)
 
 
 class _Progress:

@@ -32,6 +32,7 @@ from typing import Any
 from rrfp.errors import RunFailure
 from rrfp.exec.config import RunConfig
 from rrfp.exec.results import measures, median_time, without_trace
+from rrfp.exec.tokens import describe as token_text
 from rrfp.study.compare import (
     Comparison,
     base_hint_name,
@@ -117,9 +118,16 @@ def result_json(cfg: RunConfig, results: list[TrialResult]) -> dict[str, Any]:
 
 
 def config_dict(cfg: RunConfig) -> dict[str, Any]:
-    """The run's configuration as JSON data: every RunConfig field, trials by label."""
-    out = dataclasses.asdict(cfg)
+    """The run's configuration as JSON data: every RunConfig field, trials by label; in token mode
+    ``tokens`` (TokenWorkload.describe: every token option and the samples' summary) and the model's
+    ``positions`` -- keys that appear only in token mode."""
+    out = dataclasses.asdict(dataclasses.replace(cfg, tokens=None))
     out.pop("command")
+    out.pop("tokens")
+    if cfg.model.positions is None:
+        out["model"].pop("positions")
+    if cfg.tokens is not None:
+        out["tokens"] = cfg.tokens.describe()
     out["explicit_trials"] = [t.label for t in cfg.explicit_trials]
     out["trials"] = [t.label for t in cfg.trials]
     return out
@@ -175,7 +183,10 @@ def announce(cfg: RunConfig) -> None:
     m = cfg.model
     what = f"{m.kind} L={m.layers} C={m.hidden}"
     if cfg.synthetic:
-        what = f"synthetic sleeps, {cfg.workload} costs {costs_text(cfg.costs)} x {cfg.time_unit_ms:g} ms"
+        preset = "token" if cfg.tokens is not None else cfg.workload
+        what = f"synthetic sleeps, {preset} costs {costs_text(cfg.costs)} x {cfg.time_unit_ms:g} ms"
+    if cfg.tokens is not None:
+        what += ", " + token_text(cfg.tokens, m.positions)
     jitter = f"{cfg.jitter} cv={cfg.cv} x {cfg.inject_ms} ms" if cfg.inject_ms else "none"
     if cfg.synthetic and cfg.jitter != "none":  # the jitter is in the sampled durations themselves
         jitter = f"{cfg.jitter} cv={cfg.cv} in the sampled durations" + (

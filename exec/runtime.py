@@ -117,6 +117,9 @@ class PipelineRuntime:
         self.meter = CostMeter()
         self.clocked = False
         """Tick the scheduler's clock and announce producer starts (set once costs are calibrated)."""
+        self.sizes: tuple[list[int], list[int]] | None = None
+        """Token mode: (text tokens, images) per microbatch of this iteration, for the trace's compute
+        rows (the trial sets them when it begins an iteration); None elsewhere."""
         self._remote: dict[Task, list[tuple[int, Task]]] = {}
         self._tag = 0  # this iteration's tag on the start board
         self._slots: list[int] = []  # board slot per position of this rank's order
@@ -265,7 +268,11 @@ class PipelineRuntime:
         rec = self.ctx.recorder
         if rec is not None:
             o = self.ctx.origin
-            rec.add(kind, self.iteration, self.ctx.rank, task, start - o, end - o, held=self.sched.held)
+            sizes: dict[str, int] = {}
+            if self.sizes is not None and task is not None and kind == "compute":
+                sizes = {"tokens": self.sizes[0][task.mb], "images": self.sizes[1][task.mb]}
+            held = self.sched.held
+            rec.add(kind, self.iteration, self.ctx.rank, task, start - o, end - o, held=held, **sizes)
 
     def _record_sends(self) -> None:
         assert self.ctx.transport is not None

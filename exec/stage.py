@@ -55,12 +55,20 @@ class _Accumulator:
                 self._next += 1
 
     def _sum(self, grads: Grads) -> None:
+        # One foreach call instead of a Python add_ per parameter (~50 per stage, per B/W task); the
+        # same element-wise adds, so the sums are bitwise those of add_.
         total = self.total
+        acc: list[torch.Tensor] = []
+        add: list[torch.Tensor] = []
         for p, g in grads.items():
-            if p in total:
-                total[p].add_(g)
-            else:
+            t = total.get(p)
+            if t is None:
                 total[p] = g.clone()
+            else:
+                acc.append(t)
+                add.append(g)
+        if acc:
+            torch._foreach_add_(acc, add)
 
     @property
     def pending(self) -> int:

@@ -8,8 +8,9 @@
   (stage, op, microbatch), so every policy -- and torch's baseline schedule -- sleeps the same amount
   for the same task (common random numbers), whatever order it runs the tasks in.
 * :class:`SyntheticRunner` (``--synthetic``): no model at all; each task sleeps the duration
-  ``rrfp.workload.model.sample_iteration`` draws for it -- exactly what rrfp-sim simulates -- scaled by
-  ``--time-unit-ms``, and messages carry one float. Sleeping ranks use no CPU, so 16-32 ranks share
+  ``rrfp.workload.model.sample_iteration`` draws for it (with ``--lengths``,
+  ``TokenWorkload.sample``) -- exactly what rrfp-sim simulates -- scaled by ``--time-unit-ms``, and
+  messages carry one float. Sleeping ranks use no CPU, so 16-32 ranks share
   two cores for scaling experiments.
 """
 
@@ -25,6 +26,7 @@ from rrfp.plan.task import Op, Task
 from rrfp.workload import rng as rngs
 from rrfp.workload.jitter import make_distribution
 from rrfp.workload.model import IterationSample, WorkloadConfig, sample_iteration
+from rrfp.workload.tokens import STREAM_COMPONENTS, TokenWorkload, data_streams
 
 OP_COLUMNS = {Op.F: (0,), Op.I: (1,), Op.W: (2,), Op.B: (1, 2)}  # B = I + W
 
@@ -66,7 +68,7 @@ class SyntheticRunner:
     def __init__(
         self,
         spec: PipelineSpec,
-        workload: WorkloadConfig,
+        workload: WorkloadConfig | TokenWorkload,
         time_unit_ms: float,
         seed: int,
         replica: int,
@@ -81,12 +83,18 @@ class SyntheticRunner:
         self._token = torch.zeros(1, device=device)  # what messages carry (on the transport's device)
 
     def begin(self, iteration: int) -> None:
-        """Draw this iteration's durations exactly as rrfp-sim does (same streams, same shapes)."""
-        gens = rngs.streams(self.seed, self.replica, iteration)
+        """Draw this iteration's durations exactly as rrfp-sim does (same streams, same shapes). Token
+        mode: the samples come from rrfp-sim's data streams of this DP replica (replication 0), so they
+        are the sizes rrfp-sim simulates; the durations follow them (rrfp.workload.tokens)."""
         spec = self.spec
-        self.sample = sample_iteration(
-            self.workload, spec.pp, spec.num_stages, spec.microbatches, gens, placement=spec.placement
-        )
+        shape = (spec.pp, spec.num_stages, spec.microbatches)
+        if isinstance(self.workload, TokenWorkload):
+            gens = rngs.streams(self.seed, self.replica, iteration, components=STREAM_COMPONENTS)
+            gens.update(data_streams(self.seed, 0, iteration, self.replica))
+            self.sample = self.workload.sample(*shape, gens, placement=spec.placement)
+        else:
+            gens = rngs.streams(self.seed, self.replica, iteration)
+            self.sample = sample_iteration(self.workload, *shape, gens, placement=spec.placement)
         self.inputs = {}
 
     def run(self, task: Task) -> list[tuple[Task, torch.Tensor]]:

@@ -16,6 +16,10 @@ an oversubscribed CPU (the call takes the channel's pair lock and often writes t
 caller: 0.3-3 ms measured here on 2 cores), so the compute thread only packs the message and hands it
 to one *sender thread* per rank, which posts the sends in order (per-channel FIFO is kept: one thread
 posts them all). With NCCL, posting is an enqueue on the NCCL stream, so the compute thread posts it.
+``RRFP_SEND_THREAD=0`` (an experiment knob, :func:`send_thread`) posts gloo sends from the compute
+thread instead: at pp 2 on 2 cores that cuts a message's latency by a quarter but moves the post into
+the loop, and no end-to-end gain was resolved (BENCHMARKS.md §3, issue 19); ``auto`` uses the thread only
+when this host's ranks outnumber its cores.
 
 With NCCL the receiver threads run on their own CUDA streams, so a pending receive never
 makes the compute stream wait, and a received payload is fully written before the runtime sees it.
@@ -32,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
+import os
 import queue
 import threading
 import time
@@ -175,7 +181,8 @@ class Transport:
         # anyway, or gradients it would free at the end of the iteration).
         self._pending: deque[tuple[tuple[Any, ...], tuple[torch.Tensor, ...], int]] = deque()
         # gloo: the sender thread's queue of (bufs, group, group peer, global peer, trace record or None).
-        self._outbox: queue.SimpleQueue[Any] | None = queue.SimpleQueue() if self._packed else None
+        threaded = self._packed and send_thread()
+        self._outbox: queue.SimpleQueue[Any] | None = queue.SimpleQueue() if threaded else None
         self._queued = self._posted = 0
         self._posted_cv = threading.Condition()
         self._send_error: tuple[int, str] | None = None  # (peer, what failed)
@@ -201,10 +208,8 @@ class Transport:
         nbytes = payload.numel() * payload.element_size()
         if self._packed and HEADER_BYTES + nbytes <= self._cap_out[dst]:
             head[0] = KIND_PACKED
-            buf = torch.empty(HEADER_BYTES + nbytes, dtype=torch.uint8)
-            buf[:HEADER_BYTES].view(torch.int64).copy_(torch.tensor(head, dtype=torch.int64))
-            buf[HEADER_BYTES:].copy_(payload.reshape(-1).view(torch.uint8))
-            bufs: tuple[torch.Tensor, ...] = (buf,)
+            words = torch.tensor(head, dtype=torch.int64).view(torch.uint8)
+            bufs: tuple[torch.Tensor, ...] = (torch.cat((words, payload.view(-1).view(torch.uint8))),)
         else:
             bufs = (torch.tensor(head, dtype=torch.int64, device=self.device), payload)
         self._cap_out[dst] = max(self._cap_out[dst], HEADER_BYTES + nbytes)
@@ -230,6 +235,17 @@ class Transport:
         self._outbox.put((bufs, group, group_peer, peer, record))
 
     def _post_now(
+        self, bufs: tuple[torch.Tensor, ...], group: Any, group_peer: int, peer: int, record: Any
+    ) -> None:
+        if self._packed and self._outbox is None:  # gloo, posted by the compute thread
+            try:
+                self._post_works(bufs, group, group_peer, peer, record)
+            except Exception as e:  # the peer died: a lost peer, as from the sender thread
+                raise LostPeerError(peer, f"send channel failed: {_one_line(e)}") from e
+            return
+        self._post_works(bufs, group, group_peer, peer, record)
+
+    def _post_works(
         self, bufs: tuple[torch.Tensor, ...], group: Any, group_peer: int, peer: int, record: Any
     ) -> None:
         # ProcessGroup.send directly: dist.isend's Python checks cost more than the send itself.
@@ -338,17 +354,34 @@ class Transport:
             self.announcements.append(Announce(peer, trial, iteration, task, self._local(since_us)))
             return cap
         trial, iteration, task, msg, dtype, shape, sent_us = decode_header(values)
-        payload = torch.empty(shape, dtype=dtype, device=self.device)
-        nbytes = payload.numel() * payload.element_size()
-        if values[0] == KIND_PACKED:
-            payload.reshape(-1).view(torch.uint8).copy_(buf[HEADER_BYTES : HEADER_BYTES + nbytes])
+        nbytes = dtype.itemsize * math.prod(shape)
+        if values[0] == KIND_PACKED and 2 * nbytes >= buf.numel():
+            # The payload is a view into this message's own buffer (never reused): no second
+            # allocation and copy while this thread holds the GIL. A payload under half the buffer
+            # (shapes vary) is copied out instead, so a small input never pins a large buffer.
+            payload = buf[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype).view(shape)
+        elif values[0] == KIND_PACKED:
+            payload = buf[HEADER_BYTES : HEADER_BYTES + nbytes].clone().view(dtype).view(shape)
         else:
+            payload = torch.empty(shape, dtype=dtype, device=self.device)
             group.recv([payload], group_peer, 0).wait()
         if stream is not None:
             stream.synchronize()  # the payload is complete before the compute thread sees it
         sent = self._local(sent_us)
         self.inbox.put(Arrival(peer, trial, iteration, task, payload, msg, start, time.monotonic(), sent))
         return max(cap, HEADER_BYTES + nbytes)
+
+
+def send_thread() -> bool:
+    """Whether gloo sends go through a sender thread: ``RRFP_SEND_THREAD`` 1 (the default) or 0, or
+    ``auto``: only when this host's ranks times torch's threads outnumber its cores."""
+    text = os.environ.get("RRFP_SEND_THREAD", "1").strip().lower()
+    if text in ("1", "0"):
+        return text == "1"
+    if text != "auto":
+        raise TransportError(f"RRFP_SEND_THREAD must be 0, 1 or auto, got {text!r}")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return local * torch.get_num_threads() > (os.cpu_count() or 1)
 
 
 def _endpoint(peer: int, group: Any) -> tuple[int, Any, int]:

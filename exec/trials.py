@@ -32,7 +32,7 @@ from rrfp.exec import faults, liveness
 from rrfp.exec.calibrate import ANNOUNCED_OPS, calibrate
 from rrfp.exec.check import digest, local_grads
 from rrfp.exec.config import RunConfig
-from rrfp.exec.data import make_batch
+from rrfp.exec.data import run_batch
 from rrfp.exec.layers import TPContext
 from rrfp.exec.model import Stage, build_stage
 from rrfp.exec.runtime import PipelineRuntime, RankContext
@@ -44,6 +44,7 @@ from rrfp.plan.sources import make_hint
 from rrfp.study.trial import TrialId
 from rrfp.traces.trace import TraceRecorder
 from rrfp.workload.model import WorkloadConfig
+from rrfp.workload.tokens import TokenWorkload
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,9 @@ class RrfpTrial:
     def _build(self, spec: Any) -> tuple[dict[int, Stage], Any]:
         cfg, topo = self.cfg, self.ctx.topo
         if cfg.synthetic:
-            workload = WorkloadConfig(preset=cfg.workload, costs=cfg.costs, jitter=cfg.jitter, cv=cfg.cv)
+            workload: WorkloadConfig | TokenWorkload | None = cfg.tokens
+            if workload is None:
+                workload = WorkloadConfig(preset=cfg.workload, costs=cfg.costs, jitter=cfg.jitter, cv=cfg.cv)
             unit, device = cfg.time_unit_ms, self.ctx.device
             return {}, SyntheticRunner(spec, workload, unit, cfg.seed, topo.dp_rank, device)
         tp = TPContext(cfg.tp, topo.tp_rank, self.ctx.groups.tp)
@@ -171,11 +174,19 @@ class RrfpTrial:
         return out
 
     def _begin(self, it: int) -> None:
+        """Start the runner on iteration ``it``'s data; in token mode the trace's compute rows carry each
+        microbatch's tokens and images (trace schema v3)."""
         if isinstance(self.runner, SyntheticRunner):
             self.runner.begin(it)
+            sample = self.runner.sample
+            if self.cfg.tokens is not None and sample is not None and sample.tokens is not None:
+                images = [0] * len(sample.tokens) if sample.images is None else sample.images.tolist()
+                self.runtime.sizes = (sample.tokens.tolist(), [int(x) for x in images])
             return
         ctx = self.ctx
-        batch = make_batch(self.cfg.model, self.cfg.seed, ctx.topo.dp_rank, it, self.cfg.microbatches)
+        batch, sizes = run_batch(self.cfg, ctx.topo.dp_rank, it)
+        if sizes is not None:
+            self.runtime.sizes = (sizes.tokens_per_microbatch.tolist(), sizes.images_per_microbatch.tolist())
         self.runner.begin([mb.to(ctx.device) for mb in batch])
 
     def _dp_allreduce(self, it: int) -> None:

@@ -12,7 +12,7 @@ nor pandas.
 """
 
 from rrfp.dispatch.backfill import Backfill, BackfillError, unit_costs
-from rrfp.dispatch.driver import DeadlockError, Run, run_reference
+from rrfp.dispatch.driver import DeadlockError, Run, TimingError, run_reference
 from rrfp.dispatch.policies import Policy, PolicyError, get_policy, policy_names, register_policy
 from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
 from rrfp.dispatch.tp import agree
@@ -42,6 +42,7 @@ __all__ = [
     "SpecError",
     "Task",
     "TaskFormatError",
+    "TimingError",
     "agree",
     "expected_costs",
     "get_policy",

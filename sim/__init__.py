@@ -11,7 +11,8 @@ Python::
 Modules: ``config`` (validated settings), ``engine`` (SimPy environment with the same-instant hook),
 ``model`` (the PP x TP x DP cluster), ``rendezvous`` (blocking sends, steady-state coupling only),
 ``megatron`` (Megatron-core's 1F1B P2P calls, the faithful baseline), ``experiment``
-(hints x policies x seeds on common random numbers), ``report`` (table, JSON), ``sweep``, ``cli``.
+(hints x policies x seeds on common random numbers), ``report`` (table, JSON), ``sweep``, ``tokens``
+(token-mode and scenario configs), ``token_cli`` (their options), ``cli``.
 """
 
 from .config import ClusterConfig, ConfigError, ExperimentConfig

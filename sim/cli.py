@@ -8,6 +8,9 @@
     rrfp-sim --replay traces/gpt-fixed-1f1b.parquet                         # fidelity of a recorded run
     rrfp-sim --replay traces/gpt-fixed-1f1b.parquet --policy rrfp --hint 1f1b,bf --memory-budget 1x,2x
     rrfp-sim --workload fit:traces/gpt-fixed-1f1b.parquet --stages 8 -m 32  # costs fitted on a trace
+    rrfp-sim --lengths lognormal:mean=2048,cv=1,max=8192 --layers 32 --hidden 4096  # token mode
+    rrfp-sim --scenario llava-multimodal --images-mean 2    # a named scenario, one value overridden
+    rrfp-sim scenarios --json                               # the scenarios, each value with its source
 
 Defaults (the paper's set-up): hints ``1f1b,bf`` x policies ``fixed,rrfp`` -- the fixed-order baseline
 on 1F1B against readiness-first dispatch with the bf class hint (and with the 1F1B hint itself); 8
@@ -32,9 +35,11 @@ import click
 from click.core import ParameterSource
 
 from rrfp.errors import UserError
-from rrfp.study.options import click_options, command_line, deprecated, one_line_errors
+from rrfp.study.execution import AUTO, EXECUTION_OPTIONS, parse_workers, without_execution_args
+from rrfp.study.options import TOKEN_SHARED, click_options, command_line, deprecated, one_line_errors
 from rrfp.traces.replay import TIMINGS
 
+from . import token_cli
 from .config import ExperimentConfig, from_options, option_defaults
 
 PROG = "rrfp-sim"
@@ -52,8 +57,9 @@ def _split(text: str) -> tuple[str, ...]:
 # take their defaults from.
 _D = option_defaults()
 SHARED_NAMES = ("stages", "microbatches", "virtual_stages", "hints", "policies", "memory_budget", "jitter",
-                "cv", "seed", "iterations", "warmup", "progress", "version")  # fmt: skip
-"""The shared options both commands take (compare adds --json and --trace-out)."""
+                "cv", "seed", "iterations", "warmup", "progress", "version", *TOKEN_SHARED)  # fmt: skip
+"""The shared options both commands take (compare adds --json and --trace-out); the token-mode ones
+(rrfp.sim.token_cli) apply with --lengths or --scenario."""
 _OPTIONS: list[Callable[[Any], Any]] = [
     *click_options(PROG, SHARED_NAMES, _D),
     click.option("--workload", default=_D["workload"], show_default=True,
@@ -88,6 +94,7 @@ _OPTIONS: list[Callable[[Any], Any]] = [
                  help="Gradient bytes per pipeline rank for the DP all-reduce."),
     click.option("--seeds", type=int, default=_D["seeds"], show_default=True,
                  help="Replications (paired across policies)."),
+    *token_cli.OPTIONS,
 ]  # fmt: skip
 
 
@@ -144,6 +151,17 @@ def check_suffix(path: str | None, allowed: tuple[str, ...], option: str) -> Non
         raise CliError(f"{option} {path!r} must end in {', '.join(allowed)}")
 
 
+def _workers_callback(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
+    return parse_workers(value)
+
+
+def workers_option(what: str) -> Callable[[Any], Any]:
+    """``--workers N|auto``: an execution setting, outside the options a config is built from."""
+    return click.option("--workers", "workers", default=AUTO, show_default=True, callback=_workers_callback,
+                        help=f"Processes for {what}: N, or auto (in this process for small runs, else the "
+                        "cores this process may use). Results are the same whatever the number.")  # fmt: skip
+
+
 class _DefaultGroup(one_line_errors(click.Group, PROG, os_errors=True)):  # type: ignore[misc]
     """``rrfp-sim [OPTIONS]`` runs the comparison; ``rrfp-sim sweep ...`` the sweep. Every user error,
     click's usage errors included, is one line and exit status 2 (rrfp.study.options.one_line_errors)."""
@@ -182,9 +200,11 @@ def cli() -> None:
     default=None,
     help="--replay: timing model [runtime when the trace records waits, else exact].",
 )
+@workers_option("the replications")
 @click.pass_context
 def compare(
     ctx: click.Context,
+    workers: int | str,
     json: bool,
     trace_out: str | None,
     plot: str | None,
@@ -203,7 +223,8 @@ def compare(
     rrfp-sim --seeds 1 --trace-out run.json --plot run.png
 
     Every policy is compared with fixed on the same hint; class hints (bf, bfw, fb) with fixed on
-    their reference order (1f1b). Grids of scenarios: rrfp-sim sweep --help.
+    their reference order (1f1b). Grids of scenarios: rrfp-sim sweep --help. Token mode (real sample
+    sizes): --lengths, or --scenario NAME (rrfp-sim scenarios lists them).
     """
     from .experiment import run_experiment
     from .report import format_table, to_json
@@ -211,16 +232,17 @@ def compare(
     check_suffix(trace_out, TRACE_SUFFIXES, "--trace-out")
     check_suffix(plot, PLOT_SUFFIXES, "--plot")
     given = given_options(ctx)
-    command = command_line(ctx, PROG)
+    command = study_command(ctx)
     if replay is not None:
-        _replay(replay, replay_run, replay_timing, values, given, json, trace_out, plot, command)
+        _replay(replay, replay_run, replay_timing, values, given, json, trace_out, plot, command, workers)
         return
     if replay_run is not None or replay_timing is not None:
         raise CliError("--replay-run and --replay-timing need --replay TRACE")
-    cfg = build_config(values, given)
+    built = token_cli.build(values, given, build_config)  # token mode with --lengths or --scenario
+    cfg = built.config
     note_iterations(values, given)
-    result = run_experiment(cfg, progress=progress, trace=bool(trace_out or plot))
-    text = to_json(result, command) if json else format_table(result)
+    result = run_experiment(cfg, progress=progress, trace=bool(trace_out or plot), workers=workers)
+    text = to_json(result, command, built.json_extra()) if json else format_table(result, built.header())
     if not json and hasattr(cfg.workload, "report"):  # fitted: show the fit quality first
         text = cfg.workload.report() + "\n\n" + text
     if result.traces:
@@ -244,6 +266,13 @@ def note_iterations(values: dict[str, Any], given: Collection[str]) -> None:
         )
 
 
+def study_command(ctx: click.Context) -> str:
+    """The command line a result records, less its execution settings (rrfp.study.execution)."""
+    import shlex
+
+    return shlex.join(without_execution_args(shlex.split(command_line(ctx, PROG))))
+
+
 def given_options(ctx: click.Context) -> frozenset[str]:
     """The options of ``ctx``'s command that the user gave (on the command line or in the
     environment), as opposed to those at their defaults: where that changes what an option means."""
@@ -253,7 +282,7 @@ def given_options(ctx: click.Context) -> frozenset[str]:
 
 def _replay(
     path: str, run: str | None, timing: str | None, values: dict[str, Any], given: frozenset[str],
-    as_json: bool, trace_out: str | None, plot: str | None, command: str,
+    as_json: bool, trace_out: str | None, plot: str | None, command: str, workers: int | str = 1,
 ) -> None:  # fmt: skip
     """``--replay``: the recorded run, then the what-ifs the options ask for."""
     from rrfp.traces.replay import load_replay
@@ -268,7 +297,7 @@ def _replay(
     pick = {n: _split(values[n]) if n in given else None for n in ("hints", "policies", "memory_budget")}
     result = run_replay(
         rep, hints=pick["hints"], policies=pick["policies"], budgets=pick["memory_budget"],
-        send=values["send"], contention=values["contention"], trace=bool(trace_out or plot),
+        send=values["send"], contention=values["contention"], trace=bool(trace_out or plot), workers=workers,
     )  # fmt: skip
     text = replay_json(result, command) if as_json else format_replay(result)
     if result.traces:
@@ -302,6 +331,12 @@ def _write_trace_outputs(recorders: list[Any], trace_out: str | None, plot: str 
 )
 @click.option("--out", "out", required=True, help="CSV file: one row per grid point and run.")
 @click.option("--plot", type=str, default=None, help="Plot speedup vs the first grid key (.png).")
+@workers_option("the grid points")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue the sweep whose journal OUT.partial a stopped run left (same options).",
+)
 @click.pass_context
 def sweep(
     ctx: click.Context,
@@ -309,6 +344,8 @@ def sweep(
     out: str,
     plot: str | None,
     progress: bool | None,
+    workers: int | str,
+    resume: bool,
     **values: Any,
 ) -> None:
     """Run the comparison over a grid of option values; write CSV (and a speedup plot).
@@ -317,15 +354,42 @@ def sweep(
     rrfp-sim sweep --stages 8 -m 32 --hint 1f1b,bfw --seeds 20 \\
         --grid cv=0.1,0.3,1.0 --grid memory-budget=1x,2x --out sweep.csv --plot sweep.png
     """
+    from .journal import Journal
     from .sweep import parse_grid, run_sweep, write_sweep
 
     check_suffix(out, (".csv",), "--out")
     check_suffix(plot, PLOT_SUFFIXES, "--plot")
     axes = parse_grid(grid, ctx.command, ctx)
     given = given_options(ctx)  # the command line's, for every grid point (grid values are not "given")
-    frame = run_sweep(values, axes, lambda v: build_config(v, given), progress=progress)
+    explicit = given | {name for name, _ in axes}  # ...but they override a --scenario's values
+    typed = sorted(given - EXECUTION_OPTIONS - {"out", "plot"})  # what the sweep computes, nothing else
+    journal = Journal(out, {"values": values, "grid": axes, "given": typed}, resume=resume)
+    frame = run_sweep(
+        values,
+        axes,
+        lambda v: token_cli.build(v, explicit, lambda w, g: build_config(w, given)).config,
+        progress=progress,
+        workers=workers,
+        journal=journal,
+    )
     write_sweep(frame, out, plot, x=axes[0][0])
+    journal.remove()
     click.echo(f"{PROG}: {len(frame)} rows over {math.prod(len(v) for _, v in axes)} grid points -> {out}")
+
+
+@cli.command("scenarios")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text.")
+def scenarios(as_json: bool) -> None:
+    """List the named scenarios (--scenario NAME): every parameter with its value, basis and source,
+    and the sensitivity sweeps (docs/scenarios.md)."""
+    if as_json:
+        import json
+
+        from rrfp.workload.scenarios import describe_scenarios
+
+        click.echo(json.dumps({"scenarios": describe_scenarios()}, indent=2))
+    else:
+        click.echo(token_cli.scenarios_text())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -25,8 +25,10 @@ from typing import Any
 from rrfp.dispatch.policies import policy_names
 from rrfp.errors import UserError
 from rrfp.plan.hints import CLASS_HINTS, SEQUENCE_HINTS, hint_names
+from rrfp.plan.sources import task_count
+from rrfp.plan.spec import MAX_DEGREE, MAX_TASKS, too_many_tasks
+from rrfp.study.options import MAX_CV, MAX_ITERATIONS, MAX_SECONDS, MAX_SEED, parse_budgets
 from rrfp.study.options import defaults as shared_defaults
-from rrfp.study.options import parse_budgets
 from rrfp.traces.fit import FittedWorkload
 from rrfp.workload.model import WorkloadConfig
 from rrfp.workload.tokens import TokenWorkload
@@ -39,25 +41,37 @@ DEFAULT_HINTS = tuple(SHARED["hints"].split(","))
 DEFAULT_POLICIES = tuple(SHARED["policies"].split(","))
 DEFAULT_SEEDS = 10
 MAX_SEEDS = 100_000
+MAX_BYTES = 1e18
+"""Largest message or gradient size: an exabyte."""
 
 
 class ConfigError(UserError):
     """A simulator setting that breaks a rule; the message names the setting, the value and the rule."""
 
 
-def _positive_int(name: str, value: Any, low: int = 1) -> None:
+def _positive_int(name: str, value: Any, low: int = 1, high: int | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise ConfigError(f"{name} {value} is above the limit {high}")
 
 
 def _number(
-    name: str, value: Any, *, low: float = 0.0, allow_inf: bool = False, strict: bool = False
+    name: str,
+    value: Any,
+    *,
+    low: float = 0.0,
+    allow_inf: bool = False,
+    strict: bool = False,
+    high: float = math.inf,
 ) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
     ok = ok and (allow_inf or math.isfinite(value)) and (value > low if strict else value >= low)
     if not ok:
         rule = f"{'>' if strict else '>='} {low:g}" + ("" if allow_inf else " and finite")
         raise ConfigError(f"{name} must be a number {rule}, got {value!r}")
+    if value > high:
+        raise ConfigError(f"{name} {value!r} is above the limit {high:g}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,11 +99,11 @@ class ClusterConfig:
     """Gradient bytes per pipeline rank all-reduced across DP replicas at the flush (1 Gi bf16 params)."""
 
     def __post_init__(self) -> None:
-        _positive_int("tp", self.tp)
-        _positive_int("dp", self.dp)
-        _number("comm_latency", self.comm_latency)
+        _positive_int("tp", self.tp, high=MAX_DEGREE)
+        _positive_int("dp", self.dp, high=MAX_DEGREE)
+        _number("comm_latency", self.comm_latency, high=MAX_SECONDS)
         _number("bandwidth", self.bandwidth, allow_inf=True, strict=True)
-        _number("grad_bytes", self.grad_bytes)
+        _number("grad_bytes", self.grad_bytes, high=MAX_BYTES)
         if self.send not in SEND_MODES:
             raise ConfigError(f"send must be one of {', '.join(SEND_MODES)}, got {self.send!r}")
         if not isinstance(self.contention, bool):
@@ -168,26 +182,31 @@ class ExperimentConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
-        _positive_int("stages", self.stages)
+        _positive_int("stages", self.stages, high=MAX_DEGREE)
         if self.microbatches is not None:
-            _positive_int("microbatches", self.microbatches)
+            _positive_int("microbatches", self.microbatches, high=MAX_TASKS)
         if self.virtual_stages is not None:
-            _positive_int("virtual_stages", self.virtual_stages)
+            _positive_int("virtual_stages", self.virtual_stages, high=MAX_DEGREE)
         _positive_int("seeds", self.seeds)
         if self.seeds > MAX_SEEDS:
             raise ConfigError(f"seeds must be <= {MAX_SEEDS}, got {self.seeds}")
-        _positive_int("seed", self.seed, low=0)
-        _positive_int("iterations", self.iterations)
-        _positive_int("warmup", self.warmup, low=0)
+        _positive_int("seed", self.seed, low=0, high=MAX_SEED)
+        _positive_int("iterations", self.iterations, high=MAX_ITERATIONS)
+        _positive_int("warmup", self.warmup, low=0, high=MAX_ITERATIONS)
         if not isinstance(self.memory_budget, str):
             raise ConfigError(f"memory_budget must be comma text like '1x,2x', got {self.memory_budget!r}")
         parse_budgets(self.memory_budget)
         self._check_names()
+        self._check_size()
         if not isinstance(self.workload, (WorkloadConfig, FittedWorkload, TokenWorkload)):
             raise ConfigError(
                 "workload must be a WorkloadConfig, FittedWorkload or TokenWorkload, "
                 f"got {type(self.workload).__name__}"
             )
+        if isinstance(self.workload, WorkloadConfig):  # finite and >= 0 already (rrfp.workload)
+            for name in ("cv", "comm_cv", "seq_cv"):
+                _number(name, getattr(self.workload, name), high=MAX_CV)
+            _number("msg_bytes", self.workload.msg_bytes, high=MAX_BYTES)
         if not isinstance(self.cluster, ClusterConfig):
             raise ConfigError(f"cluster must be a ClusterConfig, got {type(self.cluster).__name__}")
         if self.cluster.send != "eager" and BASELINE_POLICY not in self.policies:
@@ -215,6 +234,25 @@ class ExperimentConfig:
         for label, names in (("hint", self.hints), ("policy", self.policies)):
             if len(set(names)) != len(names):
                 raise ConfigError(f"{label} list {','.join(names)!r} names an entry twice")
+
+    def _check_size(self) -> None:
+        """Refuse, before anything is built, a hint above MAX_TASKS tasks (pp x v x m x ops), naming its
+        size and the limit (a CSV hint is bounded by its file, and checked when it is read)."""
+        for name in self.hints:
+            if name.endswith(".csv"):
+                continue
+            size = task_count(name, self.stages, self.m, self.virtual_stages)
+            if size.tasks > MAX_TASKS:
+                raise ConfigError(
+                    f"hint {name!r} at {too_many_tasks(size.shape, size.tasks)}: "
+                    "use fewer stages or microbatches"
+                )
+
+    def task_total(self) -> int:
+        """Tasks of every hint's pipeline (at most, for torch:/CSV hints) over every TP member and DP
+        replica: what building the runs' hints and models scales with (rrfp.sim.experiment's progress)."""
+        tasks = sum(task_count(name, self.stages, self.m, self.virtual_stages).tasks for name in self.hints)
+        return tasks * self.cluster.tp * self.cluster.dp
 
     def _check_megatron(self) -> None:
         """Under ``megatron`` fixed must run the 1f1b order: a sequence hint must be 1f1b, a class hint's

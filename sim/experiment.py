@@ -37,8 +37,10 @@ compare.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,21 +51,19 @@ from rrfp.dispatch.backfill import Backfill, CostModel
 from rrfp.dispatch.policies import Policy
 from rrfp.plan.budget import resolve_budget
 from rrfp.plan.hints import Hint
-from rrfp.plan.sources import make_hint
-from rrfp.plan.spec import PipelineSpec
+from rrfp.plan.sources import make_hint, task_count
+from rrfp.plan.spec import PROGRESS_TASKS, PipelineSpec
 from rrfp.plan.task import Op, Task
 from rrfp.study import metrics
 from rrfp.study.compare import fixed_baselines
+from rrfp.study.execution import resolve_workers, run_jobs
 from rrfp.study.metrics import lower_bound, paired_speedup, t_interval
 from rrfp.study.options import budget_label
 from rrfp.study.result import TrialResult
 from rrfp.study.trial import TrialId
-from rrfp.traces.fit import FittedWorkload, _overlap
 from rrfp.traces.trace import TraceRecorder
 from rrfp.workload import rng as rngs
-from rrfp.workload.costs import expected_costs
-from rrfp.workload.model import IterationSample, WorkloadConfig, sample_iteration
-from rrfp.workload.tokens import TokenWorkload, data_streams
+from rrfp.workload.model import IterationSample, Workload
 
 from .config import BASELINE_POLICY, ExperimentConfig
 from .megatron import variable_shapes
@@ -163,12 +163,18 @@ class ExperimentResult:
 
 
 # -- planning --------------------------------------------------------------------------------------
-def plan_runs(cfg: ExperimentConfig) -> list[PlannedRun]:
+Step = Callable[[str, str], None]
+"""A build step about to start: (``hint`` or ``model``, its name) -- for :class:`BuildProgress`."""
+
+
+def plan_runs(cfg: ExperimentConfig, step: Step | None = None) -> list[PlannedRun]:
     """Resolve hints, budgets and pairings; raises HintError/BudgetError before anything runs."""
     hints: dict[str, Hint] = {}
 
     def get(name: str, v: int | None) -> Hint:
         if name not in hints:
+            if step is not None:
+                step("hint", name)
             hints[name] = make_hint(name, cfg.stages, cfg.m, v)
         return hints[name]
 
@@ -191,9 +197,11 @@ def plan_runs(cfg: ExperimentConfig) -> list[PlannedRun]:
     return list(planned.values())
 
 
-def build_models(cfg: ExperimentConfig, plans: list[PlannedRun]) -> None:
+def build_models(cfg: ExperimentConfig, plans: list[PlannedRun], step: Step | None = None) -> None:
     """Build each run's ClusterModel once (schedulers are reset per replication)."""
     for p in plans:
+        if step is not None:
+            step("model", p.key.label)
         send = cfg.cluster.send_mode(p.key.policy)
         policy = run_policy(cfg, p.hint, p.key.policy)
         p.model = ClusterModel(
@@ -207,12 +215,10 @@ def build_models(cfg: ExperimentConfig, plans: list[PlannedRun]) -> None:
         )
 
 
-def mean_msg_bytes(workload: WorkloadConfig | FittedWorkload | TokenWorkload, spec: PipelineSpec) -> float:
+def mean_msg_bytes(workload: Workload, spec: PipelineSpec) -> float:
     """Bytes of a typical message: the workload's constant, or (token mode, where each message has its
     own) the expected bytes between two decoder stages."""
-    if isinstance(workload, TokenWorkload):
-        return workload.mean_msg_bytes(spec.microbatches)
-    return workload.msg_bytes
+    return workload.mean_msg_bytes(spec.microbatches)
 
 
 def run_policy(cfg: ExperimentConfig, hint: Hint, name: str) -> str | Policy:
@@ -225,25 +231,10 @@ def run_policy(cfg: ExperimentConfig, hint: Hint, name: str) -> str | Policy:
     return Backfill(expected=expected_cost_model(cfg.workload, hint.spec), latency=latency)
 
 
-def expected_cost_model(
-    workload: WorkloadConfig | FittedWorkload | TokenWorkload, spec: PipelineSpec
-) -> CostModel:
+def expected_cost_model(workload: Workload, spec: PipelineSpec) -> CostModel:
     """Mean seconds per task of ``workload`` on ``spec``'s stages (a fit: its per-stage means, mapped
     onto the new stages the way :meth:`FittedWorkload.sample` maps them)."""
-    if isinstance(workload, WorkloadConfig):
-        return expected_costs(workload, spec)
-    if isinstance(workload, TokenWorkload):
-        means = workload.mean_costs(spec.pp, spec.num_stages, spec.microbatches)
-        table = {op: [float(x) for x in means[op.value]] for op in Op}
-        return lambda task: table[task.op][task.stage]
-    weights = _overlap(workload.num_stages, spec.num_stages)  # (trace stages, new stages)
-    ops = ("F", "I", "W") if workload.split else ("F", "B")
-    means = {
-        op: np.array([workload.ops[s, op].mean for s in range(workload.num_stages)]) @ weights for op in ops
-    }
-    if not workload.split:  # the sample halves B into I and W
-        means["I"] = means["W"] = means["B"] / 2
-    means["B"] = means["I"] + means["W"]
+    means = workload.mean_costs(spec.pp, spec.num_stages, spec.microbatches)
     table = {op: [float(x) for x in means[op.value]] for op in Op}
     return lambda task: table[task.op][task.stage]
 
@@ -269,12 +260,8 @@ def draw_samples(cfg: ExperimentConfig, hint: Hint, replication: int) -> list[li
     def one(k: int, d: int, t: int) -> IterationSample:
         gens = member_streams(cfg.seed, replication, k, d, t)
         shape = (spec.pp, spec.num_stages, spec.microbatches)
-        if isinstance(cfg.workload, FittedWorkload):  # costs fitted on a trace (--workload fit:TRACE)
-            return cfg.workload.sample(*shape, gens, placement=spec.placement)
-        if isinstance(cfg.workload, TokenWorkload):  # sample sizes: shared by the replica, like images
-            gens.update(data_streams(cfg.seed, replication, k, d))  # rrfp-run draws the same (batch_sizes)
-            return cfg.workload.sample(*shape, gens, placement=spec.placement)
-        return sample_iteration(cfg.workload, *shape, gens, placement=spec.placement)
+        gens.update(cfg.workload.data_streams(cfg.seed, replication, k, d))  # token sizes: per replica
+        return cfg.workload.sample(*shape, gens, placement=spec.placement)
 
     tp, dp = cfg.cluster.tp, cfg.cluster.dp
     total = cfg.warmup + cfg.iterations
@@ -365,24 +352,26 @@ def measure(
 
 # -- the experiment ----------------------------------------------------------------------------------
 def run_experiment(
-    cfg: ExperimentConfig, *, progress: bool | None = None, trace: bool = False
+    cfg: ExperimentConfig, *, progress: bool | None = None, trace: bool = False, workers: int | str = 1
 ) -> ExperimentResult:
     """Run every planned (hint, policy) for ``cfg.seeds`` replications on common random numbers.
 
     ``progress``: a tqdm bar on stderr (None: only when stderr is a terminal and the run takes > 1 s).
-    ``trace``: record replication 0 of every run (all iterations) as trace rows.
+    ``trace``: record replication 0 of every run (all iterations) as trace rows (in this process).
+    ``workers``: processes for the replications (rrfp.study.execution; ``auto``: by size); the result
+    is the same whatever their number -- replication i draws from index i, combined in order.
     """
-    plans = plan_runs(cfg)
-    build_models(cfg, plans)
-    stats = {p.key: RunStats(p.key, p.budget, budget_text=p.budget_text) for p in plans}
-    traces: list[TraceRecorder] = []
-    for rep, p, samples in _progress(cfg, plans, progress):
-        assert p.model is not None
-        recorder = _recorder(cfg, p, rep) if trace and rep == 0 else None
-        out = p.model.run(samples, recorder)
-        if recorder is not None:
-            traces.append(recorder)
-        measure(cfg, p, out, samples, stats[p.key])
+    building = BuildProgress(cfg, progress)
+    plans = plan_runs(cfg, building.step)
+    n = 1 if trace else resolve_workers(workers, cfg.seeds, estimate_seconds(cfg, len(plans)))
+    if n > 1:
+        building.done()
+        stats = _parallel_stats(cfg, plans, n, progress)
+        traces: list[TraceRecorder] = []
+    else:
+        build_models(cfg, plans, building.step)
+        building.done()
+        stats, traces = _replications(cfg, plans, range(cfg.seeds), progress=progress, trace=trace)
     speedups = [
         Speedup(
             p.key, p.baseline, *paired_speedup(stats[p.baseline].iteration_time, stats[p.key].iteration_time)
@@ -392,6 +381,69 @@ def run_experiment(
     ]
     group_bounds(plans, stats)
     return ExperimentResult(cfg, [stats[p.key] for p in plans], speedups, traces)
+
+
+def _replications(
+    cfg: ExperimentConfig, plans: list[PlannedRun], reps: range, *, progress: bool | None, trace: bool
+) -> tuple[dict[TrialId, RunStats], list[TraceRecorder]]:
+    """Simulate replications ``reps`` of every (built) run: their stats, and replication 0's traces."""
+    stats = {p.key: RunStats(p.key, p.budget, budget_text=p.budget_text) for p in plans}
+    traces: list[TraceRecorder] = []
+    for rep, p, samples in _progress(cfg, plans, progress, reps):
+        assert p.model is not None
+        recorder = _recorder(cfg, p, rep) if trace and rep == 0 else None
+        out = p.model.run(samples, recorder)
+        if recorder is not None:
+            traces.append(recorder)
+        measure(cfg, p, out, samples, stats[p.key])
+    return stats, traces
+
+
+def replication_job(cfg: ExperimentConfig, plans: list[PlannedRun], start: int, stop: int) -> list[RunStats]:
+    """One worker's job: replications ``start..stop-1`` of every run, in plan order. The plans come
+    from the client (hints made there: a CSV hint's file is read once); the models are built here."""
+    build_models(cfg, plans)
+    stats, _ = _replications(cfg, plans, range(start, stop), progress=False, trace=False)
+    return [stats[p.key] for p in plans]
+
+
+def _parallel_stats(
+    cfg: ExperimentConfig, plans: list[PlannedRun], workers: int, progress: bool | None
+) -> dict[TrialId, RunStats]:
+    """The replications on ``workers`` processes, in contiguous chunks combined in replication order."""
+    from tqdm import tqdm
+
+    edges = np.linspace(0, cfg.seeds, min(cfg.seeds, 2 * workers) + 1).round().astype(int)
+    chunks = [(int(a), int(b)) for a, b in itertools.pairwise(edges) if b > a]
+    jobs = [(f"replications {a}..{b - 1}", (cfg, plans, a, b)) for a, b in chunks]
+    parts: dict[int, list[RunStats]] = {}
+    enabled = sys.stderr.isatty() if progress is None else progress
+    with tqdm(total=cfg.seeds, disable=not enabled, file=sys.stderr, desc="rrfp-sim", unit="rep",
+              leave=False) as bar:  # fmt: skip
+        for i, part in run_jobs(replication_job, jobs, workers):
+            parts[i] = part
+            bar.update(chunks[i][1] - chunks[i][0])
+    stats = {p.key: RunStats(p.key, p.budget, budget_text=p.budget_text) for p in plans}
+    for i in range(len(chunks)):
+        for p, part in zip(plans, parts[i], strict=True):
+            _extend(stats[p.key], part)
+    return stats
+
+
+_PER_REP = ("iteration_time", "throughput", "bubble", "lower_bound", "lb_ratio", "measured", "held", "bounds")
+
+
+def _extend(into: RunStats, part: RunStats) -> None:
+    """Append ``part``'s replications to ``into`` (the later ones); peaks are the max of both."""
+    for name in _PER_REP:
+        getattr(into, name).extend(getattr(part, name))
+    into.peaks = [max(a, b) for a, b in zip(into.peaks or [0] * len(part.peaks), part.peaks, strict=True)]
+
+
+def estimate_seconds(cfg: ExperimentConfig, runs: int) -> float:
+    """A rough wall time of the simulation: tasks x runs x iterations x replications x ~3 us (measured
+    on one core; an over-estimate costs a pool start, about a second)."""
+    return cfg.task_total() * runs * (cfg.warmup + cfg.iterations) * cfg.seeds * 3e-6
 
 
 def group_bounds(plans: list[PlannedRun], stats: dict[TrialId, RunStats]) -> None:
@@ -419,17 +471,51 @@ def _recorder(cfg: ExperimentConfig, p: PlannedRun, rep: int) -> TraceRecorder:
     )  # fmt: skip
 
 
+class BuildProgress:
+    """What rrfp-sim builds before it simulates -- hints, then one model per run -- on stderr, one line
+    per step before it starts (rewritten in place on a terminal), so a large pipeline's seconds or
+    minutes of building never look like a hang. Only above PROGRESS_TASKS tasks
+    (:meth:`ExperimentConfig.task_total`), and only on a terminal or with ``progress=True``; never on
+    stdout (where ``--json`` goes)."""
+
+    def __init__(self, cfg: ExperimentConfig, progress: bool | None) -> None:
+        self.tty = sys.stderr.isatty()
+        wanted = self.tty if progress is None else progress
+        self.enabled = bool(wanted) and cfg.task_total() > PROGRESS_TASKS
+        self.cfg, self.steps, self.width, self.start = cfg, 0, 0, time.monotonic()
+
+    def step(self, kind: str, name: str) -> None:
+        if not self.enabled:
+            return
+        self.steps += 1
+        text = f"rrfp-sim: building {kind} {name}"
+        if kind == "hint":
+            size = task_count(name, self.cfg.stages, self.cfg.m, self.cfg.virtual_stages)
+            text += f" ({size.shape} = {size.tasks:,} tasks)"
+        text += f" [{time.monotonic() - self.start:.1f} s]"
+        self.width, padded = len(text), text.ljust(self.width)
+        sys.stderr.write("\r" + padded if self.tty else text + "\n")
+        sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.enabled:
+            took = time.monotonic() - self.start
+            lead = "\n" if self.tty else ""
+            sys.stderr.write(f"{lead}rrfp-sim: built {self.steps} hints and models in {took:.1f} s\n")
+            sys.stderr.flush()
+
+
 def _progress(
-    cfg: ExperimentConfig, plans: list[PlannedRun], progress: bool | None
+    cfg: ExperimentConfig, plans: list[PlannedRun], progress: bool | None, reps: range
 ) -> Iterator[tuple[int, PlannedRun, list[list[list[IterationSample]]]]]:
     """Yield (replication, run, its samples); samples are drawn once per replication and shape."""
     from tqdm import tqdm
 
-    total = cfg.seeds * len(plans)
+    total = len(reps) * len(plans)
     enabled = sys.stderr.isatty() if progress is None else progress
     with tqdm(total=total, disable=not enabled, delay=0.0 if progress else 1.0, file=sys.stderr,
               desc="rrfp-sim", unit="run", leave=False) as bar:  # fmt: skip
-        for rep in range(cfg.seeds):
+        for rep in reps:
             cache: dict[tuple[int, int, str], list[list[list[IterationSample]]]] = {}
             for p in plans:
                 spec = p.hint.spec

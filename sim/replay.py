@@ -160,30 +160,44 @@ def run_replay(
     send: str = "eager",
     contention: bool = False,
     trace: bool = False,
+    workers: int | str = 1,
 ) -> ReplayResult:
-    """Replay ``rep`` with its own policy, then each requested (hint, policy, budget) as a what-if."""
-    runs: list[ReplayRun] = []
-    traces = []
-    for index, (key, hint, budget, label) in enumerate(plan(rep, hints, policies, budgets)):
-        cluster = ClusterConfig(tp=rep.tp, dp=rep.dp, send=send if key.policy == BASELINE_POLICY else "eager",
-                                contention=contention)  # fmt: skip
-        link = contention or cluster.send != "eager"  # queueing re-simulated: each message's link time
-        samples = rep.samples(hint.spec.split, link=link)
-        policy = replay_policy(key.policy, samples)
-        model = ClusterModel(hint, policy, cluster, budget, msg_bytes=rep.msg_bytes)
-        _calibrate(model, rep)
-        recorder = _recorder(rep, key, budget, model) if trace else None
-        out = model.run(samples, recorder)
-        if recorder is not None:
-            traces.append(recorder)
-        cfg = _config(rep, key, label, cluster)
-        stats = RunStats(key, budget)
-        measure(cfg, PlannedRun(key, hint, budget, None, model), out, samples, stats)
-        runs.append(ReplayRun(key, label, index == 0, list(out.iteration_times), stats))
+    """Replay ``rep`` with its own policy, then each requested (hint, policy, budget) as a what-if;
+    ``workers``: processes over the runs (rrfp.study.execution; traces are recorded in this process).
+    The trace is read once, here, and shipped to the workers as data."""
+    from rrfp.study.execution import resolve_workers, run_jobs
+
+    planned = list(plan(rep, hints, policies, budgets))
+    jobs = [(p[0].label, (rep, i, p, send, contention, trace)) for i, p in enumerate(planned)]
+    n = 1 if trace else resolve_workers(workers, len(jobs))
+    done = dict(run_jobs(replay_job, jobs, n))
+    runs = [done[i][0] for i in range(len(jobs))]
+    traces = [done[i][1] for i in range(len(jobs)) if done[i][1] is not None]
     base = _used(runs[0].times)
     for r in runs[1:]:
         r.speedup = paired_speedup(base, _used(r.times))
     return ReplayResult(rep, runs, traces)
+
+
+def replay_job(
+    rep: Replay, index: int, planned: tuple[Any, Any, dict[int, int], str], send: str, contention: bool,
+    trace: bool,
+) -> tuple[ReplayRun, Any]:  # fmt: skip
+    """One replayed run (the recorded one when ``index`` is 0) and its trace recorder (or None)."""
+    key, hint, budget, label = planned
+    cluster = ClusterConfig(tp=rep.tp, dp=rep.dp, send=send if key.policy == BASELINE_POLICY else "eager",
+                            contention=contention)  # fmt: skip
+    link = contention or cluster.send != "eager"  # queueing re-simulated: each message's link time
+    samples = rep.samples(hint.spec.split, link=link)
+    policy = replay_policy(key.policy, samples)
+    model = ClusterModel(hint, policy, cluster, budget, msg_bytes=rep.msg_bytes)
+    _calibrate(model, rep)
+    recorder = _recorder(rep, key, budget, model) if trace else None
+    out = model.run(samples, recorder)
+    cfg = _config(rep, key, label, cluster)
+    stats = RunStats(key, budget)
+    measure(cfg, PlannedRun(key, hint, budget, None, model), out, samples, stats)
+    return ReplayRun(key, label, index == 0, list(out.iteration_times), stats), recorder
 
 
 def replay_policy(name: str, samples: list[list[list[IterationSample]]]) -> str | Backfill:

@@ -42,6 +42,7 @@ import numpy as np
 from rrfp.study.compare import Comparison, budget_note, legend, verdict
 from rrfp.study.options import costs_text
 from rrfp.study.schema import SCHEMA_VERSION, config_head, speedup_entry, trial_fields
+from rrfp.workload.tokens import TokenWorkload
 
 from .experiment import ExperimentResult, RunStats, interval
 
@@ -79,7 +80,9 @@ def config_dict(cfg: Any) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
-        if hasattr(value, "to_dict"):  # a fitted workload describes itself
+        if isinstance(value, TokenWorkload):
+            value = token_dict(value)
+        elif hasattr(value, "to_dict"):  # a fitted workload describes itself
             value = value.to_dict()
         elif dataclasses.is_dataclass(value):
             value = config_dict(value)
@@ -94,11 +97,28 @@ def config_dict(cfg: Any) -> dict[str, Any]:
     return out
 
 
-def result_dict(result: ExperimentResult, command: str | None = None) -> dict[str, Any]:
+TOKEN_BASE = ("costs", "jitter", "cv", "jitter_samples", "imbalance", "straggler_prob", "straggler_slowdown",
+              "straggler_span", "comm_jitter", "comm_cv", "comm_samples", "act_bytes")  # fmt: skip
+"""The base WorkloadConfig fields a token workload uses (the preset's sequence and image factors and the
+message size are not: token mode derives them)."""
+
+
+def token_dict(w: TokenWorkload) -> dict[str, Any]:
+    """A token workload in the JSON ``config``: ``mode: tokens``, every token option and the samples'
+    summary (TokenWorkload.describe), then the base workload's fields it uses (:data:`TOKEN_BASE`)."""
+    base = config_dict(w.base)
+    return {"mode": "tokens", **w.describe(), **{k: base[k] for k in TOKEN_BASE}}
+
+
+def result_dict(
+    result: ExperimentResult, command: str | None = None, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The ``--json`` object (schema version 2, module doc); ``command``: the command line it records
-    (default: this process's)."""
+    (default: this process's); ``extra``: keys added to ``config`` (token mode: the scenario and each
+    option's source)."""
     cfg = config_dict(result.config)
     cfg["microbatches"] = result.config.m
+    cfg.update(extra or {})
     budgets = {s.key: s.budget_text for s in result.stats}
     speedups = []
     for sp in result.speedups:
@@ -114,9 +134,9 @@ def result_dict(result: ExperimentResult, command: str | None = None) -> dict[st
     }
 
 
-def to_json(result: ExperimentResult, command: str | None = None) -> str:
-    """One JSON object; deterministic key order and float formatting."""
-    return json.dumps(result_dict(result, command), indent=2, allow_nan=False)
+def to_json(result: ExperimentResult, command: str | None = None, extra: dict[str, Any] | None = None) -> str:
+    """One JSON object; deterministic key order and float formatting (``extra``: :func:`result_dict`)."""
+    return json.dumps(result_dict(result, command, extra), indent=2, allow_nan=False)
 
 
 # -- the terminal table ----------------------------------------------------------------------------
@@ -129,7 +149,7 @@ def _ci(mean: float, low: float, high: float, fmt: str) -> str:
 def describe(result: ExperimentResult) -> str:
     """One line saying what was simulated (costs and times in seconds)."""
     c = result.config
-    w, cl = c.workload, c.cluster
+    w, cl = getattr(c.workload, "base", c.workload), c.cluster  # token mode: jitter, costs of its base
     v = "" if c.virtual_stages is None else f" v={c.virtual_stages}"
     jitter = "no jitter" if w.jitter == "none" or w.cv == 0 else f"{w.jitter} CV {w.cv:g}"
     costs = costs_text(dict(w.costs)) + " s"  # type: ignore[union-attr]
@@ -137,11 +157,31 @@ def describe(result: ExperimentResult) -> str:
     if imbalance:
         costs += f", last stage x{1 + imbalance:g}"
     warm = f" after {c.warmup} warm-up" if c.warmup else ""
+    what = token_text(c.workload) if isinstance(c.workload, TokenWorkload) else w.preset
     return (
-        f"pp={c.stages} m={c.m}{v} tp={cl.tp} dp={cl.dp} | {w.preset}, {jitter}, costs {costs} | "
+        f"pp={c.stages} m={c.m}{v} tp={cl.tp} dp={cl.dp} | {what}, {jitter}, costs {costs} | "
         f"{c.seeds} seed(s) x {c.iterations} measured iteration(s){warm} | budget {c.memory_budget} | "
         f"send {cl.send}, latency {cl.comm_latency:g} s"
     )
+
+
+def token_text(w: TokenWorkload) -> str:
+    """Token mode in the header: the samples and the model (the mean microbatch costs ``costs``)."""
+    d = w.describe()
+    samples = d["samples"]
+    text = (
+        f"tokens {d['lengths']} (mean {samples['mean']:.0f}, cv {samples['cv']:.2f}, max {samples['max']}), "
+        f"L={w.layers} h={w.hidden} mbs={w.microbatch_size}"
+    )
+    if w.seq_len is not None:
+        text += f" seq {w.seq_len}"
+    if w.packing != "none":
+        text += f", packed {w.packing} into {w.pack_capacity}"
+    if w.multimodal:
+        frozen = " frozen" if w.freeze_encoder else ""
+        where = f"stages 0-{w.encoder_stages - 1}" if w.encoder == "separate" else "stage 0"
+        text += f", {w.vision_layers}-layer{frozen} encoder on {where}, {w.image_tokens} tokens/image"
+    return text
 
 
 def peak_range(peaks: list[int] | tuple[int, ...]) -> str:
@@ -169,10 +209,11 @@ COLUMNS = (
 """The table's footer: what each column means (rrfp.study.compare.legend)."""
 
 
-def format_table(result: ExperimentResult) -> str:
-    """The readable summary: what ran, one line per run, who won, and what each column means."""
+def format_table(result: ExperimentResult, header: list[str] | None = None) -> str:
+    """The readable summary: what ran (``header``: lines under the first, e.g. a scenario's values), one
+    line per run, who won, and what each column means."""
     speed = {sp.key: sp for sp in result.speedups}
-    header = ["trial", "iteration time s [95% CI]", "bubble", "time/LB", "peak act", "speedup [95% CI]"]
+    columns = ["trial", "iteration time s [95% CI]", "bubble", "time/LB", "peak act", "speedup [95% CI]"]
     rows = []
     for s in result.stats:
         mean, low, high = interval(s.iteration_time)
@@ -190,8 +231,8 @@ def format_table(result: ExperimentResult) -> str:
     comps = comparisons(result)
     notes = [verdict(comps)]
     note = budget_note(comps, [s.key.budget for s in result.stats])
-    return "\n".join([describe(result), "", *render(header, rows), "", *notes, *([note] if note else []), "",
-                      *legend(COLUMNS)])  # fmt: skip
+    return "\n".join([describe(result), *(header or []), "", *render(columns, rows), "", *notes,
+                      *([note] if note else []), "", *legend(COLUMNS)])  # fmt: skip
 
 
 def render(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -4,7 +4,8 @@
         --seeds 20 --out sweep.csv --plot sweep.png
 
 Grid keys are the names of ``rrfp-sim``'s scalar options (``cv``, ``memory-budget``, ``stages``,
-``workload``, ...; not ``hint``/``policy``, which every point already compares). Values are parsed by
+``workload``, ``scenario``, ``lengths``, ...; not ``hint``/``policy``, which every point already
+compares). A grid key counts as given explicitly: it overrides a ``--scenario``'s value. Values are parsed by
 the option's own type. Each grid point is a full experiment (its own common random numbers, seeds
 0..n-1). One CSV row per (grid point, run): the grid values, ``policy``, ``hint``, ``run`` (the trial
 label, with its budget unless 1x: ``rrfp/1f1b@2x``), the iteration time
@@ -24,13 +25,15 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from rrfp.errors import UserError
+from rrfp.study.execution import EXECUTION_OPTIONS
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from .config import ExperimentConfig
+    from .journal import Journal
 
-_NOT_GRID = {"hints", "policies", "progress", "version"}
+_NOT_GRID = {"hints", "policies", "version", *EXECUTION_OPTIONS}
 Axes = list[tuple[str, list[Any]]]
 
 
@@ -50,7 +53,8 @@ def parse_grid(entries: Sequence[str], command: click.Command, ctx: click.Contex
         values = [v.strip() for v in raw.split(",") if v.strip()]
         if not eq or not values:
             raise SweepError(f"--grid {entry!r} must look like KEY=V1,V2,...")
-        if name not in params or name in _NOT_GRID or (params[name].is_flag and name != "contention"):
+        flag = params.get(name) is not None and params[name].is_flag and not params[name].secondary_opts
+        if name not in params or name in _NOT_GRID or flag:  # an on/off switch sweeps (true,false)
             raise SweepError(f"--grid key {key.strip()!r} is not a sweepable option")
         if name in (k for k, _ in axes):
             raise SweepError(f"--grid key {key.strip()!r} is given twice")
@@ -81,21 +85,56 @@ def run_sweep(
     build: Callable[[dict[str, Any]], ExperimentConfig],
     *,
     progress: bool | None = None,
+    workers: int | str = 1,
+    journal: Journal | None = None,
 ) -> pd.DataFrame:
-    """Run every grid point; return the long table (one row per grid point and run)."""
+    """Run every grid point; return the long table (one row per grid point and run), in grid order.
+
+    ``workers``: processes over the grid points (rrfp.study.execution; a point whose worker dies runs
+    once more). ``journal``: finished points go there as they finish (and, resumed, are not run again);
+    the caller removes it once the output is written. Configs are built here (files that options name
+    are read once) and shipped to the workers as data."""
     import pandas as pd
     from tqdm import tqdm
 
-    from .experiment import run_experiment
+    from rrfp.study.execution import resolve_workers, run_jobs
+
+    from .experiment import estimate_seconds
 
     points = grid_configs(base, axes, build)
+    done = journal.open() if journal is not None else {}
+    if done:
+        print(f"rrfp-sim: resuming: {len(done)} of {len(points)} grid points from {journal.path}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    todo = [i for i in range(len(points)) if i not in done]
+    jobs = [(cell_name(points[i][0]), points[i]) for i in todo]
+    seconds = sum(estimate_seconds(cfg, len(cfg.hints) * len(cfg.policies)) for _, cfg in points)
+    n = resolve_workers(workers, max(1, len(jobs)), seconds)
     enabled = sys.stderr.isatty() if progress is None else progress
-    rows: list[dict[str, Any]] = []
-    for point, cfg in tqdm(
-        points, disable=not enabled, file=sys.stderr, desc="sweep", unit="point", leave=False
-    ):
-        rows += result_rows(point, run_experiment(cfg, progress=False))
-    return pd.DataFrame(rows)
+    try:
+        with tqdm(total=len(points), initial=len(done), disable=not enabled, file=sys.stderr, desc="sweep",
+                  unit="point", leave=False) as bar:  # fmt: skip
+            for j, rows in run_jobs(cell_job, jobs, n):
+                done[todo[j]] = rows
+                if journal is not None:
+                    journal.record(todo[j], rows)
+                bar.update(1)
+    finally:
+        if journal is not None:
+            journal.close()
+    return pd.DataFrame([row for i in range(len(points)) for row in done[i]])
+
+
+def cell_name(point: dict[str, Any]) -> str:
+    """A grid point as the user reads it: ``cv=0.1 memory-budget=2x``."""
+    return " ".join(f"{k.replace('_', '-')}={v}" for k, v in point.items())
+
+
+def cell_job(point: dict[str, Any], cfg: ExperimentConfig) -> list[dict[str, Any]]:
+    """One grid point's CSV rows (a worker's job: picklable in, picklable out)."""
+    from .experiment import run_experiment
+
+    return result_rows(point, run_experiment(cfg, progress=False))
 
 
 def result_rows(point: dict[str, Any], result: Any) -> list[dict[str, Any]]:

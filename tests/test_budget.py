@@ -108,6 +108,8 @@ def test_budget_error_is_a_value_error() -> None:
 
 
 def test_the_scheduler_refuses_a_budget_below_the_peak() -> None:
-    with pytest.raises(rrfp.SchedulerError, match=r"rank 0: budget 3 is below the hint's own peak 4"):
+    # A user error (bad input to the public API), not a SchedulerError (a driver out of protocol).
+    match = r"rank 0: budget 3 is below the peak of hint '1f1b' on this rank \(4 activations\)"
+    with pytest.raises(rrfp.BudgetError, match=match):
         rrfp.RankScheduler(HINT, 0, "rrfp", 3)
     assert rrfp.RankScheduler(HINT, 0, "rrfp").budget == 4

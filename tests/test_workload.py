@@ -300,3 +300,34 @@ def test_core_import_and_sampling_stay_light() -> None:
 def test_module_doctests() -> None:
     assert doctest.testmod(workload).failed == 0
     assert doctest.testmod(rngs).failed == 0
+
+
+def _protocol_methods() -> dict[str, list[str]]:
+    import inspect
+
+    from rrfp.workload.model import Workload
+
+    names = [n for n, f in vars(Workload).items() if inspect.isfunction(f) and not n.startswith("_")]
+    return {n: list(inspect.signature(getattr(Workload, n)).parameters) for n in names}
+
+
+def test_every_workload_model_speaks_the_one_protocol() -> None:
+    """The preset, a trace fit and token-level data are interchangeable to the simulator."""
+    import inspect
+
+    from rrfp.traces.fit import FittedWorkload
+    from rrfp.workload.tokens import TokenWorkload
+
+    wanted = _protocol_methods()
+    assert set(wanted) == {"sample", "mean_costs", "mean_msg_bytes", "data_streams"}
+    for cls in (WorkloadConfig, FittedWorkload, TokenWorkload):
+        for name, params in wanted.items():
+            assert list(inspect.signature(getattr(cls, name)).parameters) == params, (cls.__name__, name)
+
+
+def test_the_preset_through_the_protocol_draws_what_sample_iteration_draws() -> None:
+    cfg = WorkloadConfig(jitter="lognormal", cv=0.5)
+    a = cfg.sample(4, 8, 16, np.random.default_rng(3))
+    b = sample_iteration(cfg, 4, 8, 16, np.random.default_rng(3))
+    assert all(np.array_equal(getattr(a, f), getattr(b, f)) for f in ("F", "I", "W", "comm"))
+    assert cfg.mean_msg_bytes(16) == cfg.msg_bytes and cfg.data_streams(0, 0, 0, 0) == {}

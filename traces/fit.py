@@ -168,6 +168,24 @@ class FittedWorkload:
             return {"F": total["F"], "I": total["B"] / 2, "W": total["B"] / 2}
         return {op: total[op] for op in ("F", "I", "W")}
 
+    # -- the Workload protocol (rrfp.workload.model.Workload) -----------------------------------------
+    def mean_costs(self, pp: int, num_stages: int, microbatches: int) -> dict[str, np.ndarray]:
+        """Each fitted stage's mean cost, mapped onto ``num_stages`` stages the way :meth:`sample` maps
+        them; an unsplit trace's B halves into I and W."""
+        weights = _overlap(self.num_stages, num_stages)  # (trace stages, new stages)
+        ops = ("F", "I", "W") if self.split else ("F", "B")
+        means = {op: np.array([self.ops[s, op].mean for s in range(self.num_stages)]) @ weights for op in ops}
+        if not self.split:
+            means["I"] = means["W"] = means["B"] / 2
+        means["B"] = means["I"] + means["W"]
+        return means
+
+    def mean_msg_bytes(self, microbatches: int) -> float:
+        return float(self.msg_bytes)
+
+    def data_streams(self, seed: int, replication: int, iteration: int, replica: int) -> rngs.Streams:
+        return {}
+
     @property
     def latency_mean(self) -> float:
         """Mean message latency over both directions (s); 0 without messages."""

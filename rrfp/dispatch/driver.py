@@ -12,17 +12,25 @@ every completion and arrival at time t is applied before any rank is asked ``nex
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from numbers import Real
 
 from rrfp.dispatch.policies import Policy
 from rrfp.dispatch.scheduler import RankScheduler
-from rrfp.errors import InternalError
+from rrfp.errors import InternalError, UserError
+from rrfp.plan.budget import BudgetError
 from rrfp.plan.hints import Hint, HintError
 from rrfp.plan.task import Task
 
 Duration = Callable[[Task], float]
 Latency = Callable[[Task, Task], float]
+
+
+class TimingError(UserError):
+    """A task duration or message latency that is not a finite number >= 0 (a NaN would stall the
+    event loop: no event time equals it)."""
 
 
 class DeadlockError(InternalError):
@@ -64,14 +72,19 @@ def run_reference(
 ) -> Run:
     """Run one iteration of ``hint`` under ``policy`` with the given task durations.
 
-    ``latency`` is a constant or a function (producer, consumer) -> seconds for cross-rank messages.
+    ``duration`` is a mapping with every task of the hint (checked in bulk, once) or a function of a
+    task (each value checked as it is drawn, once per task); ``latency`` is a constant or a function
+    (producer, consumer) -> seconds for cross-rank messages (checked likewise); ``budget`` maps each
+    rank to a whole number of activations (:func:`rrfp.resolve_budget`). Every time must be a finite
+    number >= 0: anything else raises :class:`TimingError` (a user error) before it enters the clock.
     """
+    if not isinstance(hint, Hint):
+        raise HintError(f"run_reference needs a Hint (rrfp.make_hint), got {type(hint).__name__}")
     spec = hint.spec
-    dur = duration.__getitem__ if isinstance(duration, Mapping) else duration
-    lat = (lambda _p, _c: float(latency)) if not callable(latency) else latency
-    scheds = {
-        r: RankScheduler(hint, r, policy, None if budget is None else budget[r]) for r in range(spec.pp)
-    }
+    budgets = _budgets(budget, spec.pp)
+    scheds = {r: RankScheduler(hint, r, policy, budgets[r]) for r in range(spec.pp)}
+    dur = _durations(hint, duration)
+    lat = _latencies(latency)
     run = Run(log={r: [] for r in range(spec.pp)})
     events: list[tuple[float, int, int, int, Task]] = []  # (time, kind, seq, rank, task)
     seq = 0
@@ -111,3 +124,91 @@ def run_reference(
         raise deadlock_error(hint, f"deadlock at t={now}: rank {r} cannot progress (waiting: {waits})")
     run.peak = {r: s.peak for r, s in scheds.items()}
     return run
+
+
+def _budgets(budget: object, pp: int) -> dict[int, int | None]:
+    """run_reference's ``budget``: None (each rank's own peak) or a mapping with every rank."""
+    if budget is None:
+        return dict.fromkeys(range(pp))
+    if not isinstance(budget, Mapping):
+        raise BudgetError(
+            f"budget must be None or a mapping rank -> activations (rrfp.resolve_budget(text, hint)), "
+            f"got {budget!r}"
+        )
+    missing = [r for r in range(pp) if r not in budget]
+    if missing:
+        raise BudgetError(f"budget has no entry for rank {missing[0]} (it needs ranks 0..{pp - 1})")
+    return {r: budget[r] for r in range(pp)}
+
+
+def _time_error(what: str, value: object) -> TimingError:
+    return TimingError(f"{what} must be a finite number >= 0 (seconds), got {value!r}")
+
+
+def _durations(hint: Hint, duration: object) -> Callable[[Task], float]:
+    """A mapping checked in bulk over every task of ``hint`` (numpy, once); a function wrapped so each
+    value it returns is checked once, as the driver draws it (one chained comparison per task)."""
+    if isinstance(duration, Mapping):
+        _check_mapping(hint, duration)
+        return duration.__getitem__
+    if not callable(duration):
+        raise TimingError(
+            f"duration must be a mapping task -> seconds or a function of a task, got {duration!r}"
+        )
+    inf = math.inf
+
+    def checked(task: Task) -> float:
+        value = duration(task)
+        try:
+            ok = 0.0 <= value < inf  # NaN fails both comparisons
+        except TypeError:
+            ok = False
+        if not ok:
+            raise _time_error(f"duration of {task}", value)
+        return value
+
+    return checked
+
+
+def _check_mapping(hint: Hint, duration: Mapping[Task, float]) -> None:
+    import numpy as np  # lazy: keeps numpy out of `import rrfp` (the hint's plan imports it anyway)
+
+    tasks = [t for order in hint.orders.values() for t in order]
+    try:
+        values = [duration[t] for t in tasks]
+    except KeyError:
+        missing = next(t for t in tasks if t not in duration)
+        raise TimingError(f"duration has no entry for task {missing} (every task needs one)") from None
+    array = np.asarray(values)
+    if array.dtype.kind not in "biuf":  # text, None, objects: the first value that is not a real number
+        first = next((i for i, v in enumerate(values) if not isinstance(v, Real)), None)
+        if first is not None:
+            raise _time_error(f"duration of {tasks[first]}", values[first])
+        array = np.asarray(values, dtype=float)  # real numbers all (Fractions, Decimals too)
+    bad = np.flatnonzero(~(np.isfinite(array) & (array >= 0)))
+    if len(bad):
+        first = int(bad[0])
+        raise _time_error(f"duration of {tasks[first]}", values[first])
+
+
+def _latencies(latency: object) -> Callable[[Task, Task], float]:
+    """A constant checked once; a function wrapped so each value is checked as it is drawn."""
+    if not callable(latency):
+        ok = isinstance(latency, Real) and not isinstance(latency, bool) and 0 <= latency < math.inf
+        if not ok:
+            raise _time_error("latency", latency)
+        constant = float(latency)  # type: ignore[arg-type]
+        return lambda _p, _c: constant
+    inf = math.inf
+
+    def checked(producer: Task, consumer: Task) -> float:
+        value = latency(producer, consumer)
+        try:
+            ok = 0.0 <= value < inf
+        except TypeError:
+            ok = False
+        if not ok:
+            raise _time_error(f"latency of {producer} -> {consumer}", value)
+        return value
+
+    return checked

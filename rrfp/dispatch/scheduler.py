@@ -31,13 +31,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from heapq import heappop, heappush
+from numbers import Integral
 from weakref import WeakKeyDictionary
 
-from rrfp.dispatch.policies import Policy, get_policy
+from rrfp.dispatch.policies import Policy, PolicyError, get_policy
 from rrfp.dispatch.segtree import MaxPrefixTree
 from rrfp.errors import InternalError
+from rrfp.plan.budget import BudgetError
 from rrfp.plan.compiled import RankWiring
-from rrfp.plan.hints import Hint
+from rrfp.plan.hints import Hint, HintError
+from rrfp.plan.spec import SpecError
 from rrfp.plan.task import Task
 
 
@@ -51,11 +54,17 @@ class RankScheduler:
     def __init__(
         self, hint: Hint, rank: int, policy: str | Policy = "rrfp", budget: int | None = None
     ) -> None:
+        """Bad arguments raise user errors, once here (never per task): a ``hint`` that is not a
+        :class:`Hint` (:class:`HintError`), a ``rank`` outside ``0..pp-1`` (:class:`SpecError`), a
+        ``policy`` neither a registered name nor a :class:`Policy` (:class:`PolicyError`), a ``budget``
+        neither None nor a whole number >= the hint's own peak on this rank (:class:`BudgetError`; a
+        factor like ``"2x"`` is :func:`rrfp.resolve_budget`'s)."""
+        rank = _checked_rank(hint, rank)
         wiring = hint.plan.wiring(rank)  # shared by every scheduler of this order's rank
         ranking = hint.ranking(rank)  # ... and what this hint's priorities add to it
         self.hint = hint
         self.rank = rank
-        self.policy = get_policy(policy) if isinstance(policy, str) else policy
+        self.policy = _checked_policy(policy)
         self.tasks: tuple[Task, ...] = wiring.tasks
         self.index: dict[Task, int] = wiring.index
         self.prio: tuple[int, ...] = ranking.prio
@@ -73,10 +82,7 @@ class RankScheduler:
         """Per-scheduler scratch space for the policy (e.g. its static plan of this rank)."""
         self._ready_forwards0 = sum(1 for r, f in zip(wiring.ready, self.is_forward, strict=True) if r and f)
         self._source: Callable[[int], float | None] | None = None  # listen(): pulled announcements
-        peak = wiring.peak
-        self.budget = peak if budget is None else budget
-        if self.budget < peak:
-            raise SchedulerError(f"rank {rank}: budget {self.budget} is below the hint's own peak {peak}")
+        self.budget = _checked_budget(hint, rank, budget, wiring.peak)
         self.reset()
 
     def reset(self) -> None:
@@ -271,6 +277,42 @@ class RankScheduler:
             return self.index[task]
         except KeyError:
             raise SchedulerError(f"rank {self.rank}: {task} is not one of this rank's tasks") from None
+
+
+def _checked_rank(hint: Hint, rank: object) -> int:
+    if not isinstance(hint, Hint):
+        raise HintError(f"RankScheduler needs a Hint (rrfp.make_hint), got {type(hint).__name__}")
+    pp = hint.spec.pp
+    if not isinstance(rank, Integral) or isinstance(rank, bool) or not 0 <= rank < pp:
+        raise SpecError(f"rank must be an integer in 0..{pp - 1} (hint {hint.name!r}: pp={pp}), got {rank!r}")
+    return int(rank)
+
+
+def _checked_policy(policy: object) -> Policy:
+    if isinstance(policy, str):
+        return get_policy(policy)
+    if not isinstance(policy, Policy):
+        raise PolicyError(f"policy must be a registered name or a Policy instance, got {policy!r}")
+    return policy
+
+
+def _checked_budget(hint: Hint, rank: int, budget: object, peak: int) -> int:
+    """None -> the hint's own peak; else a whole number >= it (a factor like "2x" names resolve_budget)."""
+    if budget is None:
+        return peak
+    if isinstance(budget, str):
+        raise BudgetError(
+            f"budget {budget!r} must be a whole number of activations: for a factor or text use "
+            f"rrfp.resolve_budget({budget!r}, hint)[{rank}]"
+        )
+    if not isinstance(budget, Integral) or isinstance(budget, bool):
+        raise BudgetError(f"budget must be None or a whole number of activations, got {budget!r}")
+    if budget < peak:
+        raise BudgetError(
+            f"rank {rank}: budget {budget} is below the peak of hint {hint.name!r} on this rank "
+            f"({peak} activations); following the hint would exceed it"
+        )
+    return int(budget)
 
 
 # The admission tree of each wiring before any start (over its deltas): built once per order's rank and

@@ -11,6 +11,7 @@ import math
 import re
 from collections.abc import Sequence
 from itertools import accumulate
+from numbers import Real
 
 from rrfp.errors import UserError
 from rrfp.plan.hints import Hint
@@ -45,8 +46,15 @@ def resolve_budget(budget: str | int | float | None, hint: Hint) -> dict[int, in
     """Per-rank budget in activation slots from ``None``/"1x", "2x", "1.5x" or an absolute count.
 
     A factor scales each rank's own peak (rounded down, never below the peak); an absolute count
-    applies to every rank and is refused if any rank's hint peak exceeds it.
+    applies to every rank and is refused if any rank's hint peak exceeds it. Anything else -- a float
+    count, a bool, a non-finite factor -- is a :class:`BudgetError`.
     """
+    if not isinstance(hint, Hint):
+        raise BudgetError(f"resolve_budget needs a Hint (rrfp.make_hint), got {type(hint).__name__}")
+    if isinstance(budget, bool) or not isinstance(budget, (str, Real, type(None))):
+        raise BudgetError(
+            f"memory budget {budget!r} must be None, a factor like '2x' or a whole number of activations"
+        )
     peaks = hint_peaks(hint)
     if budget is None:
         return dict(peaks)
@@ -54,6 +62,8 @@ def resolve_budget(budget: str | int | float | None, hint: Hint) -> dict[int, in
     match = _FACTOR.match(text)
     if match:
         factor = float(match.group(1))
+        if not math.isfinite(factor):
+            raise BudgetError(f"memory budget {text!r} is not a finite factor")
         if factor < 1.0:
             raise BudgetError(f"memory budget {text!r} is below 1x: the hint needs its own peak")
         return {r: max(p, math.floor(factor * p + 1e-9)) for r, p in peaks.items()}

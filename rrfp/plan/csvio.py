@@ -19,7 +19,7 @@ from __future__ import annotations
 import csv
 import os
 import re
-import tempfile
+import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -36,12 +36,13 @@ _OVERLAP = re.compile(r"^\((.*)\)OVERLAP_F_B$")
 
 
 def save_orders_csv(path: str | os.PathLike[str], orders: Mapping[int, Sequence[Task]]) -> None:
-    """Write one row per rank (ranks 0..n-1) atomically: a temp file in the same folder, then rename."""
+    """Write one row per rank (ranks 0..n-1) atomically: a temp file in the same folder, then rename.
+    The file gets a plain file's mode (0666 less the umask), as every file rrfp writes."""
     ranks = sorted(orders)
     if ranks != list(range(len(ranks))):
         raise HintError(f"orders must cover ranks 0..{len(ranks) - 1} exactly, got ranks {ranks}")
     target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent or ".")
+    fd, tmp = _create_temp(target)
     try:
         with os.fdopen(fd, "w", newline="") as f:
             writer = csv.writer(f)
@@ -53,6 +54,19 @@ def save_orders_csv(path: str | os.PathLike[str], orders: Mapping[int, Sequence[
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _create_temp(target: Path) -> tuple[int, Path]:
+    """A new, unique file next to ``target``, open for writing, created with mode 0666 so the umask
+    decides its mode (``tempfile.mkstemp`` makes 0600 files: a saved hint would not be group-readable)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no unused temporary name next to {target}")
 
 
 def load_orders_csv(

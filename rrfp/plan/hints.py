@@ -85,8 +85,8 @@ CLASS_HINTS: dict[str, dict[Op, int]] = {
     "bfw": {Op.B: 0, Op.I: 0, Op.F: 1, Op.W: 2},
     "fb": {Op.F: 0, Op.B: 1, Op.I: 1, Op.W: 1},
 }
-# Class hints whose classes only make sense with the split (W separate).
-_CLASS_SPLIT_DEFAULT = {"bf": False, "bfw": True, "fb": False}
+# Whether a class hint splits the backward unless told: bfw's classes only make sense with W separate.
+CLASS_SPLIT_DEFAULT = {"bf": False, "bfw": True, "fb": False}
 
 
 def hint_names() -> list[str]:

@@ -12,14 +12,14 @@ tables, :mod:`rrfp.plan.torch_schedules`) and paths ending in ``.csv`` (torch's 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 from weakref import WeakValueDictionary
 
 from rrfp.errors import InternalError
 from rrfp.plan.csvio import load_orders_csv
 from rrfp.plan.hints import (
-    _CLASS_SPLIT_DEFAULT,
     CLASS_HINTS,
+    CLASS_SPLIT_DEFAULT,
     SEQUENCE_HINTS,
     Hint,
     HintError,
@@ -30,7 +30,7 @@ from rrfp.plan.hints import (
     hint_names,
     reference_hint_name,
 )
-from rrfp.plan.spec import PipelineSpec
+from rrfp.plan.spec import MAX_DEGREE, MAX_TASKS, PipelineSpec, SpecError, shape_text, too_many_tasks
 from rrfp.plan.torch_schedules import torch_orders
 
 
@@ -47,7 +47,10 @@ def make_hint(
 
     ``virtual_stages=None`` takes the hint's own default (2 for interleaved-1f1b and zbv, else 1).
     ``placement``/``split`` only apply to class-priority hints; sequence hints imply their own.
+    Bad arguments -- a type, a count below 1, a pipeline above :data:`~rrfp.plan.spec.MAX_TASKS` tasks
+    (refused before anything is built) -- raise :class:`~rrfp.plan.spec.SpecError` or :class:`HintError`.
     """
+    _check_arguments(name, pp, microbatches, virtual_stages, placement, split)
     key = _live_key(name, pp, microbatches, virtual_stages, placement, split)
     hint = None if key is None else _LIVE.get(key)
     if hint is None:
@@ -65,9 +68,53 @@ def _live_key(
     if name in SEQUENCE_HINTS:
         return (name, pp, m, SEQUENCE_HINTS[name].v_default if v is None else v, placement, split)
     if name in CLASS_HINTS:
-        use_split = _CLASS_SPLIT_DEFAULT[name] if split is None else split
+        use_split = CLASS_SPLIT_DEFAULT[name] if split is None else split
         return (name, pp, m, 1 if v is None else v, placement or "loop", use_split)
     return None
+
+
+class PipelineSize(NamedTuple):
+    """How many tasks a hint's pipeline holds (:func:`task_count`), and how: ``pp 4 x v 1 x m 8 x 2 ops``."""
+
+    tasks: int
+    shape: str
+
+
+def task_count(name: str, pp: int, microbatches: int, virtual_stages: int | None = None) -> PipelineSize:
+    """The tasks (pp x v x m x ops) hint ``name`` holds -- without building it. A built-in hint counts
+    exactly (its default v and split); torch:<Name> and CSV hints count at most (v 2 unless given, three
+    ops); a CSV hint is also bounded by its file."""
+    seq = SEQUENCE_HINTS.get(name)
+    if seq is not None:
+        v, ops = virtual_stages or seq.v_default, 3 if seq.split else 2
+    elif name in CLASS_HINTS:
+        v, ops = virtual_stages or 1, 3 if CLASS_SPLIT_DEFAULT[name] else 2
+    else:
+        v, ops = virtual_stages or 2, 3
+    return PipelineSize(pp * v * microbatches * ops, shape_text(pp, v, microbatches, ops))
+
+
+def _check_arguments(
+    name: object, pp: object, m: object, v: object, placement: object, split: object
+) -> None:
+    """make_hint's arguments: their types and ranges, and the size of what they would build (once)."""
+    if not isinstance(name, str):
+        raise HintError(f"a hint name must be text, got {name!r}")
+    for what, value in (("pp", pp), ("microbatches", m), ("virtual_stages", v)):
+        if value is None and what == "virtual_stages":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise SpecError(f"{what} must be an integer >= 1, got {value!r}")
+    if placement is not None and not isinstance(placement, str):
+        raise SpecError(f"placement must be None or text ('loop' or 'v'), got {placement!r}")
+    if split is not None and not isinstance(split, bool):
+        raise SpecError(f"split must be None, True or False, got {split!r}")
+    if pp > MAX_DEGREE:  # type: ignore[operator]
+        raise SpecError(f"pp {pp} is above the limit {MAX_DEGREE} pipeline ranks")
+    if not name.endswith(".csv"):  # a CSV hint is bounded by its file (and checked by its spec)
+        size = task_count(name, pp, m, v)  # type: ignore[arg-type]
+        if size.tasks > MAX_TASKS:
+            raise SpecError(f"hint {name!r} at {too_many_tasks(size.shape, size.tasks)}")
 
 
 # Built-in hints still in use, by make_hint's arguments: a hint is immutable (its plan only caches what
@@ -95,7 +142,7 @@ def _make_hint(
     if name in CLASS_HINTS:
         v = 1 if virtual_stages is None else virtual_stages
         place = placement or "loop"
-        use_split = _CLASS_SPLIT_DEFAULT[name] if split is None else split
+        use_split = CLASS_SPLIT_DEFAULT[name] if split is None else split
         if name == "bfw" and not use_split:
             raise HintError("hint 'bfw' ranks W separately, so it needs the split backward")
         spec = PipelineSpec(pp, microbatches, v, place, use_split)

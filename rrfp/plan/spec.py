@@ -19,6 +19,23 @@ from rrfp.plan.task import Op, Task
 
 PLACEMENTS = ("loop", "v")
 
+MAX_DEGREE = 4096
+"""Most pipeline ranks a spec may have (rrfp-run holds TP and DP degrees and stages per rank to it too)."""
+MAX_TASKS = 1 << 22
+"""Most tasks (pp x v x m x ops) one pipeline may hold: beyond, building its hint alone takes minutes."""
+PROGRESS_TASKS = 1 << 18
+"""Above this many tasks, building hints takes seconds: the CLIs show their progress (only then)."""
+
+
+def shape_text(pp: int, virtual_stages: int, microbatches: int, ops: int) -> str:
+    """``"pp 4 x v 1 x m 8 x 2 ops"``: how a pipeline's task count is made up (in size refusals)."""
+    return f"pp {pp} x v {virtual_stages} x m {microbatches} x {ops} ops"
+
+
+def too_many_tasks(shape: str, tasks: int) -> str:
+    """The refusal of a pipeline above :data:`MAX_TASKS`, naming its size and the limit."""
+    return f"{shape} = {tasks:,} tasks is above the limit {MAX_TASKS:,} (2^22)"
+
 
 class SpecError(UserError):
     """An invalid pipeline spec; the message names the rule that was broken."""
@@ -44,8 +61,17 @@ class PipelineSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpecError(f"{name} must be an integer >= 1, got {value!r}")
-        if self.placement not in PLACEMENTS:
+        if not isinstance(self.placement, str) or self.placement not in PLACEMENTS:
             raise SpecError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if not isinstance(self.split, bool):
+            raise SpecError(f"split must be True or False, got {self.split!r}")
+        if self.pp > MAX_DEGREE:
+            raise SpecError(f"pp {self.pp} is above the limit {MAX_DEGREE} pipeline ranks")
+        ops = 3 if self.split else 2
+        tasks = self.pp * self.virtual_stages * self.microbatches * ops
+        if tasks > MAX_TASKS:
+            shape = shape_text(self.pp, self.virtual_stages, self.microbatches, ops)
+            raise SpecError(f"pipeline {too_many_tasks(shape, tasks)}")
         if self.placement == "v" and self.virtual_stages != 2:
             raise SpecError(
                 f"placement 'v' needs exactly 2 virtual stages per rank, got {self.virtual_stages}"

@@ -24,6 +24,16 @@ from typing import Any
 
 from rrfp.errors import RunFailure, UserError
 
+# Limits of the numbers both CLIs accept, so a shared option takes the same values in each.
+MAX_SEED = (1 << 63) - 1
+"""Largest --seed (numpy's SeedSequence takes any non-negative int; this keeps it an int64)."""
+MAX_ITERATIONS = 10_000_000
+"""Most --iterations (and --warmup)."""
+MAX_CV = 100.0
+"""Largest coefficient of variation of any jitter or size distribution."""
+MAX_SECONDS = 86_400.0
+"""Longest time any single setting may name (a timeout, a latency): a day."""
+
 PROGS = ("rrfp-sim", "rrfp-run")
 ARGV_KEY = "rrfp.argv"
 """Where a command's context keeps the arguments it was given (:func:`command_line`)."""
@@ -109,9 +119,57 @@ SHARED: tuple[SharedOption, ...] = (
                  "Write the timeline: .parquet, .csv or .json (Perfetto) (rrfp-sim: replication 0).", "PATH"),
     SharedOption("progress", ("--progress/--no-progress",), None, "switch", None,
                  "Progress bar on stderr [auto: when stderr is a terminal].", ""),
+    # -- token mode (rrfp.workload.tokens; issue 12): each is the TokenWorkload field of the same name,
+    # and its default is that field's (tests/test_token_cli.py holds them equal).
+    SharedOption("lengths", ("--lengths",), None, "text", None,
+                 "Token mode: where samples come from -- a lengths file (.parquet or .csv with columns "
+                 "tokens[,images]; else one integer >= 1 per line), a v3 trace, or DIST:mean=M,cv=C[,max=X]"
+                 "[,min=N] (e.g. lognormal:mean=2048,cv=1.0,max=8192).", "FILE|DIST:k=v,..."),
+    SharedOption("packing", ("--packing",), None, "text", "none",
+                 "Token mode: none (each microbatch: --microbatch-size samples) or greedy (samples packed "
+                 "first-fit into --microbatch-size rows of --pack-tokens each).", "none|greedy"),
+    SharedOption("pack_tokens", ("--pack-tokens",), None, "int", None,
+                 "Token mode, --packing greedy: tokens per packed row; a longer sample is an error "
+                 "[--seq-len].", "N >= 1"),
+    SharedOption("layers", ("--layers",), None, "int", 8,
+                 "Decoder layers, split over the stages (rrfp-sim: token mode).", "N >= 1"),
+    SharedOption("hidden", ("--hidden",), None, "int", 64, "Model width (rrfp-sim: token mode).", "N >= 1"),
+    SharedOption("heads", ("--heads",), None, "int", 4,
+                 "Attention heads; --hidden divides by them (rrfp-sim: token mode).", "N >= 1"),
+    SharedOption("microbatch_size", ("--microbatch-size",), None, "int", 2,
+                 "Samples per microbatch; rows with --packing greedy (rrfp-sim: token mode).", "N >= 1"),
+    SharedOption("seq_len", ("--seq-len",), None, "int", None,
+                 "Token mode: longest text a sample keeps; longer ones are cut [no limit].", "N >= 1",
+                 differs={"rrfp-run": (None, "without --lengths: the model's text tokens per sample, "
+                                             "32 unless given")}),
+    SharedOption("encoder", ("--encoder",), None, "text", "none",
+                 "Token mode: vision encoder none, first (on stage 0) or separate (the first "
+                 "--encoder-stages stages); rrfp-run's model: none or first (= --model multimodal).",
+                 "none|first|separate"),
+    SharedOption("encoder_stages", ("--encoder-stages",), None, "int", 1,
+                 "Token mode, --encoder separate: the leading stages that hold the encoder.", "K >= 1"),
+    SharedOption("freeze_encoder", ("--freeze-encoder/--no-freeze-encoder",), None, "switch", False,
+                 "Token mode: the encoder is not trained; its backward costs nothing (rrfp-run: "
+                 "--synthetic only).", ""),
+    SharedOption("vision_layers", ("--vision-layers",), None, "int", 2, "Vision encoder layers.", "N >= 0"),
+    SharedOption("image_size", ("--image-size",), None, "int", 16, "Image side, pixels.", "N >= 1"),
+    SharedOption("patch", ("--patch",), None, "int", 8,
+                 "Patch side, pixels: (image-size / patch)^2 tokens per image.", "N >= 1"),
+    SharedOption("images_dist", ("--images-dist",), None, "text", "lognormal",
+                 "Token mode with an encoder, lengths without an images column: images per sample are "
+                 "Poisson(--images-mean x X), X of this family with mean 1 and CV --images-cv.", "FAMILY"),
+    SharedOption("images_mean", ("--images-mean",), None, "float", 1.0,
+                 "Token mode: mean images per sample (see --images-dist).", "X >= 0"),
+    SharedOption("images_cv", ("--images-cv",), None, "float", 0.0,
+                 "Token mode: CV of the image rate (see --images-dist).", "X >= 0"),
     SharedOption("version", ("--version",), None, "version", None, "Print the version and exit.", ""),
 )  # fmt: skip
 """The shared options, in the order both CLIs list them."""
+
+TOKEN_SHARED = ("lengths", "packing", "pack_tokens", "layers", "hidden", "heads", "microbatch_size",
+                "seq_len", "encoder", "encoder_stages", "freeze_encoder", "vision_layers", "image_size",
+                "patch", "images_dist", "images_mean", "images_cv")  # fmt: skip
+"""The token-mode options both CLIs share (rrfp-sim adds --vision-hidden and --dtype-bytes)."""
 
 BY_NAME: dict[str, SharedOption] = {o.name: o for o in SHARED}
 

@@ -43,7 +43,8 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from numbers import Real
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -99,6 +100,32 @@ def normalize_costs(costs: Mapping[str, float]) -> dict[str, float]:
 
 def _default_costs() -> dict[str, float]:
     return {"F": 1.0, "I": 1.0, "W": 1.0}
+
+
+class Workload(Protocol):
+    """What the simulator (and the executor's synthetic mode) reads of any workload model: the preset
+    (:class:`WorkloadConfig`), costs fitted on a trace (:class:`rrfp.traces.fit.FittedWorkload`) and
+    token-level data (:class:`rrfp.workload.tokens.TokenWorkload`) all provide it (docs/design.md §3)."""
+
+    def sample(
+        self, pp: int, num_stages: int, microbatches: int, rng: np.random.Generator | rngs.Streams,
+        *, placement: str = "loop",
+    ) -> IterationSample:  # fmt: skip
+        """The realised durations (and message sizes) of one iteration; ``rng`` one generator or the
+        per-component streams (those of :meth:`data_streams` included)."""
+        ...
+
+    def mean_costs(self, pp: int, num_stages: int, microbatches: int) -> dict[str, np.ndarray]:
+        """Expected seconds per stage of F, I, W and B = I + W (shape (num_stages,) each)."""
+        ...
+
+    def mean_msg_bytes(self, microbatches: int) -> float:
+        """Bytes of a typical P2P message (what a planning policy assumes)."""
+        ...
+
+    def data_streams(self, seed: int, replication: int, iteration: int, replica: int) -> rngs.Streams:
+        """Generators of the data a DP replica shares across its TP members (none for most models)."""
+        ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,14 +199,20 @@ class WorkloadConfig:
         return hash(tuple(tuple(sorted(x.items())) if isinstance(x, dict) else x for x in items))
 
     def _check_ranges(self) -> None:
-        _require(self.imbalance > -1, "imbalance", self.imbalance, "> -1")
+        inf = math.inf  # every number is finite too (NaN fails every comparison)
+        for name in ("imbalance", "straggler_prob", "straggler_slowdown", "straggler_span", "act_bytes",
+                     "msg_bytes", "images_mean", "vision_cost"):  # fmt: skip
+            value = getattr(self, name)
+            _require(isinstance(value, Real) and not isinstance(value, bool), name, value, "a number")
+        _require(-1 < self.imbalance < inf, "imbalance", self.imbalance, "> -1 and finite")
         _require(0 <= self.straggler_prob <= 1, "straggler_prob", self.straggler_prob, "in [0, 1]")
-        _require(self.straggler_slowdown >= 1, "straggler_slowdown", self.straggler_slowdown, ">= 1")
+        ok = 1 <= self.straggler_slowdown < inf
+        _require(ok, "straggler_slowdown", self.straggler_slowdown, ">= 1 and finite")
         _require(0 < self.straggler_span <= 1, "straggler_span", self.straggler_span, "in (0, 1]")
-        _require(self.act_bytes >= 0, "act_bytes", self.act_bytes, ">= 0")
-        _require(self.msg_bytes >= 0, "msg_bytes", self.msg_bytes, ">= 0")
-        _require(self.images_mean > 0, "images_mean", self.images_mean, "> 0")
-        _require(self.vision_cost >= 0, "vision_cost", self.vision_cost, ">= 0")
+        _require(0 <= self.act_bytes < inf, "act_bytes", self.act_bytes, ">= 0 and finite")
+        _require(0 <= self.msg_bytes < inf, "msg_bytes", self.msg_bytes, ">= 0 and finite")
+        _require(0 < self.images_mean < inf, "images_mean", self.images_mean, "> 0 and finite")
+        _require(0 <= self.vision_cost < inf, "vision_cost", self.vision_cost, ">= 0 and finite")
         ok = isinstance(self.vision_stages, int) and self.vision_stages >= 1
         _require(ok, "vision_stages", self.vision_stages, "an integer >= 1")
 
@@ -201,6 +234,22 @@ class WorkloadConfig:
     def distribution(self, component: str) -> Distribution:
         """The unit-mean distribution of ``compute``, ``comm``, ``seq`` or ``images``."""
         return self._dists[component]
+
+    # -- the Workload protocol -------------------------------------------------------------------
+    def sample(
+        self, pp: int, num_stages: int, microbatches: int, rng: np.random.Generator | rngs.Streams,
+        *, placement: str = "loop",
+    ) -> IterationSample:  # fmt: skip
+        return sample_iteration(self, pp, num_stages, microbatches, rng, placement=placement)
+
+    def mean_costs(self, pp: int, num_stages: int, microbatches: int) -> dict[str, np.ndarray]:
+        return mean_costs(self, pp, num_stages)
+
+    def mean_msg_bytes(self, microbatches: int) -> float:
+        return float(self.msg_bytes)
+
+    def data_streams(self, seed: int, replication: int, iteration: int, replica: int) -> rngs.Streams:
+        return {}  # every draw is per member (rrfp.sim.experiment.member_streams)
 
     def stage_act_bytes(self, virtual_stages: int) -> float:
         """Activation bytes one stage holds per microbatch when a rank has ``virtual_stages`` stages."""

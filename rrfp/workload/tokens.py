@@ -507,6 +507,11 @@ class TokenWorkload:
         """Expected bytes of a message between two decoder stages (a planning policy's estimate)."""
         return float(self.expected_moments(microbatches).A1[0]) * self.hidden * self.dtype_bytes
 
+    def data_streams(self, seed: int, replication: int, iteration: int, replica: int) -> rngs.Streams:
+        """The sample sizes' generators, shared by the replica's TP members (rrfp-run draws the same:
+        :func:`batch_sizes`)."""
+        return data_streams(seed, replication, iteration, replica)
+
 
 # --------------------------------------------------------------------------------------------------
 # Streams, options

@@ -1,0 +1,98 @@
+"""Scenario study (issue 12): each named scenario (rrfp.workload.scenarios) at its own size, fixed against
+rrfp and backfill on the 1f1b, bf and bfw hints -- the table of BENCHMARKS.md's "Scenarios" section.
+
+    .venv/bin/python benchmarks/scenario_study.py              # 10 seeds (about 10 s here)
+    .venv/bin/python benchmarks/scenario_study.py --seeds 20
+
+For each scenario S it runs exactly::
+
+    rrfp-sim --scenario S --hint 1f1b,bf,bfw --policy fixed,rrfp,backfill --seeds N --json
+    rrfp-sim --scenario S --hint zb-h1 --policy fixed,rrfp,backfill --seeds N --json  # a split order
+
+writes their JSON to results/scenario_study/ and prints one Markdown row per (scenario, hint):
+fixed/LB -- fixed's iteration time over that hint's realised lower bound (1f1b and bf: the unsplit bound;
+bfw: the split bound, the lowest of the group; ``fixed`` on a class hint is fixed on its reference order,
+1f1b) -- and the paired speedups of rrfp and backfill over fixed/1f1b, mean [95% CI] over the seeds. The
+last column is fixed/1f1b over fixed/zb-h1 (ratio of means): how much of bfw's gain a fixed split order
+gets without readiness; a last row per scenario gives zb-h1 itself (fixed/LB on its own bound, speedups
+against fixed/zb-h1). Simulated time: deterministic, unaffected by the machine's load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from rrfp.workload.scenarios import scenario_names
+
+BIN = Path(sys.executable).parent
+OUT = Path("results/scenario_study")
+HINTS = ("1f1b", "bf", "bfw")
+
+
+def run(args: list[str]) -> dict[str, Any]:
+    done = subprocess.run([str(BIN / "rrfp-sim"), *args], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        sys.exit(f"rrfp-sim {' '.join(args)} failed: {done.stderr.strip()}")
+    return json.loads(done.stdout)
+
+
+def ci(entry: dict[str, Any] | None) -> str:
+    if entry is None:
+        return "-"
+    return f"{entry['mean']:.3f} [{entry['ci_low']:.3f}, {entry['ci_high']:.3f}]"
+
+
+def rows(name: str, main: dict[str, Any], context: dict[str, Any]) -> list[str]:
+    results = {r["trial"]: r for r in main["results"]}
+    speedups = {s["trial"]: s for s in main["speedups"]}
+    fixed = results["fixed/1f1b"]
+    zb = {r["trial"]: r for r in context["results"]}["fixed/zb-h1"]
+    zb_speedups = {s["trial"]: s for s in context["speedups"]}
+    split_gain = fixed["iteration_time"]["mean"] / zb["iteration_time"]["mean"]
+    out = []
+    for hint in HINTS:
+        bound = "group_lower_bound_ratio" if hint == "bfw" else "lower_bound_ratio"
+        cells = [
+            f"`{name}`" if hint == "1f1b" else "",
+            hint,
+            f"{fixed[bound]['mean']:.3f}",
+            ci(speedups.get(f"rrfp/{hint}")),
+            ci(speedups.get(f"backfill/{hint}")),
+            f"{split_gain:.3f}" if hint == "bfw" else "",
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    zb_bound = f"{zb['lower_bound_ratio']['mean']:.3f}"
+    cells = ["", "zb-h1 (context)", zb_bound, ci(zb_speedups.get("rrfp/zb-h1")),
+             ci(zb_speedups.get("backfill/zb-h1")), f"{split_gain:.3f}"]  # fmt: skip
+    out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=10)
+    args = parser.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    seeds = ["--seeds", str(args.seeds), "--json"]
+    lines = [
+        "| scenario | hint | fixed/LB | rrfp speedup [95% CI] | backfill speedup [95% CI] | 1f1b / zb-h1 |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name in scenario_names():
+        main_doc = run(
+            ["--scenario", name, "--hint", ",".join(HINTS), "--policy", "fixed,rrfp,backfill", *seeds]
+        )
+        context = run(["--scenario", name, "--hint", "zb-h1", "--policy", "fixed,rrfp,backfill", *seeds])
+        (OUT / f"{name}.json").write_text(json.dumps(main_doc, indent=1))
+        (OUT / f"{name}-zb-h1.json").write_text(json.dumps(context, indent=1))
+        lines += rows(name, main_doc, context)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

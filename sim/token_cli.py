@@ -1,0 +1,142 @@
+"""rrfp-sim's token mode and scenarios at the command line (issue 12): which options select token mode,
+how explicit options lay over a scenario, and what the header and the JSON ``config`` show.
+
+Token mode starts with ``--lengths`` or ``--scenario``. Its options -- the ones rrfp-run shares
+(rrfp.study.options.TOKEN_SHARED) plus rrfp-sim's own ``--vision-hidden`` and ``--dtype-bytes`` -- are
+the :class:`~rrfp.workload.tokens.TokenWorkload` fields of the same names (rrfp.sim.tokens.token_config).
+Outside token mode giving one of them is an error; in token mode ``--seq-cv`` and ``--msg-bytes`` are
+("token mode derives it"), and so is ``--workload`` (the samples drive the costs; ``--encoder`` gives the
+multimodal structure). With ``--scenario`` the scenario's values come first and every option typed on the
+command line (or swept by ``--grid``) overrides its value; the header and the JSON ``config`` say where
+each value came from (rrfp.workload.scenarios.apply_scenario).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import click
+
+from rrfp.errors import UserError
+from rrfp.workload.scenarios import apply_scenario, describe_scenarios, scenario_names
+from rrfp.workload.tokens import DERIVED_OPTIONS, TOKEN_OPTIONS, TokenWorkload, check_token_options
+
+from .config import ExperimentConfig
+from .tokens import token_config
+
+SIM_ONLY = ("vision_hidden", "dtype_bytes")
+"""Token options rrfp-sim has and rrfp-run does not (its model's vision width is --hidden, its messages
+are what the model computes)."""
+MODE_OPTIONS = ("scenario", *TOKEN_OPTIONS)
+"""Every option that belongs to token mode, ``--scenario`` included."""
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TokenWorkload) if f.init}
+
+OPTIONS: list[Callable[[Any], Any]] = [
+    click.option("--vision-hidden", type=int, default=_FIELD_DEFAULTS["vision_hidden"],
+                 help="Token mode: vision encoder width [--hidden]."),
+    click.option("--dtype-bytes", type=int, default=_FIELD_DEFAULTS["dtype_bytes"], show_default=True,
+                 help="Token mode: bytes per activation element (a message is tokens x width x this)."),
+    click.option("--scenario", default=None,
+                 help=f"Token mode: a named set of option values ({', '.join(scenario_names())}); an option "
+                      "given explicitly overrides its value. Each value's source: rrfp-sim scenarios."),
+]  # fmt: skip
+"""rrfp-sim's own token-mode options (the shared ones come from rrfp.study.options.SHARED)."""
+
+
+class TokenCliError(UserError):
+    """A token-mode option where it does not apply, or one that token mode derives."""
+
+
+@dataclass(frozen=True)
+class Built:
+    """A validated config and, in scenario mode, every option value with its source."""
+
+    config: ExperimentConfig
+    scenario: str | None = None
+    values: Mapping[str, Any] = field(default_factory=dict)
+    """Scenario mode: every option value after the explicit ones were laid over the scenario."""
+    sources: Mapping[str, str] = field(default_factory=dict)
+    """Scenario mode: option -> ``explicit`` or ``scenario NAME: <source> [basis]``."""
+
+    @property
+    def token_mode(self) -> bool:
+        return isinstance(self.config.workload, TokenWorkload)
+
+    def json_extra(self) -> dict[str, Any]:
+        """Keys token mode adds to the JSON ``config`` (none outside it): the scenario and the sources."""
+        if not self.token_mode:
+            return {}
+        return {"scenario": self.scenario, "sources": dict(self.sources)}
+
+    def header(self) -> list[str]:
+        """Lines under the table's first line: the scenario's values, explicit ones starred."""
+        if self.scenario is None:
+            return []
+        values = ", ".join(
+            f"{k}={_text(v)}{'*' if self.sources.get(k) == 'explicit' else ''}"
+            for k, v in self.values.items()
+        )
+        text = f"scenario {self.scenario} (* = explicit; every source: rrfp-sim scenarios): {values}"
+        return textwrap.wrap(text, 110, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def _text(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, (tuple, list)) else str(value)
+
+
+def flags(names: Collection[str]) -> str:
+    return ", ".join("--" + n.replace("_", "-") for n in names)
+
+
+def build(
+    values: Mapping[str, Any],
+    given: Collection[str],
+    classic: Callable[[dict[str, Any], Collection[str]], ExperimentConfig],
+) -> Built:
+    """Option values by name -> a validated config: token mode when ``lengths`` or ``scenario`` is set
+    (see the module docstring), else ``classic(values, given)`` with the token options left out.
+    ``given``: the options the user set explicitly (typed, or a ``--grid`` key)."""
+    rest = {k: v for k, v in values.items() if k not in MODE_OPTIONS}
+    token = {k: values[k] for k in TOKEN_OPTIONS if k in values}
+    scenario = values.get("scenario")
+    if scenario is None and token.get("lengths") is None:
+        stray = [n for n in TOKEN_OPTIONS if n in given]
+        if stray:
+            raise TokenCliError(f"{flags(stray)}: token mode only -- give --lengths or --scenario")
+        return Built(classic(rest, given))
+    check_token_options([n for n in DERIVED_OPTIONS if n in given])  # one line, exit 2
+    if "workload" in given:
+        raise TokenCliError(
+            "--workload does not apply in token mode (--lengths/--scenario): the samples drive the costs, "
+            "and --encoder gives the multimodal structure"
+        )
+    options = {k: v for k, v in {**rest, **token}.items() if k not in (*DERIVED_OPTIONS, "workload")}
+    if scenario is None:
+        return Built(token_config(options))
+    applied = apply_scenario(scenario, {k: v for k, v in options.items() if k in given})
+    return Built(token_config(applied.values), scenario, applied.values, applied.sources)
+
+
+def scenarios_text() -> str:
+    """``rrfp-sim scenarios``: every scenario with every parameter, its value, basis and source."""
+    out: list[str] = []
+    for s in describe_scenarios():
+        out += [f"{s['name']} -- {s['title']}", *textwrap.wrap(s["summary"], 110, initial_indent="  ",
+                                                                  subsequent_indent="  ")]  # fmt: skip
+        width = max(len(p["option"]) for p in s["params"])
+        vwidth = max(len(_text(p["value"])) for p in s["params"])
+        for p in s["params"]:
+            out.append(
+                f"  {p['option']:<{width}}  {_text(p['value']):<{vwidth}}  [{p['basis']}] {p['source']}"
+            )
+        sweeps = "; ".join(f"{k} in {{{', '.join(map(_text, v))}}}" for k, v in s["sensitivity"].items())
+        out += [f"  sensitivity (reported apart): {sweeps}", ""]
+    out.append(
+        "Bases: cited (stated by the source), derived (computed from cited values), assumption "
+        "(unverified; swept), choice (a modelling decision). docs/scenarios.md has the same tables."
+    )
+    return "\n".join(out)
