@@ -117,13 +117,18 @@ def run_reference(
             for dest, consumer in spec.remote_consumers(task):
                 heapq.heappush(events, (now + lat(task, consumer), 1, seq, dest, consumer))
                 seq += 1
+    _check_all_done(hint, scheds, now)
+    run.peak = {r: s.peak for r, s in scheds.items()}
+    return run
+
+
+def _check_all_done(hint: Hint, scheds: Mapping[int, RankScheduler], now: float) -> None:
+    """No event is left: every rank must be done, else the first one that is not deadlocked."""
     stuck = [r for r, s in scheds.items() if not s.done]
     if stuck:
         r = stuck[0]
         waits = ", ".join(f"{t}" for t, _ in scheds[r].waiting()[:4])
         raise deadlock_error(hint, f"deadlock at t={now}: rank {r} cannot progress (waiting: {waits})")
-    run.peak = {r: s.peak for r, s in scheds.items()}
-    return run
 
 
 def _budgets(budget: object, pp: int) -> dict[int, int | None]:

@@ -184,6 +184,33 @@ def _finetune() -> Scenario:
     )
 
 
+def _llava_data() -> dict[str, Param]:
+    """The llava scenario's samples: text lengths and images per sample (assumptions, with sources)."""
+    return {
+        "lengths": Param(
+            "lognormal:mean=300,cv=1.0,max=2048",
+            "text per sample of an instruction mix, long-tailed (WORKLOAD_FACTS §14); values not measured",
+            "assumption",
+        ),
+        "images_dist": Param(
+            "lognormal",
+            "heavy-tailed image rate, as rrfp's multimodal preset (WORKLOAD_FACTS §12, §13)",
+            "assumption",
+        ),
+        "images_mean": Param(
+            1.0,
+            "LLaVA-1.5's mix has <= 1 image per sample; multi-image data has 10+ "
+            "(Megatron-Bridge #3133, WORKLOAD_FACTS §13)",
+            "assumption",
+        ),
+        "images_cv": Param(
+            1.0,
+            "modality mix varies dramatically across samples (OrchMLLM, WORKLOAD_FACTS §12); not measured",
+            "assumption",
+        ),
+    }
+
+
 def _llava() -> Scenario:
     vicuna = f"Vicuna-13B v1.5 ({_LLAVA_SH}: --model_name_or_path lmsys/vicuna-13b-v1.5; its config.json)"
     clip = (
@@ -215,27 +242,7 @@ def _llava() -> Scenario:
             True,
             f"{_LLAVA_CLIP}: vision_tower.requires_grad_(False), forward under torch.no_grad()",
         ),
-        "lengths": Param(
-            "lognormal:mean=300,cv=1.0,max=2048",
-            "text per sample of an instruction mix, long-tailed (WORKLOAD_FACTS §14); values not measured",
-            "assumption",
-        ),
-        "images_dist": Param(
-            "lognormal",
-            "heavy-tailed image rate, as rrfp's multimodal preset (WORKLOAD_FACTS §12, §13)",
-            "assumption",
-        ),
-        "images_mean": Param(
-            1.0,
-            "LLaVA-1.5's mix has <= 1 image per sample; multi-image data has 10+ "
-            "(Megatron-Bridge #3133, WORKLOAD_FACTS §13)",
-            "assumption",
-        ),
-        "images_cv": Param(
-            1.0,
-            "modality mix varies dramatically across samples (OrchMLLM, WORKLOAD_FACTS §12); not measured",
-            "assumption",
-        ),
+        **_llava_data(),
         **_COMMON,
     }
     return Scenario(
