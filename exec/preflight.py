@@ -21,7 +21,7 @@ from rrfp.exec.model import partition
 from rrfp.plan.budget import resolve_budget
 from rrfp.plan.sources import PipelineSize, make_hint
 from rrfp.plan.sources import task_count as _plan_task_count
-from rrfp.plan.spec import MAX_TASKS, PROGRESS_TASKS
+from rrfp.plan.spec import MAX_TASKS, PROGRESS_TASKS, too_many_tasks
 from rrfp.plan.torch_schedules import BASELINE_SCHEDULES, TORCH_TABLE
 from rrfp.workload.jitter import make_distribution
 from rrfp.workload.model import WorkloadConfig
@@ -47,8 +47,7 @@ def preflight(cfg: RunConfig) -> None:
     for name, (tasks, shape) in sizes.items():
         if tasks > MAX_TASKS:
             raise ExecConfigError(
-                f"--hint {name} at {shape} = {tasks:,} tasks is above the limit {MAX_TASKS:,} (2^22): "
-                "use fewer stages or microbatches"
+                f"--hint {name} at {too_many_tasks(shape, tasks)}: use fewer stages or microbatches"
             )
     progress = _Progress(len(sizes)) if sum(n for n, _ in sizes.values()) > PROGRESS_TASKS else None
     for trial in cfg.trials:

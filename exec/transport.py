@@ -260,7 +260,7 @@ class Transport:
         while (item := self._outbox.get()) is not None:
             try:
                 if self._send_error is None:
-                    self._post_now(*item)
+                    self._post_works(*item)  # the sender thread: no inline-gloo check per send
             except Exception as e:  # the peer died: report once, keep counting so flush() can end
                 self._send_error = (item[3], f"send channel failed: {_one_line(e)}")
                 self.inbox.put(ChannelFailure(item[3], "send", _one_line(e)))

@@ -36,7 +36,14 @@ from click.core import ParameterSource
 
 from rrfp.errors import UserError
 from rrfp.study.execution import AUTO, EXECUTION_OPTIONS, parse_workers, without_execution_args
-from rrfp.study.options import TOKEN_SHARED, click_options, command_line, deprecated, one_line_errors
+from rrfp.study.options import (
+    TOKEN_SHARED,
+    click_options,
+    command_line,
+    deprecated,
+    one_line_errors,
+    with_options,
+)
 from rrfp.traces.replay import TIMINGS
 
 from . import token_cli
@@ -87,7 +94,7 @@ _OPTIONS: list[Callable[[Any], Any]] = [
     click.option("--contention/--no-contention", default=_D["contention"], show_default=True,
                  help="One transfer at a time per link direction."),
     click.option("--send", default=_D["send"], show_default=True,
-                 help="Send semantics of the fixed baseline: eager or rendezvous (rrfp is always eager)."),
+                 help="Fixed baseline's sends: eager, megatron or rendezvous (rrfp is always eager)."),
     click.option("--tp", type=int, default=_D["tp"], show_default=True, help="Tensor-parallel degree."),
     click.option("--dp", type=int, default=_D["dp"], show_default=True, help="Data-parallel replicas."),
     click.option("--grad-bytes", type=float, default=_D["grad_bytes"], show_default=True,
@@ -99,18 +106,7 @@ _OPTIONS: list[Callable[[Any], Any]] = [
 
 
 def shared_options(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return click_option_group(_OPTIONS)(fn)
-
-
-def click_option_group(options: list[Callable[[Any], Any]]) -> Callable[[Any], Any]:
-    """Apply click option decorators in the order listed (the first shows first in --help)."""
-
-    def apply(fn: Any) -> Any:
-        for option in reversed(options):
-            fn = option(fn)
-        return fn
-
-    return apply
+    return with_options(_OPTIONS)(fn)
 
 
 # Workload options a fitted workload replaces (--workload fit:TRACE).
@@ -179,7 +175,7 @@ def cli() -> None:
 
 @cli.command("compare")
 @shared_options
-@click_option_group(click_options(PROG, ("json", "trace_out")))
+@with_options(click_options(PROG, ("json", "trace_out")))
 @click.option("--plot", type=str, default=None, help="Write a Gantt chart of replication 0 (.png).")
 @click.option(
     "--replay",

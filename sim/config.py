@@ -312,11 +312,12 @@ def option_defaults() -> dict[str, Any]:
 
 
 def from_options(
-    values: Mapping[str, Any], workload: WorkloadConfig | FittedWorkload | None = None
+    values: Mapping[str, Any], workload: WorkloadConfig | FittedWorkload | TokenWorkload | None = None
 ) -> ExperimentConfig:
     """A validated config from option values by option name (:func:`option_defaults` for those not
-    given). Hints and policies: comma text or sequences. ``workload``: one already built (a trace fit)
-    instead of the workload options. The workload, then the cluster, then the experiment validate."""
+    given). Hints and policies: comma text or sequences. ``workload``: one already built (a trace fit,
+    token data) instead of the workload options. The workload, then the cluster, then the experiment
+    validate."""
     unknown = sorted(set(values) - set(option_defaults()))
     if unknown:
         raise ConfigError(

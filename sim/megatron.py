@@ -3,7 +3,7 @@
 The paper's baseline is Megatron-based fixed-order 1F1B. Our ``rendezvous`` send mode
 (:mod:`rrfp.sim.rendezvous`) models only its steady-state coupling, which at zero latency equals the
 1F1B dependencies. This module models the P2P calls of Megatron-core's
-``forward_backward_pipelining_without_interleaving`` themselves, as ``../shared/WORKLOAD_FACTS.md`` §1a
+``forward_backward_pipelining_without_interleaving`` themselves, as ``docs/workload_facts.md`` §1a
 cites them (NVIDIA/Megatron-LM ``d98e8a64``):
 
 * **The program** (facts 3: ``schedules.py`` l.2333-2474). Rank r of pp runs

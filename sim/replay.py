@@ -37,7 +37,7 @@ from rrfp.plan.task import Op
 from rrfp.study.compare import Comparison, legend, verdict
 from rrfp.study.metrics import paired_speedup, t_interval
 from rrfp.study.result import TrialResult
-from rrfp.study.schema import SCHEMA_VERSION, config_head, interval, speedup_entry, trial_fields
+from rrfp.study.schema import SCHEMA_VERSION, config_head, interval, number, speedup_entry, trial_fields
 from rrfp.study.trial import TrialId
 from rrfp.traces.replay import Replay
 from rrfp.traces.trace import TraceRecorder
@@ -249,11 +249,7 @@ SPEEDUP_KEYS = ("mean", "ci_low", "ci_high")
 
 
 def _speedup(sp: tuple[float, float, float]) -> dict[str, float | None]:
-    return dict(zip(SPEEDUP_KEYS, map(_num, sp), strict=True))
-
-
-def _num(x: float) -> float | None:
-    return float(x) if math.isfinite(x) else None
+    return dict(zip(SPEEDUP_KEYS, map(number, sp), strict=True))
 
 
 def replay_dict(result: ReplayResult, command: str | None = None) -> dict[str, Any]:
@@ -271,10 +267,10 @@ def replay_dict(result: ReplayResult, command: str | None = None) -> dict[str, A
             "budget": [int(r.stats.budget[k]) for k in sorted(r.stats.budget)],
             "budget_label": r.budget_label, "recorded": r.recorded,
             "iteration_time": {
-                **interval(r.predicted, low, high), "per_iteration": [_num(t) for t in r.times],
+                **interval(r.predicted, low, high), "per_iteration": [number(t) for t in r.times],
             },
-            "bubble_fraction": {"mean": _num(bubble.mean()), "per_rank": [_num(b) for b in bubble]},
-            "lower_bound_ratio": {"mean": _num(np.mean(r.stats.lb_ratio))},
+            "bubble_fraction": {"mean": number(bubble.mean()), "per_rank": [number(b) for b in bubble]},
+            "lower_bound_ratio": {"mean": number(np.mean(r.stats.lb_ratio))},
             "peak_activations": [int(p) for p in r.stats.peaks],
             "speedup": None if r.speedup is None else _speedup(r.speedup),
         }  # fmt: skip
@@ -294,7 +290,7 @@ def replay_dict(result: ReplayResult, command: str | None = None) -> dict[str, A
             "budget": [rep.budget[k] for k in sorted(rep.budget)], "budget_source": rep.budget_text,
             "notes": rep.notes,
         },
-        "fidelity": {k: _num(v) for k, v in result.fidelity().items()},
+        "fidelity": {k: number(v) for k, v in result.fidelity().items()},
         "results": results,
         "speedups": speedups,
     }  # fmt: skip

@@ -39,37 +39,30 @@ from typing import Any
 
 import numpy as np
 
+from rrfp.study import schema
 from rrfp.study.compare import Comparison, budget_note, legend, verdict
 from rrfp.study.options import costs_text
-from rrfp.study.schema import SCHEMA_VERSION, config_head, speedup_entry, trial_fields
+from rrfp.study.schema import SCHEMA_VERSION, config_head, number, speedup_entry, trial_fields
 from rrfp.workload.tokens import TokenWorkload
 
 from .experiment import ExperimentResult, RunStats, interval
-
-
-def _num(x: float) -> float | None:
-    """JSON-safe float: NaN/inf -> null."""
-    x = float(x)
-    return x if math.isfinite(x) else None
-
-
-def _interval(values: list[float]) -> dict[str, float | None]:
-    mean, low, high = interval(values)
-    return {"mean": _num(mean), "ci_low": _num(low), "ci_high": _num(high)}
 
 
 def _run_dict(s: RunStats) -> dict[str, Any]:
     bubble = np.mean(s.bubble, axis=0)  # (pp,): mean over replications
     return {
         **trial_fields(s.key, s.budget_text),
-        "iteration_time": _interval(s.iteration_time),
-        "throughput": {"mean": _num(np.mean(s.throughput))},
-        "bubble_fraction": {"mean": _num(bubble.mean()), "per_rank": [_num(b) for b in bubble]},
-        "utilisation": {"mean": _num(1.0 - bubble.mean())},
-        "lower_bound": {"mean": _num(np.mean(s.lower_bound))},
-        "lower_bound_ratio": {"mean": _num(np.mean(s.lb_ratio))},
-        "group_lower_bound": {"mean": _num(np.mean(s.group_lower_bound))},
-        "group_lower_bound_ratio": {"mean": _num(np.mean(s.group_lb_ratio))},
+        "iteration_time": schema.interval(*interval(s.iteration_time)),
+        "throughput": {"mean": number(np.mean(s.throughput))},
+        "bubble_fraction": {
+            "mean": number(bubble.mean()),
+            "per_rank": [number(b) for b in bubble],
+        },
+        "utilisation": {"mean": number(1.0 - bubble.mean())},
+        "lower_bound": {"mean": number(np.mean(s.lower_bound))},
+        "lower_bound_ratio": {"mean": number(np.mean(s.lb_ratio))},
+        "group_lower_bound": {"mean": number(np.mean(s.group_lower_bound))},
+        "group_lower_bound_ratio": {"mean": number(np.mean(s.group_lb_ratio))},
         "peak_activations": [int(p) for p in s.peaks],
         "budget": [int(s.budget[r]) for r in sorted(s.budget)],
     }

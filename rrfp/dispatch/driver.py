@@ -123,7 +123,7 @@ def run_reference(
 
 
 def _check_all_done(hint: Hint, scheds: Mapping[int, RankScheduler], now: float) -> None:
-    """No event is left: every rank must be done, else the first one that is not deadlocked."""
+    """No event is left: every rank must be done, else raise for the first rank that is not."""
     stuck = [r for r, s in scheds.items() if not s.done]
     if stuck:
         r = stuck[0]

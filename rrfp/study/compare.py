@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from rrfp.plan.hints import CLASS_HINTS
+from rrfp.plan.hints import CLASS_HINTS, CLASS_SPLIT_DEFAULT
 from rrfp.study.trial import TrialId
 
 FIXED = "fixed"
@@ -171,8 +171,6 @@ def fixed_hint(hint: str, virtual_stages: int | None = None) -> str:
     schedule; bfw's is the reference lowered to the split backward, a schedule of its own on real
     hardware, so rrfp-run keeps ``fixed/bfw`` (the simulator, where B = I + W exactly, runs
     ``fixed/1f1b`` for it)."""
-    from rrfp.plan.hints import CLASS_SPLIT_DEFAULT
-
     if hint in CLASS_HINTS and not CLASS_SPLIT_DEFAULT[hint]:
         return base_hint_name(hint, virtual_stages)
     return hint

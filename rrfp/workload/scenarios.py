@@ -15,7 +15,8 @@ explicit options over a scenario (an explicit value always wins) and says where 
 which is what the CLIs' header and JSON ``config`` show. ``docs/scenarios.md`` describes every scenario;
 a test holds it to this module.
 
-WORKLOAD_FACTS refers to ``shared/WORKLOAD_FACTS.md`` (its numbered items).
+WORKLOAD_FACTS refers to ``docs/workload_facts.md`` (its numbered items; a copy of the facts this round
+started from).
 
     >>> applied = apply_scenario("finetune-unpacked", {"stages": 4})
     >>> applied.values["stages"], applied.sources["stages"]
