@@ -29,6 +29,7 @@ factorial.png}.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,7 @@ from tqdm import tqdm
 from rrfp.sim.config import from_options
 from rrfp.sim.experiment import run_experiment
 from rrfp.sim.sweep import result_rows
-from rrfp.study.execution import parse_workers, resolve_workers, run_jobs
+from rrfp.study.execution import DASK_ENV, DaskError, execution, parse_workers, resolve_workers, run_jobs
 
 HINTS = ("1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "bf", "bfw")
 POLICIES = ("fixed", "rrfp", "backfill")
@@ -195,13 +196,20 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("results/policy_study"))
     ap.add_argument("--workers", type=parse_workers, default="auto",
                     help="processes over the cells: N or auto (default; results are the same)")  # fmt: skip
+    ap.add_argument("--dask", metavar="ADDRESS", default=os.environ.get(DASK_ENV) or None,
+                    help=f"run the cells on the Dask cluster at ADDRESS (default: ${DASK_ENV})")  # fmt: skip
     args = ap.parse_args()
     wanted = None if args.only is None else set(args.only.split(","))
     cells = [c for c in ofat_cells() if wanted is None or c.factor in wanted]
     fcells = [c for c in factorial_cells() if wanted is None or "factorial" in wanted]
     args.out.mkdir(parents=True, exist_ok=True)
-    frame = run_cells(cells, args.seeds, "one factor at a time", args.workers)
-    fact = run_cells(fcells, args.seeds, "factorial", args.workers) if fcells else frame.iloc[0:0]
+    try:
+        with execution(args.workers, args.dask):  # the Dask client, if any, is closed on the way out
+            frame = run_cells(cells, args.seeds, "one factor at a time", args.workers)
+            fact = run_cells(fcells, args.seeds, "factorial", args.workers) if fcells else frame.iloc[0:0]
+    except DaskError as e:  # one line, as rrfp-sim says it
+        print(f"policy_study.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     frame.to_csv(args.out / "cells.csv", index=False)
     fact.to_csv(args.out / "factorial.csv", index=False)
     lines = [f"seeds per cell: {args.seeds}", *summary(frame, fact if len(fact) else frame)]

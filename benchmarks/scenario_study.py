@@ -22,23 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from simjson import execution_args, execution_of, sim_json
 
 from rrfp.workload.scenarios import scenario_names
 
 BIN = Path(sys.executable).parent
 OUT = Path("results/scenario_study")
 HINTS = ("1f1b", "bf", "bfw")
-
-
-def run(args: list[str]) -> dict[str, Any]:
-    done = subprocess.run([str(BIN / "rrfp-sim"), *args], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        sys.exit(f"rrfp-sim {' '.join(args)} failed: {done.stderr.strip()}")
-    return json.loads(done.stdout)
 
 
 def ci(entry: dict[str, Any] | None) -> str:
@@ -76,18 +70,22 @@ def rows(name: str, main: dict[str, Any], context: dict[str, Any]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seeds", type=int, default=10)
+    execution_args(parser)
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
-    seeds = ["--seeds", str(args.seeds), "--json"]
+    seeds = ["--seeds", str(args.seeds)]
+    ex = execution_of(args)
     lines = [
         "| scenario | hint | fixed/LB | rrfp speedup [95% CI] | backfill speedup [95% CI] | 1f1b / zb-h1 |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
     for name in scenario_names():
-        main_doc = run(
-            ["--scenario", name, "--hint", ",".join(HINTS), "--policy", "fixed,rrfp,backfill", *seeds]
+        main_doc = sim_json(
+            ["--scenario", name, "--hint", ",".join(HINTS), "--policy", "fixed,rrfp,backfill", *seeds], ex
         )
-        context = run(["--scenario", name, "--hint", "zb-h1", "--policy", "fixed,rrfp,backfill", *seeds])
+        context = sim_json(
+            ["--scenario", name, "--hint", "zb-h1", "--policy", "fixed,rrfp,backfill", *seeds], ex
+        )
         (OUT / f"{name}.json").write_text(json.dumps(main_doc, indent=1))
         (OUT / f"{name}-zb-h1.json").write_text(json.dumps(context, indent=1))
         lines += rows(name, main_doc, context)

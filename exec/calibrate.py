@@ -138,13 +138,12 @@ def calibrate(
     overhead = merged.overhead
     means = {k: v + overhead for k, v in merged.means().items()}
     table = cost_table(means, num_stages, ops)
-    policy = Backfill(
+    policy = type(template)(  # backfill, or a policy built on it (guarded): the same knobs
         expected=lambda t: table[t.op][t.stage],
         latency=merged.latency,
-        window=template.window,
-        margin=template.margin,
         announce_delay=0.0 if board else merged.latency,  # announcement messages travel like payloads
         announced_ops=announced_ops,
+        **template.knobs(),
     )
     info = {
         "latency_ms": 1e3 * merged.latency,

@@ -42,10 +42,31 @@ from rrfp.exec.config import (
     parse_trial,
     split_list,
 )
-from rrfp.exec.launch import env_world_size, in_launcher_env, join, launch_local
+from rrfp.exec.launch import (
+    adopt_slurm,
+    env_world_size,
+    in_launcher_env,
+    join,
+    launch_local,
+    too_many_ranks,
+)
+from rrfp.exec.planner import (
+    DEFAULT_DEVICE_TFLOPS,
+    DEFAULT_MAX_LOCAL_RANKS,
+    DRY_RUN_SCHEMA,
+    Plan,
+    check_plan_options,
+    default_gpus_per_node,
+    dry_run_text,
+    estimate_basis,
+    estimate_grid,
+    local_devices,
+    plan_run,
+)
 from rrfp.exec.preflight import check_outputs, preflight
 from rrfp.exec.tokens import DEFAULT_SEQ_LEN, longest_microbatch, run_workload
 from rrfp.study.options import (
+    ARGV_KEY,
     TOKEN_SHARED,
     budget_label,
     click_options,
@@ -55,12 +76,13 @@ from rrfp.study.options import (
     parse_budgets,
     with_options,
 )
+from rrfp.study.schema import config_head
 
 PROG = "rrfp-run"
 DEFAULT_WORKERS = 4
-SHARED_NAMES = ("stages", "microbatches", "virtual_stages", "hints", "policies", "memory_budget", "jitter",
-                "cv", "seed", "iterations", "warmup", "json", "trace_out", "progress", "version",
-                *TOKEN_SHARED)  # fmt: skip
+SHARED_NAMES = ("stages", "microbatches", "virtual_stages", "hints", "policies", "memory_budget",
+                "gpu_memory", "send", "jitter", "cv", "seed", "iterations", "warmup", "json", "trace_out",
+                "progress", "version", *TOKEN_SHARED)  # fmt: skip
 """The options rrfp-run shares with rrfp-sim (rrfp.study.options.SHARED), in the order --help lists them."""
 RUN_NAMES = {"stages": "pp", "hints": "hint", "policies": "policy"}
 """Shared option names -> the names rrfp-run's rules (rrfp.exec.config.check_options_used) know them by."""
@@ -93,15 +115,24 @@ def _world(gpus: int | None, pp: int | None, tp: int, dp: int) -> int:
 def build_config(o: dict[str, Any], given: Collection[str] = ()) -> RunConfig:
     """RunConfig from parsed options (raises ExecConfigError on bad values); ``given``: the options
     set on the command line, refused where the run would not use them."""
+    return plan_config(o, given)[0]
+
+
+def plan_config(o: dict[str, Any], given: Collection[str] = ()) -> tuple[RunConfig, Plan]:
+    """:func:`build_config` and the layout the planner chose for it (rrfp.exec.planner): explicit
+    --pp/--tp/--dp/--layers win; it fills what is missing for the workers on nodes of --gpus-per-node."""
     world = _world(o["gpus"], o["stages"], o["tp"], o["dp"])
-    pp = o["stages"] if o["stages"] is not None else max(1, world // (o["tp"] * o["dp"]))
+    plan = _plan(o, given, world)
+    pp, backend = plan.pp, _backend(o, world)
+    o = {**o, "tp": plan.tp, "dp": plan.dp, "layers": plan.layers, "microbatches": plan.microbatches}
+    o["backend"] = backend
     baselines = tuple(_baseline_name(b) for b in split_list(o["baseline"]))
     # The shared jitter default applies where something is jittered (sampled durations, injected sleeps);
     # a real model's run without --inject-ms has none, unless --jitter asks (then the preflight says so).
     jittered = o["synthetic"] or o["inject_ms"] > 0 or any(n in given for n in JITTERED_BY)
     jitter = o["jitter"] if jittered else "none"
     cv = o["cv"] if jitter != "none" else 0.0
-    microbatches = o["microbatches"] if o["microbatches"] is not None else 4 * pp
+    microbatches = o["microbatches"]
     tokens = run_workload(o, given, jitter, cv)  # --lengths: token mode (rrfp.exec.tokens), else None
     model = _model(o, tokens, microbatches)
     cfg = RunConfig(
@@ -117,10 +148,33 @@ def build_config(o: dict[str, Any], given: Collection[str] = ()) -> RunConfig:
         trace_out=o["trace_out"], json=o["json"], backend=o["backend"], threads=o["threads"], lr=o["lr"],
         start_method=o["start_method"], announce=o["announce"],
         progress=sys.stderr.isatty() if o.get("progress") is None else o["progress"],
-        command=o.get("command", ""), tokens=tokens,
+        command=o.get("command", ""), tokens=tokens, send=o.get("send", "eager"),
     )  # fmt: skip
     check_options_used(cfg, {RUN_NAMES.get(n, n) for n in given}, joined=in_launcher_env())
-    return cfg
+    return cfg, plan
+
+
+def _plan(o: dict[str, Any], given: Collection[str], world: int) -> Plan:
+    """The layout: nodes of --gpus-per-node ranks (under a launcher, its LOCAL_WORLD_SIZE; default: the
+    CUDA devices here, else the workers capped at --max-local-ranks; --synthetic sleeps all on one host)."""
+    per_node = o.get("gpus_per_node")
+    if in_launcher_env():
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    elif per_node is None:
+        cap = world if o["synthetic"] else o.get("max_local_ranks", DEFAULT_MAX_LOCAL_RANKS)
+        per_node = default_gpus_per_node(world, local_devices(o["backend"]), cap)
+    # the planner's model is the one the run builds: token mode's workload when --lengths is given
+    tokens = run_workload(o, given, "none", 0.0)
+    return plan_run(o, given, world, tokens, per_node)
+
+
+def _backend(o: dict[str, Any], world: int) -> str:
+    """--backend; ``auto`` is gloo for a --synthetic run with more ranks than this host has GPUs (sleeping
+    ranks need no device), else decided per worker (rrfp.exec.topology.pick_backend)."""
+    if o["backend"] == "auto" and o["synthetic"] and not in_launcher_env():
+        devices = local_devices("auto")
+        return "gloo" if 0 < devices < world else "auto"
+    return o["backend"]
 
 
 def _model(o: dict[str, Any], tokens: Any, microbatches: int) -> ModelConfig:
@@ -154,7 +208,40 @@ _O = click.option
     cls=one_line_errors(click.Command, PROG),
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110},
 )
-@_O("--gpus", type=int, default=None, help="Local workers to start (default: pp*tp*dp, or 4).")
+@_O(
+    "--gpus",
+    type=int,
+    default=None,
+    help="Ranks of the job (default: pp*tp*dp, or 4); started here when "
+    "this host has them, else rrfp-run prints how to launch them (torchrun, srun).",
+)
+@_O(
+    "--gpus-per-node",
+    type=int,
+    default=None,
+    help="Ranks per node the planner lays out [the CUDA devices "
+    "here, else --gpus capped at --max-local-ranks].",
+)
+@_O(
+    "--max-local-ranks",
+    type=int,
+    default=DEFAULT_MAX_LOCAL_RANKS,
+    show_default=True,
+    help="Most real-model ranks started on one CPU host (--synthetic is not limited).",
+)
+@_O(
+    "--dry-run",
+    is_flag=True,
+    help="Print the plan (layout, memory per rank, schedule, an iteration-time "
+    "estimate) and exit: no worker, no process group, no CUDA needed.",
+)
+@_O(
+    "--device-tflops",
+    type=float,
+    default=DEFAULT_DEVICE_TFLOPS,
+    show_default=True,
+    help="--dry-run: dense TFLOP/s per device for the estimate (400: an H100-class bf16 figure).",
+)
 @with_options(click_options(PROG, SHARED_NAMES))
 @_O("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
 @_O("--dp", type=int, default=1, show_default=True, help="Data-parallel degree.")
@@ -206,8 +293,14 @@ def main(**options: Any) -> None:
     given = _given(ctx, options)
     options["command"] = command_line(ctx, PROG)
     try:
-        cfg = build_config(options, given)
+        adopt_slurm()  # under srun: SLURM's variables become torch's, and this task joins (exec/launch.py)
+        check_plan_options(options, given, joined=in_launcher_env())
+        cfg, plan = plan_config(options, given)
         preflight(cfg)
+        if options["dry_run"]:  # no worker, no process group, no CUDA: the plan and an estimate
+            sys.exit(_dry_run(cfg, plan, options["device_tflops"]))
+        if not in_launcher_env():
+            _fits_this_host(cfg, plan, ctx.meta.get(ARGV_KEY, sys.argv[1:]), options["max_local_ranks"])
         dump_dir = check_outputs(cfg, joined=in_launcher_env())
     except UserError as e:  # anything else is a bug: click shows its traceback, exit 1
         raise _Fail(str(e)) from e
@@ -218,6 +311,50 @@ def main(**options: Any) -> None:
         deprecated(PROG, LEGACY_JSON)
     code = join(cfg, dump_dir) if in_launcher_env() else launch_local(cfg, dump_dir)
     sys.exit(code)
+
+
+def _fits_this_host(cfg: RunConfig, plan: Plan, argv: list[str], max_local_ranks: int) -> None:
+    """Refuse (one line: the plan, a torchrun and an srun command) a model's run with more ranks than
+    this host has: its CUDA devices, or on CPU --max-local-ranks. --synthetic ranks only sleep: never."""
+    devices = 0 if cfg.synthetic else local_devices(cfg.backend)
+    here = f"this host's {devices} CUDA devices" if devices else f"--max-local-ranks {max_local_ranks} on CPU"
+    if not cfg.synthetic and cfg.world > (devices or max_local_ranks):
+        raise ExecConfigError(too_many_ranks(plan, argv, here))
+
+
+def _dry_run(cfg: RunConfig, plan: Plan, tflops: float) -> int:
+    """Print the plan and an estimate of the iteration time of each rrfp trial (rrfp-sim, loaded here
+    only: the one place rrfp-run may import the simulator, docs/design.md §2); returns the exit code."""
+    import json
+
+    from rrfp.sim.config import ClusterConfig, ExperimentConfig
+    from rrfp.sim.experiment import run_experiment
+
+    workload, unit, basis = estimate_basis(cfg, tflops)
+    hints, policies, budgets, wanted = estimate_grid(cfg)
+    exp = ExperimentConfig(
+        stages=cfg.pp, microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, hints=hints,
+        policies=policies, seeds=1, seed=cfg.seed, iterations=1, warmup=0, memory_budget=budgets,
+        workload=workload, cluster=ClusterConfig(tp=cfg.tp, dp=cfg.dp),
+    )  # fmt: skip
+    result = run_experiment(exp, progress=False)
+    rows = [s for s in result.stats if s.key.label in wanted or s.key.policy == "fixed"]
+    report = {
+        "dry_run_schema": DRY_RUN_SCHEMA, "config": config_head(cfg.command), "plan": plan.as_dict(),
+        "schedule": {"hints": list(cfg.hints), "policies": list(cfg.policies),
+                     "trials": [t.label for t in cfg.trials], "virtual_stages": cfg.virtual_stages,
+                     "microbatches": cfg.microbatches},
+        "estimate": {
+            "kind": "estimate", "basis": basis, "device_tflops": None if cfg.synthetic else float(tflops),
+            "seconds_per_unit": float(unit), "iterations": 1,
+            "results": [{"trial": s.key.label, "iteration_seconds": float(s.iteration_time[0] * unit)}
+                        for s in rows],
+            "speedups": [{"trial": p.key.label, "baseline": p.baseline.label, "speedup": float(p.mean)}
+                         for p in result.speedups if p.key.label in wanted],
+        },
+    }  # fmt: skip
+    click.echo(json.dumps(report, indent=1) if cfg.json else dry_run_text(report))
+    return 0
 
 
 def _given(ctx: click.Context, options: dict[str, Any]) -> set[str]:

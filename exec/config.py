@@ -31,6 +31,10 @@ backward (B/I) tasks only, or of none -- an input whose producer is not announce
 moment (the cautious no-clock reading). Messages cost: on an oversubscribed CPU more than they gain
 (BENCHMARKS.md section 3). ``auto``: ``board`` when every rank is on one host, else ``all``."""
 START_METHODS = ("fork", "spawn", "forkserver")
+SENDS = ("eager", "megatron")
+"""--send: how a fixed trial's messages go -- rrfp's transport (``eager``: a send never blocks compute) or
+Megatron-core's blocking 1F1B P2P (``megatron``, rrfp.exec.megatron). rrfp-sim's ``rendezvous`` is a model
+of the steady-state coupling only, not a send rrfp-run makes."""
 TORCH_BASELINE_PREFIX = TORCH_PREFIX
 """``--baseline torch:<Schedule>``: the same prefix every tool writes a torch baseline's label with."""
 
@@ -203,6 +207,9 @@ class RunConfig:
     tokens: TokenWorkload | None = None
     """Token mode (``--lengths``, exec/tokens.py): the samples of every microbatch, as rrfp-sim draws
     them; None: exec/data.make_batch's synthetic shapes."""
+    send: str = "eager"
+    """A fixed trial's sends (SENDS): ``megatron`` runs fixed on the 1f1b order as Megatron-core's
+    blocking P2P calls (rrfp.exec.megatron); other policies always use rrfp's transport."""
 
     def __post_init__(self) -> None:
         _positive("world", self.world, maximum=MAX_WORKERS)
@@ -245,6 +252,13 @@ class RunConfig:
             )
         if self.announce not in ANNOUNCE:
             raise ExecConfigError(f"--announce {self.announce!r} is unknown: choose {', '.join(ANNOUNCE)}")
+        if self.send == "rendezvous":
+            raise ExecConfigError(
+                "--send rendezvous is rrfp-sim's model of the steady-state coupling, not a send rrfp-run "
+                "makes: choose eager or megatron"
+            )
+        if self.send not in SENDS:
+            raise ExecConfigError(f"--send {self.send!r} is unknown: choose {', '.join(SENDS)}")
         if not self.policies or not self.hints:
             raise ExecConfigError("--policy and --hint need at least one name each")
         baselines = self.baselines or any(t.is_baseline for t in self.explicit_trials)
@@ -319,11 +333,22 @@ PRODUCT_OPTIONS = ("policy", "hint", "memory_budget")
 """What --trials replaces: the policies x hints x budgets product."""
 
 
+def clocked_policy(name: str) -> bool:
+    """Does policy ``name`` plan with a clock (backfill and the policies built on it)? Unknown: no (the
+    trial's own check names it)."""
+    from rrfp.dispatch.policies import PolicyError, get_policy
+
+    try:
+        return get_policy(name).needs_clock
+    except PolicyError:
+        return False
+
+
 def check_options_used(cfg: RunConfig, given: Collection[str], joined: bool = False) -> None:
     """Refuse an option given on the command line that this run would not use (``given``: click's
     parameter names of the options the user set; ``joined``: inside torchrun, not our launcher) -- an
     option that silently does nothing hides a mistake in the command."""
-    backfill = any(t.policy == "backfill" for t in cfg.trials)
+    backfill = any(clocked_policy(t.policy) for t in cfg.trials if not t.is_baseline)
     tokens = cfg.tokens is not None
     # token mode: --synthetic's sleeps follow the model's sizes (FLOPs), and images need an encoder
     sized = TOKEN_SIZED if tokens else ()

@@ -17,19 +17,23 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
 import sys
 import threading
 import uuid
+from collections.abc import MutableMapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from rrfp.exec.config import RunConfig
+from rrfp.errors import RunFailure
+from rrfp.exec.config import ExecConfigError, RunConfig
 from rrfp.exec.faults import FAULT_EXIT, SIGINT_EXIT, SIGTERM_EXIT
 from rrfp.exec.liveness import STORE_TIMEOUT_S
+from rrfp.exec.planner import DEFAULT_PORT, Plan
 from rrfp.exec.results import check_failed
 from rrfp.study.result import TrialResult
 
@@ -39,6 +43,95 @@ EXIT_OK, EXIT_FAIL = 0, 1
 def in_launcher_env() -> bool:
     """True when torch's launcher (or an equivalent) already made this process a rank."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")
+"""What makes an srun task a rank (with SLURM_STEP_ID: a batch script's own shell has SLURM_PROCID 0 and
+the allocation's SLURM_NTASKS too, but is no step task -- it must start the workers, not be one)."""
+SLURM_PORT_BASE = 29500
+"""MASTER_PORT's fallback under SLURM: this + SLURM_JOB_ID mod 10000 (one job's steps share it: run
+one rrfp-run step at a time, or set MASTER_PORT)."""
+
+
+def adopt_slurm(env: MutableMapping[str, str] | None = None) -> bool:
+    """Under ``srun`` (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID and SLURM_STEP_ID set, no RANK): set
+    torch's RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, and -- unless given -- MASTER_ADDR (the
+    first host of SLURM_JOB_NODELIST) and MASTER_PORT (:data:`SLURM_PORT_BASE` + job id mod 10000), so
+    the task joins the job like a torchrun worker (rank 0 hosts the store). True when it did."""
+    env = os.environ if env is None else env
+    step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    if "RANK" in env or step is None or not all(v in env for v in SLURM_VARS):
+        return False
+    try:
+        rank, world, local = (int(env[v]) for v in SLURM_VARS)
+    except ValueError:
+        raise ExecConfigError(f"SLURM variables {', '.join(SLURM_VARS)} must be integers") from None
+    if "MASTER_ADDR" not in env:
+        nodes = env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", ""))
+        if not nodes:
+            raise ExecConfigError("under srun: set MASTER_ADDR (no SLURM_JOB_NODELIST names a first node)")
+        env["MASTER_ADDR"] = first_host(nodes)
+    job = env.get("SLURM_JOB_ID", "0")
+    env.setdefault("MASTER_PORT", str(SLURM_PORT_BASE + (int(job) % 10000 if job.isdigit() else 0)))
+    per_node = env.get("SLURM_NTASKS_PER_NODE", env.get("SLURM_STEP_TASKS_PER_NODE", str(world)))
+    env.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(local),
+               LOCAL_WORLD_SIZE=per_node.split("(")[0].split(",")[0])  # fmt: skip
+    env.setdefault("TORCHELASTIC_RUN_ID", f"slurm-{env.get('SLURM_JOB_ID', '0')}-{step}")
+    return True
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[003-010,12],cpu1`` -> ``gpu003``."""
+    head = nodelist.split(",")[0] if "[" not in nodelist.split(",")[0] else nodelist.split("]")[0]
+    prefix, _, ranges = head.partition("[")
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+LOCAL_ONLY_OPTIONS = (
+    "--gpus-per-node",
+    "--max-local-ranks",
+    "--start-method",
+    "--dry-run",
+    "--device-tflops",
+)
+"""Options of this launch that a joined worker has no use for (dropped from the printed commands)."""
+
+
+def too_many_ranks(plan: Plan, argv: Sequence[str], here: str) -> str:
+    """The one line for a job this host cannot start (``here``: what it has): the plan, one torchrun
+    command every node runs as it is, and the srun equivalent. The commands pin the planned layout
+    (--pp --tp --dp, and --layers when the planner raised it), so every node runs the same plan."""
+    if plan.gpus % plan.gpus_per_node:
+        return (f"--gpus {plan.gpus} ranks do not fit {here}, and they are not whole nodes of "
+                f"--gpus-per-node {plan.gpus_per_node}: give a multiple of it")  # fmt: skip
+    args = shlex.join(pinned_args(argv, plan))
+    nodes, per = plan.nodes, plan.gpus_per_node
+    return (
+        f"{plan.gpus} ranks do not fit {here}; plan: {plan.layout_text()}, {plan.memory_text()}; start it "
+        f"on each of the {nodes} nodes with: torchrun --nnodes {nodes} --nproc-per-node {per} --rdzv-backend "
+        f"c10d --rdzv-endpoint HOST:{DEFAULT_PORT} -m rrfp.exec {args} (HOST: the first node's address); or "
+        f"under SLURM: srun --nodes {nodes} --ntasks-per-node {per} rrfp-run {args}"
+    )
+
+
+def pinned_args(argv: Sequence[str], plan: Plan) -> list[str]:
+    """``argv`` without :data:`LOCAL_ONLY_OPTIONS`, with the plan's --pp/--tp/--dp (and a raised --layers)."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        name = argv[i].split("=", 1)[0]
+        if name in LOCAL_ONLY_OPTIONS:  # a flag, or --name=value, is one argument; else the value follows
+            i += 1 if name == "--dry-run" or "=" in argv[i] else 2
+            continue
+        out.append(argv[i])
+        i += 1
+    given = {a.split("=", 1)[0] for a in out}
+    for flag, value in (("--pp", plan.pp), ("--tp", plan.tp), ("--dp", plan.dp)):
+        if flag not in given and not (flag == "--pp" and "--stages" in given):
+            out += [flag, str(value)]
+    if plan.layers_raised:
+        out += ["--layers", str(plan.layers)]
+    return out
 
 
 def env_world_size() -> int:
@@ -63,29 +156,26 @@ def launch_local(cfg: RunConfig, dump_dir: str) -> int:
 
     ``dump_dir`` (checked writable by the preflight) gets the workers' dumps and logs and this
     launcher's own log (torch's elastic messages); made for this run (no --dump-dir), it is removed
-    again after a clean exit."""
+    again after a clean exit. More workers than one fork-server agent starts (:func:`group_sizes`)
+    run as several launch groups (:class:`LaunchGroups`) rendezvousing in this launcher's store."""
     from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-
-    from rrfp.exec.worker import worker_main
 
     run_id = f"rrfp-{uuid.uuid4().hex[:8]}"
-    config = _launch_config(cfg, run_id)
     _log_torch_to(Path(dump_dir) / LAUNCHER_LOG)
     store = JobStore(f"rrfp/{run_id}/", cfg.world)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # workers set their own torch threads
-    if config.start_method == "forkserver":
-        import multiprocessing
-
-        # The fork server is a fresh single-threaded process: it imports torch and the worker once,
-        # then forks each worker from that clean state (fast like fork, safe like spawn).
-        multiprocessing.set_forkserver_preload(["torch", "rrfp.exec.worker"])
+    sizes = group_sizes(cfg.world, cfg.start_method or default_start_method())
     handlers = {sig: signal.signal(sig, store.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        results = elastic_launch(config, worker_main)(cfg, dump_dir, store.address)
-    except ChildFailedError as e:
-        print(failure_report(e.failures, store.faults(), dump_dir), file=sys.stderr, flush=True)
+        if len(sizes) > 1:
+            results = LaunchGroups(cfg, dump_dir, store, run_id, sizes).run()
+        else:
+            results = _launch_one(cfg, dump_dir, store, run_id)
+    except (ChildFailedError, GroupsFailed) as e:
+        agents = getattr(e, "agents", "")
+        text = f"rrfp-run: job failed: {agents}; dumps and logs in {dump_dir}" if agents else None
+        print(text or failure_report(e.failures, store.faults(), dump_dir), file=sys.stderr, flush=True)
         return EXIT_FAIL
     except SignalException as e:
         name = signal.Signals(e.sigval).name
@@ -101,28 +191,56 @@ def launch_local(cfg: RunConfig, dump_dir: str) -> int:
     return exit_code(results.get(0))
 
 
+def _launch_one(cfg: RunConfig, dump_dir: str, store: JobStore, run_id: str) -> dict[int, Any]:
+    """All workers under one torch agent in this process (its standalone rendezvous); rank -> result."""
+    from torch.distributed.launcher.api import elastic_launch
+
+    from rrfp.exec.worker import worker_main
+
+    config = _launch_config(cfg, run_id)
+    if config.start_method == "forkserver":
+        _preload_fork_server()
+    return elastic_launch(config, worker_main)(cfg, dump_dir, store.address)
+
+
+def _preload_fork_server() -> None:
+    import multiprocessing
+
+    # The fork server is a fresh single-threaded process: it imports torch and the worker once,
+    # then forks each worker from that clean state (fast like fork, safe like spawn).
+    multiprocessing.set_forkserver_preload(["torch", "rrfp.exec.worker"])
+
+
 LAUNCHER_LOG = "launcher.log"
 SHUTDOWN_S = 10
 """How long torch's agent waits for workers it asked to stop before it kills them (they leave within
 about a second: see rrfp.exec.faults; a hung one is killed at once by :class:`JobStore`)."""
 
 
-def _launch_config(cfg: RunConfig, run_id: str) -> Any:
-    """torch's LaunchConfig for ``cfg.world`` local workers. SIGINT and SIGTERM are this launcher's
-    (:meth:`JobStore.on_signal`): it tells the workers why before torch's agent stops them."""
+def _launch_config(
+    cfg: RunConfig, run_id: str, nodes: int = 1, nproc: int | None = None, endpoint: str | None = None
+) -> Any:
+    """torch's LaunchConfig for ``cfg.world`` local workers (standalone: a rendezvous of its own). SIGINT
+    and SIGTERM are this launcher's (:meth:`JobStore.on_signal`): it tells the workers why before torch's
+    agent stops them. With ``endpoint``: one of ``nodes`` launch groups of ``nproc`` workers joining the
+    rendezvous in the launcher's store (which it only uses: ``is_host`` False), SIGINT/SIGTERM the agent's."""
     from torch.distributed.launcher.api import LaunchConfig
 
+    grouped = endpoint is not None
     return LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=cfg.world,
+        min_nodes=nodes,
+        max_nodes=nodes,
+        nproc_per_node=cfg.world if nproc is None else nproc,
         run_id=run_id,
         rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
+        rdzv_endpoint=endpoint if grouped else "localhost:0",
+        rdzv_configs={"is_host": False, "join_timeout": max(cfg.timeout, GROUP_JOIN_MIN_S)}
+        if grouped
+        else {},
         max_restarts=0,
         monitor_interval=0.1,
         start_method=cfg.start_method or default_start_method(),
-        signals_to_handle="SIGHUP,SIGQUIT",
+        signals_to_handle="SIGINT,SIGTERM,SIGHUP,SIGQUIT" if grouped else "SIGHUP,SIGQUIT",
         shutdown_timeout=SHUTDOWN_S,
     )
 
@@ -150,12 +268,227 @@ def default_start_method() -> str:
     """forkserver with a CPU-only torch build, spawn with a CUDA build.
 
     Not plain fork: the launcher process runs the rendezvous store's threads, and a child forked while
-    one of them holds a lock can hang (seen here once: all ranks stuck creating the gloo group). The
-    fork server forks from a clean, preloaded, single-threaded process instead (10 s vs 7.5 s for a
-    4-worker --check here, spawn 17 s)."""
+    one of them holds a lock can hang (seen here once: all ranks stuck creating the gloo group; and again
+    with 128 forked workers, issue 17: one rank never joined). The fork server forks from a clean,
+    preloaded, single-threaded process instead (10 s vs 7.5 s for a 4-worker --check here, spawn 17 s).
+    It has a limit (:data:`FORKSERVER_MAX_RANKS`)."""
     import torch
 
     return "forkserver" if torch.version.cuda is None else "spawn"
+
+
+FORKSERVER_MAX_RANKS = 100
+"""Most local workers started through the fork server: torch's launcher hands every worker every
+worker's result queue (~2 descriptors each), and a fork server receives a worker's descriptors in one
+message of at most 253 (SCM_MAX_FD), so 128 workers fail with "too many fds" (measured; 32 start).
+The limit is set below the arithmetic's ~120 with a margin; 100 itself is not measured. More workers
+than this run as launch groups of at most :data:`GROUP_RANKS` (:class:`LaunchGroups`)."""
+
+GROUP_RANKS = 64
+"""Most workers of one launch group (one torch agent, one fork server): 64 result queues are ~128
+descriptors per fork-server message, half the limit."""
+GROUP_JOIN_MIN_S = 60.0
+"""Least time the launch groups' agents wait for each other in the rendezvous (--timeout when longer):
+each agent imports torch first, which takes seconds on a loaded host."""
+GROUP_GRACE_S = SHUTDOWN_S + 5
+"""How long a stopped launch group's agent may take to stop its workers and exit before it is killed."""
+
+
+def group_sizes(world: int, start_method: str) -> list[int]:
+    """Workers per local launch group: one group (a single torch agent in this process) unless the fork
+    server would get too many descriptors (:data:`FORKSERVER_MAX_RANKS`); then the fewest groups of at
+    most :data:`GROUP_RANKS`, their sizes differing by at most one."""
+    if start_method != "forkserver" or world <= FORKSERVER_MAX_RANKS:
+        return [world]
+    groups = -(-world // GROUP_RANKS)
+    return [world // groups + (1 if g < world % groups else 0) for g in range(groups)]
+
+
+class GroupsFailed(RunFailure):
+    """Launch groups whose workers failed: ``failures`` maps global rank -> its exit (``.exitcode``),
+    the shape :func:`failure_report` reads from torch's ChildFailedError."""
+
+    def __init__(self, failures: dict[int, Any], agents: str = "") -> None:
+        super().__init__(agents or f"{len(failures)} ranks failed")
+        self.failures = failures
+        self.agents = agents
+        """What happened to an agent (one died): said instead of the ranks' story, which follows from it."""
+
+
+class _Exit:
+    def __init__(self, exitcode: int | None) -> None:
+        self.exitcode = exitcode
+
+
+class LaunchGroups:
+    """Several torch agents on this host, each a spawned process starting its share of the workers
+    through a fork server of its own, all one c10d rendezvous in the launcher's store (each agent is a
+    "node" of a multi-node torchrun job). Each agent reports ("ok", rank -> result), ("failed", rank ->
+    exit code) or ("signal", number) on a pipe. A signal here goes on to the agents, which stop their
+    workers as torch's agent does; an agent that dies without a word (killed) stops the job. The agents
+    die with this launcher (PR_SET_PDEATHSIG), and their workers with its store (rrfp.exec.liveness)."""
+
+    def __init__(self, cfg: RunConfig, dump_dir: str, store: JobStore, run_id: str, sizes: list[int]) -> None:
+        self.cfg, self.dump_dir, self.store, self.run_id, self.sizes = cfg, dump_dir, store, run_id, sizes
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        self.stopped = False
+
+    def run(self) -> dict[int, Any]:
+        """rank -> worker result when every group succeeded; else raises GroupsFailed or SignalException."""
+        import multiprocessing as mp
+
+        from torch.distributed.elastic.multiprocessing import SignalException
+
+        ctx = mp.get_context("spawn")  # a clean agent: this process runs the store's threads
+        try:
+            for g in range(len(self.sizes)):
+                ours, theirs = ctx.Pipe(duplex=False)
+                args = (self.cfg, self.dump_dir, self.store.address, self.run_id, g, self.sizes, theirs)
+                proc = ctx.Process(target=_group_main, args=args, name=f"rrfp-group{g}", daemon=False)
+                proc.start()
+                theirs.close()
+                self.procs.append(proc)
+                self.conns.append(ours)
+            outcomes = self._wait()
+        except SignalException as e:
+            self._stop(int(e.sigval))
+            raise
+        return self._merge(outcomes)
+
+    def _wait(self) -> dict[int, tuple[str, Any]]:
+        """Each group's report, as they come; an agent gone without one stops the others."""
+        from multiprocessing.connection import wait
+
+        outcomes: dict[int, tuple[str, Any]] = {}
+        while len(outcomes) < len(self.procs):
+            waiting = [g for g in range(len(self.procs)) if g not in outcomes]
+            wait([self.conns[g] for g in waiting] + [self.procs[g].sentinel for g in waiting], timeout=1.0)
+            for g in waiting:
+                report = self._report(g)
+                if report is None:
+                    continue
+                outcomes[g] = report
+                if report[0] in ("gone", "error") and not self.stopped:
+                    self._stop(
+                        signal.SIGTERM,
+                        why=f"launch group {g}'s agent ended without its workers ({report[1]})",
+                    )
+        for proc in self.procs:
+            proc.join(GROUP_GRACE_S)
+        return outcomes
+
+    def _report(self, g: int) -> tuple[str, Any] | None:
+        """Group ``g``'s report; ("gone", exit code) when its agent ended without one; None: it runs."""
+        conn, proc = self.conns[g], self.procs[g]
+        if not conn.poll() and proc.is_alive():
+            return None
+        if conn.poll():  # polled again: it may have reported, then exited
+            try:
+                return conn.recv()
+            except (EOFError, OSError):  # its end closed with nothing sent: the agent died
+                pass
+        proc.join(1.0)
+        return ("gone", proc.exitcode)
+
+    def _stop(self, signum: int, why: str | None = None) -> None:
+        """Forward ``signum`` to the live agents, wait for them (bounded), kill what is left, and then any
+        worker still registered in the store (an agent's that was killed)."""
+        self.stopped = True
+        if why is not None:
+            try:
+                self.store.store.set("stop", why)
+            except Exception:  # the workers then say they were stopped, without the why
+                pass
+        live = [p for p in self.procs if p.is_alive()]
+        for proc in live:
+            os.kill(proc.pid, signum)
+        for proc in live:
+            proc.join(GROUP_GRACE_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(GROUP_GRACE_S)
+        for r in range(self.store.world):
+            try:
+                if self.store.store.check([f"pid/{r}"]):
+                    kill_rank(r, self.store.store.get(f"pid/{r}").decode())
+            except Exception:  # the store is going down with the launch
+                break
+
+    def _merge(self, outcomes: dict[int, tuple[str, Any]]) -> dict[int, Any]:
+        """All groups' rank -> result; GroupsFailed with the failed ranks' exits, and what happened to an
+        agent that died (or, when none did, one stopped from outside this launcher)."""
+        results: dict[int, Any] = {}
+        failures: dict[int, Any] = {}
+        gone, stopped = [], []
+        for g, (kind, value) in sorted(outcomes.items()):
+            if kind == "ok":
+                results.update(value)
+            elif kind == "failed":
+                failures.update({int(r): _Exit(code) for r, code in value.items()})
+            elif kind == "gone":
+                gone.append(f"launch group {g}'s agent {_how(_Exit(value))}")
+            elif kind == "error":
+                gone.append(f"launch group {g}'s agent failed: {value}")
+            else:  # "signal": stopped by this launcher after another agent died, or from outside
+                stopped.append(f"launch group {g}'s agent got {signal.Signals(value).name}")
+        notes = gone or ([] if failures else stopped)
+        if failures or notes:
+            raise GroupsFailed(failures, "; ".join(notes))
+        return results
+
+
+def _group_main(
+    cfg: RunConfig, dump_dir: str, address: tuple[str, int, str], run_id: str, group: int,
+    sizes: list[int], conn: Any,
+) -> None:  # fmt: skip
+    """One launch group's agent (a spawned process; :class:`LaunchGroups`): torch's elastic agent for
+    ``sizes[group]`` workers, one node of a ``len(sizes)``-node rendezvous in the launcher's store."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    from rrfp.exec.wire import one_line
+    from rrfp.exec.worker import worker_main
+
+    _die_with_parent()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # torch's own handler, also before its agent installs it
+        signal.signal(sig, _raise_signal)
+    _log_torch_to(Path(dump_dir) / f"launcher-group{group}.log")
+    _preload_fork_server()
+    host, port, _ = address
+    config = _launch_config(cfg, run_id, len(sizes), sizes[group], f"{host}:{port}")
+    try:
+        out: tuple[str, Any] = ("ok", elastic_launch(config, worker_main)(cfg, dump_dir, address))
+    except ChildFailedError as e:
+        out = ("failed", {r: f.exitcode for r, f in e.failures.items()})
+    except SignalException as e:
+        out = ("signal", int(e.sigval))
+    except Exception as e:  # the rendezvous timed out, the store went away: one line for the verdict
+        out = ("error", one_line(e))
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the report goes out whole
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        conn.send(out)
+    except OSError:  # the launcher is gone: nobody to tell
+        pass
+    conn.close()
+
+
+def _raise_signal(signum: int, frame: Any) -> None:
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    raise SignalException(f"launch group got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the launcher dies (Linux; elsewhere its workers still see the store go)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def failure_report(failures: dict[int, Any], faults: dict[int, dict[str, Any]], dump_dir: str) -> str:

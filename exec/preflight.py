@@ -17,8 +17,10 @@ from pathlib import Path
 from rrfp.dispatch.policies import get_policy
 from rrfp.exec.config import ExecConfigError, RunConfig, switch_interval
 from rrfp.exec.faults import default_dump_dir
+from rrfp.exec.megatron import check_send
 from rrfp.exec.model import partition
-from rrfp.plan.budget import resolve_budget
+from rrfp.plan.budget import ByteBudget, InfeasibleBudget, parse_byte_item, position_bytes, resolve_budget
+from rrfp.plan.hints import Hint
 from rrfp.plan.sources import PipelineSize, make_hint
 from rrfp.plan.sources import task_count as _plan_task_count
 from rrfp.plan.spec import MAX_TASKS, PROGRESS_TASKS, too_many_tasks
@@ -58,11 +60,34 @@ def preflight(cfg: RunConfig) -> None:
         if progress is not None:
             progress.step(trial.hint, sizes[trial.hint][0])
         hint = make_hint(trial.hint, cfg.pp, cfg.microbatches, cfg.virtual_stages)
-        resolve_budget(trial.budget, hint)
+        if cfg.tokens is None:
+            resolve_budget(trial.budget, hint)
+        else:  # token mode counts bytes: Nx or bytes (device budgets are rrfp-sim's)
+            check_byte_budget(cfg, hint, parse_byte_item(trial.budget or "1x", cfg.pp))
         if not cfg.synthetic:
             partition(cfg.model.layers, hint.spec.num_stages)
     if progress is not None:
         progress.done()
+    check_send(cfg)
+
+
+def check_byte_budget(cfg: RunConfig, hint: Hint, budget: ByteBudget) -> None:
+    """A budget of fixed bytes that the hint's own order cannot keep in some iteration is refused here,
+    naming the iteration and rank (the sizes are known before any worker starts: rrfp.exec.data). A
+    factor always fits; ``--synthetic`` ranks check their own sampled sizes as they run."""
+    if budget.per_rank is None or cfg.synthetic:
+        return
+    from rrfp.exec.data import run_batch  # torch: only for a byte budget of the real model
+    from rrfp.exec.memory import batch_act_bytes
+
+    for it in range(cfg.warmup + cfg.iterations):
+        for replica in range(cfg.dp):
+            act = batch_act_bytes(cfg.model, run_batch(cfg, replica, it)[0], hint.spec.num_stages, cfg.tp)
+            for r in range(cfg.pp):
+                try:
+                    budget.resolve(r, position_bytes(hint.plan.wiring(r), act), hint.name)
+                except InfeasibleBudget as e:
+                    raise e.at(it) from None
 
 
 def task_count(name: str, pp: int, microbatches: int, virtual_stages: int | None) -> PipelineSize:

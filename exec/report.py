@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import statistics
 from typing import Any
 
@@ -33,6 +34,7 @@ from rrfp.errors import RunFailure
 from rrfp.exec.config import RunConfig
 from rrfp.exec.results import measures, median_time, without_trace
 from rrfp.exec.tokens import describe as token_text
+from rrfp.plan.budget import format_bytes
 from rrfp.study.compare import (
     Comparison,
     base_hint_name,
@@ -55,7 +57,7 @@ def emit(cfg: RunConfig, results: list[TrialResult]) -> list[TrialResult]:
     frames = [f for r in results for f in measures(r).trace]
     results = [without_trace(r) for r in results]
     if cfg.json:
-        print(json.dumps(result_json(cfg, results), indent=1), flush=True)
+        print(compact_json(result_json(cfg, results)), flush=True)
     else:
         print(table(cfg, results), flush=True)
     if cfg.trace_out and frames:
@@ -80,6 +82,17 @@ def comparisons(cfg: RunConfig, results: list[TrialResult]) -> list[Comparison]:
     ]
 
 
+_SCALAR = r'(?:-?[\d.]+(?:[eE][-+]?\d+)?|null|true|false|"(?:[^"\\\n]|\\.)*")'
+_SCALAR_LIST = re.compile(r"\[\n\s+(" + _SCALAR + r"(?:,\n\s+" + _SCALAR + r")*)\n\s*\]")
+
+
+def compact_json(doc: Any) -> str:
+    """``json.dumps(doc, indent=1)`` with every list of plain values on one line, so per-rank and
+    per-iteration lists stay readable at 128 ranks (the same JSON, other whitespace)."""
+    text = json.dumps(doc, indent=1, allow_nan=False)
+    return _SCALAR_LIST.sub(lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",\n")) + "]", text)
+
+
 def result_row(result: TrialResult) -> dict[str, Any]:
     """One trial's ``results[]`` entry (schema version 2)."""
     m = measures(result)
@@ -98,6 +111,8 @@ def result_row(result: TrialResult) -> dict[str, Any]:
         "calibration": None if m.calibration is None else dict(m.calibration),
         "check": None if m.check is None else m.check.as_dict(),
         "grad_digest": m.grad_digest,
+        **({"peak_bytes": list(m.peak_bytes)} if m.peak_bytes else {}),
+        **({"activation_bytes": dict(m.memory_check)} if m.memory_check else {}),
     }
 
 
@@ -219,11 +234,29 @@ def table(cfg: RunConfig, results: list[TrialResult]) -> str:
             "" if sp is None else f"{_ci(sp.mean, sp.ci_low, sp.ci_high)} vs {sp.baseline.label}",
             *(_ci(c.mean, c.ci_low, c.ci_high) if (c := vs_torch.get((r.trial, b))) else "" for b in torch),
             "-" if cfg.synthetic else f"{m.loss_first:.4f}", "-" if us is None else f"{us:.0f}",
-            _peaks(r.peaks), _check(as_row(r)),
+            _byte_peaks(m.peak_bytes) if m.peak_bytes else _peaks(r.peaks), _check(as_row(r)),
         ])  # fmt: skip
     note = budget_note(comps, cfg.budgets)
-    return "\n".join([*_render(header, rows), "", verdict(comps), *([note] if note else []), "",
+    notes = [note] if note else []
+    notes += [memory_line(r.trial.label, c) for r in results if (c := measures(r).memory_check)][:1]
+    return "\n".join([*_render(header, rows), "", verdict(comps), *notes, "",
                       *legend(_columns(cfg, torch))])  # fmt: skip
+
+
+def _byte_peaks(peaks: tuple[int, ...]) -> str:
+    """Peak activation bytes over the pipeline ranks as min-max (token mode)."""
+    low, high = format_bytes(min(peaks)), format_bytes(max(peaks))
+    return high if low == high else f"{low}-{high}"
+
+
+def memory_line(label: str, check: Any) -> str:
+    """One line: what the forwards really kept against the byte formula (exec/memory.py)."""
+    return (
+        f"activation bytes ({label}, {check['forwards']} forwards): "
+        f"measured {format_bytes(check['measured_bytes'])}, "
+        f"predicted {format_bytes(check['predicted_bytes'])}, "
+        f"largest difference {100 * check['max_rel_error']:.2f}% of a forward"
+    )
 
 
 def _ci(mean: float, low: float, high: float) -> str:

@@ -48,6 +48,12 @@ class ExecMeasures:
     grad_digest: str | None
     """sha256 prefix over every rank's first-iteration gradients (bitwise identity across policies);
     None unless --check or --deterministic."""
+    peak_bytes: tuple[int, ...] = ()
+    """Byte mode (token mode): most activation bytes per pipeline rank; empty otherwise."""
+    memory_check: Mapping[str, Any] | None = None
+    """Byte mode, real model: what each forward kept (saved-tensor hooks) against the formula's
+    prediction (rrfp.exec.memory): ``forwards``, ``measured_bytes``, ``predicted_bytes`` (sums) and
+    ``max_rel_error``; None otherwise."""
     trace: tuple[Any, ...] = ()
     """Every rank's trace frame (``--trace-out``), on rank 0's clock; dropped once written
     (:func:`without_trace`), so results leave the workers small."""

@@ -117,6 +117,9 @@ class PipelineRuntime:
         self.meter = CostMeter()
         self.clocked = False
         """Tick the scheduler's clock and announce producer starts (set once costs are calibrated)."""
+        self.memory: tuple[list[int], int] | None = None
+        """Byte mode (token mode): this iteration's byte delta per position and the rank's byte budget,
+        handed to the scheduler after its reset (the trial sets them when it begins an iteration)."""
         self.sizes: tuple[list[int], list[int]] | None = None
         """Token mode: (text tokens, images) per microbatch of this iteration, for the trace's compute
         rows (the trial sets them when it begins an iteration); None elsewhere."""
@@ -141,6 +144,8 @@ class PipelineRuntime:
         """Run every task of this rank for ``iteration`` (the runner was begun by the caller)."""
         sched, self.iteration, self.stats = self.sched, iteration, LoopStats()
         sched.reset()
+        if self.memory is not None:
+            sched.use_bytes(*self.memory)
         self._tag = board_tag(self.trial, iteration)
         if self.clocked and self.ctx.board is not None:
             sched.listen(self._board_since)
@@ -271,6 +276,8 @@ class PipelineRuntime:
             sizes: dict[str, int] = {}
             if self.sizes is not None and task is not None and kind == "compute":
                 sizes = {"tokens": self.sizes[0][task.mb], "images": self.sizes[1][task.mb]}
+                if self.memory is not None:
+                    sizes["held_bytes"] = self.sched.held_bytes
             held = self.sched.held
             rec.add(kind, self.iteration, self.ctx.rank, task, start - o, end - o, held=held, **sizes)
 

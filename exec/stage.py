@@ -26,6 +26,7 @@ from torch import nn
 
 from rrfp.exec.data import Microbatch
 from rrfp.exec.layers import WeightStash
+from rrfp.exec.memory import SavedBytes
 from rrfp.exec.model import Stage
 from rrfp.plan.task import Op, Task
 
@@ -78,8 +79,14 @@ class _Accumulator:
 class StageRunner:
     """One rank's stage modules (``{stage index: Stage}``) and the per-iteration compute state."""
 
-    def __init__(self, stages: dict[int, Stage], num_stages: int, deterministic: bool = False) -> None:
+    def __init__(
+        self, stages: dict[int, Stage], num_stages: int, deterministic: bool = False, measure: bool = False
+    ) -> None:
+        """``measure``: count the bytes each forward's autograd keeps (rrfp.exec.memory.SavedBytes) into
+        :attr:`saved`, (stage, microbatch, bytes) per forward of the iteration."""
         self.stages = stages
+        self._counters = {s: SavedBytes(m) for s, m in stages.items()} if measure else None
+        self.saved: list[tuple[int, int, int]] = []
         self.last = num_stages - 1
         self.deterministic = deterministic
         self._input_params = {s: m.input_phase_params() for s, m in stages.items()}
@@ -93,6 +100,7 @@ class StageRunner:
         self.held: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.stashes: dict[tuple[int, int], WeightStash] = {}
         self.losses: dict[int, torch.Tensor] = {}  # kept as tensors: float() would sync a GPU per task
+        self.saved = []
         self.acc = {s: _Accumulator(self.deterministic) for s in self.stages}
 
     def run(self, task: Task) -> list[tuple[Task, torch.Tensor]]:
@@ -108,8 +116,13 @@ class StageRunner:
     def _forward(self, task: Task) -> list[tuple[Task, torch.Tensor]]:
         s, m = task.stage, task.mb
         x = self.inputs.pop(task).requires_grad_() if s > 0 else None
-        with torch.enable_grad():
-            out = self.stages[s](x, self.batch[m])
+        if self._counters is None:
+            with torch.enable_grad():
+                out = self.stages[s](x, self.batch[m])
+        else:
+            with torch.enable_grad(), self._counters[s].counting() as counter:
+                out = self.stages[s](x, self.batch[m])
+            self.saved.append((s, m, counter.total))
         self.held[(s, m)] = (x, out)
         if s == self.last:
             self.losses[m] = out.detach()

@@ -30,8 +30,8 @@ from rrfp.study.options import TOKEN_SHARED
 from rrfp.workload.model import WorkloadConfig
 from rrfp.workload.tokens import TokenWorkload, batch_sizes, token_workload
 
-TOKEN_ONLY = ("packing", "pack_tokens", "encoder", "encoder_stages", "freeze_encoder", "images_dist",
-              "images_mean", "images_cv")  # fmt: skip
+TOKEN_ONLY = ("packing", "pack_tokens", "mb_order", "encoder", "encoder_stages", "freeze_encoder",
+              "images_dist", "images_mean", "images_cv")  # fmt: skip
 """Options that mean something only with --lengths (the model sizes apply without it too)."""
 DEFAULT_SEQ_LEN = 32
 """The model's text tokens per sample without --lengths (--seq-len's default there)."""

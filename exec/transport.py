@@ -9,20 +9,25 @@ receiver thread's wake-ups and avoids a second handshake per message (NCCL needs
 always sends two). On gloo a posted ``irecv`` cannot be
 polled (``is_completed()`` stays False until ``wait()``, and a timed-out wait closes the connection --
 docs/design.md §5), so each inbound channel has a receiver thread doing *blocking* receives (header, then a
-payload of the announced shape) into one ``queue.Queue``; the runtime loop waits on that queue with the
+payload of the announced shape) into one ``queue.SimpleQueue``; the runtime loop waits on that queue with the
 fault timeout and calls ``deliver()``. Sends never block the compute thread on a peer; their handles are
 kept and reaped once complete (at the latest at the flush). On gloo, posting a send is itself slow on
 an oversubscribed CPU (the call takes the channel's pair lock and often writes the socket in the
-caller: 0.3-3 ms measured here on 2 cores), so the compute thread only packs the message and hands it
-to one *sender thread* per rank, which posts the sends in order (per-channel FIFO is kept: one thread
-posts them all). With NCCL, posting is an enqueue on the NCCL stream, so the compute thread posts it.
-``RRFP_SEND_THREAD=0`` (an experiment knob, :func:`send_thread`) posts gloo sends from the compute
-thread instead: at pp 2 on 2 cores that cuts a message's latency by a quarter but moves the post into
-the loop, and no end-to-end gain was resolved (BENCHMARKS.md §3, issue 19); ``auto`` uses the thread only
-when this host's ranks outnumber its cores.
+caller: 0.3-3 ms measured here on 2 cores), so when this host's ranks outnumber its cores the compute
+thread only packs the message and hands it to one *sender thread* per rank, which posts the sends in
+order (per-channel FIFO is kept: one thread posts them all). When every rank has a core
+(``RRFP_SEND_THREAD=auto``, the default, :func:`send_thread`) the compute thread posts the send itself,
+as torch's schedules do: handing it over wakes a thread that needs the GIL the compute thread holds,
+and at pp 2 on 2 cores a message took 434 us to input ready that way against 292 us posted inline
+(medians of one traced launch each; p90 1.4 vs 0.7 ms; BENCHMARKS.md §3, issue 19). ``1`` or ``0``
+force either. With NCCL, posting is an enqueue on
+the NCCL stream, so the compute thread posts it.
 
-With NCCL the receiver threads run on their own CUDA streams, so a pending receive never
-makes the compute stream wait, and a received payload is fully written before the runtime sees it.
+With NCCL no thread blocks in a receive: each inbound channel keeps one receive posted on its own CUDA
+stream and the runtime loop's inbox calls poll the CUDA events recorded after them (rrfp.exec.cuda_recv,
+:func:`cuda_receive`; not yet run on a GPU), so a pending receive never makes the compute stream wait,
+and a payload is fully written before the runtime sees it. ``RRFP_CUDA_RECV=thread`` keeps receiver
+threads (on their own streams) instead.
 A peer that dies closes the connection: the channel's thread reports a :class:`ChannelFailure`.
 
 Announcements (for policies that plan with a clock, e.g. ``backfill``): :meth:`Transport.announce` sends
@@ -34,7 +39,6 @@ rank's CLOCK_MONOTONIC minus rank 0's, 0 on one host), converted back to the rec
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import os
@@ -42,117 +46,35 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rrfp.errors import RunFailure
 from rrfp.exec.faults import LostPeerError
-from rrfp.plan.task import OPS, Task
-
-HEADER_LEN = 16
-HEADER_BYTES = HEADER_LEN * 8
-MAX_DIMS = HEADER_LEN - 10
-# SPLIT: the payload follows as its own message; ANNOUNCE: header only, a producer started.
-KIND_CLOSE, KIND_SPLIT, KIND_PACKED, KIND_ANNOUNCE = 0, 1, 2, 3
-DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
-
-
-class TransportError(RunFailure):
-    """A message that cannot be encoded (too many dims, unsupported dtype) or a flush that timed out."""
-
-
-@dataclass(frozen=True, slots=True)
-class Arrival:
-    """A message taken off a channel: the input of ``task`` on this rank."""
-
-    src: int
-    """Global rank of the sender."""
-    trial: int
-    iteration: int
-    task: Task
-    """The consumer task (on this rank) whose input this is."""
-    tensor: torch.Tensor
-    msg: int
-    """Message id (shared with the sender's trace row)."""
-    start: float
-    """time.monotonic() when the header arrived."""
-    end: float
-    """time.monotonic() when the payload was complete."""
-    sent: float
-    """time.monotonic() (this rank's clock) when the sender posted it."""
-
-
-@dataclass(frozen=True, slots=True)
-class Announce:
-    """The producer of a cross-rank input of ``task`` (on this rank) started computing at ``since``."""
-
-    src: int
-    trial: int
-    iteration: int
-    task: Task
-    since: float
-    """time.monotonic() (this rank's clock) when the producer started."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChannelFailure:
-    """A channel's thread failed: almost always the peer process died (connection closed)."""
-
-    peer: int
-    """Global rank at the other end."""
-    direction: str
-    """``recv`` or ``send``."""
-    error: str
-
-
-@dataclass(frozen=True, slots=True)
-class SendRecord:
-    """What the trace needs about one completed send."""
-
-    dst: int
-    trial: int
-    iteration: int
-    task: Task
-    msg: int
-    nbytes: int
-    start: float
-    end: float
-
-
-def encode_header(
-    trial: int, iteration: int, task: Task, msg: int, tensor: torch.Tensor, sent_us: int = 0
-) -> list[int]:
-    """The int64 header announcing ``tensor`` as the input of ``task`` (``sent_us``: send time)."""
-    if tensor.dim() > MAX_DIMS:
-        raise TransportError(f"cannot send a {tensor.dim()}-d tensor: at most {MAX_DIMS} dims")
-    if tensor.dtype not in DTYPES:
-        raise TransportError(f"cannot send dtype {tensor.dtype}: supported {DTYPES}")
-    head = [KIND_SPLIT, trial, iteration, task.stage, task.op.code, task.mb, msg, sent_us]
-    head += [DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-    return head + [0] * (HEADER_LEN - len(head))
-
-
-def decode_header(values: list[int]) -> tuple[int, int, Task, int, torch.dtype, tuple[int, ...], int]:
-    """(trial, iteration, task, msg, dtype, shape, sent_us) from a data header."""
-    _, trial, iteration, stage, op, mb, msg, sent_us, dtype, ndim = values[:10]
-    shape = tuple(values[10 : 10 + ndim])
-    return trial, iteration, Task(stage, OPS[op], mb), msg, DTYPES[dtype], shape, sent_us
-
-
-def encode_announce(trial: int, iteration: int, task: Task, since_us: int) -> list[int]:
-    """The header-only message: the producer of ``task``'s input started at ``since_us``."""
-    head = [KIND_ANNOUNCE, trial, iteration, task.stage, task.op.code, task.mb, since_us]
-    return head + [0] * (HEADER_LEN - len(head))
-
-
-def decode_announce(values: list[int]) -> tuple[int, int, Task, int]:
-    """(trial, iteration, task, since_us) from an announcement."""
-    _, trial, iteration, stage, op, mb, since_us = values[:7]
-    return trial, iteration, Task(stage, OPS[op], mb), since_us
+from rrfp.exec.wire import (  # the wire format, re-exported: transport users import it from here
+    HEADER_BYTES,
+    HEADER_LEN,
+    KIND_ANNOUNCE,
+    KIND_CLOSE,
+    KIND_PACKED,
+    Announce,
+    Arrival,
+    ChannelFailure,
+    SendRecord,
+    TransportError,
+    decode_announce,
+    decode_header,
+    encode_announce,
+    encode_header,
+    one_line,
+    pack_message,
+    read_header,
+    read_payload,
+    receive_buffer,
+)
+from rrfp.plan.task import Task
 
 
 class Transport:
@@ -164,7 +86,8 @@ class Transport:
         self.me_global = to_global(me)
         self.offset = 0.0
         """This rank's CLOCK_MONOTONIC minus rank 0's (seconds); the worker sets it."""
-        self.inbox: queue.Queue[Arrival | ChannelFailure] = queue.Queue()
+        # SimpleQueue (C): a put and the waiter's wake-up run no Python-level Condition code.
+        self.inbox: queue.SimpleQueue[Arrival | ChannelFailure] = queue.SimpleQueue()
         self.announcements: deque[Announce] = deque()
         """Received announcements, oldest first (appended by receiver threads, popped by the loop)."""
         self.sent: list[SendRecord] = []
@@ -190,9 +113,13 @@ class Transport:
         if self._outbox is not None:
             self._sender = threading.Thread(target=self._send_loop, name="rrfp-send", daemon=True)
             self._sender.start()
+        self._polled: Any = None  # CUDA: the polled inbox (rrfp.exec.cuda_recv), no receiver threads
+        if device.type == "cuda" and cuda_receive() == "event":
+            self._polled = self.inbox = _polled_inbox(channels, me, to_global, device, inbound, self)
+        endpoints = [] if self._polled is not None else inbound.values()
         self._threads = [
             threading.Thread(target=self._receive, args=ep, name=f"rrfp-recv-{ep[0]}", daemon=True)
-            for ep in inbound.values()
+            for ep in endpoints
         ]
         for t in self._threads:
             t.start()
@@ -201,19 +128,19 @@ class Transport:
     def send(self, dst: int, trial: int, iteration: int, task: Task, tensor: torch.Tensor) -> None:
         """Post ``tensor`` as the input of ``task`` on pipeline rank ``dst`` (never waits for the peer)."""
         peer, group, group_peer = self._out[dst]
-        payload = tensor.detach().contiguous()
+        # Few torch calls: each costs ~10 us right after a compute task (pack_message in rrfp.exec.wire).
+        payload = tensor.detach()
         msg = (self.me_global << 32) | next(self._ids)
         start = time.monotonic()
         head = encode_header(trial, iteration, task, msg, payload, self._wire(start))
-        nbytes = payload.numel() * payload.element_size()
+        nbytes = payload.dtype.itemsize * math.prod(payload.shape)
         if self._packed and HEADER_BYTES + nbytes <= self._cap_out[dst]:
             head[0] = KIND_PACKED
-            words = torch.tensor(head, dtype=torch.int64).view(torch.uint8)
-            bufs: tuple[torch.Tensor, ...] = (torch.cat((words, payload.view(-1).view(torch.uint8))),)
+            bufs: tuple[torch.Tensor, ...] = (pack_message(head, payload),)  # copies: any strides
         else:
-            bufs = (torch.tensor(head, dtype=torch.int64, device=self.device), payload)
+            bufs = (torch.tensor(head, dtype=torch.int64, device=self.device), payload.contiguous())
         self._cap_out[dst] = max(self._cap_out[dst], HEADER_BYTES + nbytes)
-        record = SendRecord(peer, trial, iteration, task, msg, nbytes, start, 0.0)
+        record = (peer, trial, iteration, task, msg, nbytes, start)  # a SendRecord less its end
         self._post(bufs, group, group_peer, peer, record)
 
     def announce(self, dst: int, trial: int, iteration: int, task: Task, since: float) -> None:
@@ -241,7 +168,7 @@ class Transport:
             try:
                 self._post_works(bufs, group, group_peer, peer, record)
             except Exception as e:  # the peer died: a lost peer, as from the sender thread
-                raise LostPeerError(peer, f"send channel failed: {_one_line(e)}") from e
+                raise LostPeerError(peer, f"send channel failed: {one_line(e)}") from e
             return
         self._post_works(bufs, group, group_peer, peer, record)
 
@@ -252,7 +179,7 @@ class Transport:
         works = tuple(group.send([b], group_peer, 0) for b in bufs)
         self._pending.append((works, bufs, peer))
         if record is not None:  # handed to the transport: the send's end in the trace schema
-            self.sent.append(dataclasses.replace(record, end=time.monotonic()))
+            self.sent.append(SendRecord(*record, time.monotonic()))
 
     def _send_loop(self) -> None:
         """The sender thread: post queued sends in order until told to stop (None)."""
@@ -262,8 +189,8 @@ class Transport:
                 if self._send_error is None:
                     self._post_works(*item)  # the sender thread: no inline-gloo check per send
             except Exception as e:  # the peer died: report once, keep counting so flush() can end
-                self._send_error = (item[3], f"send channel failed: {_one_line(e)}")
-                self.inbox.put(ChannelFailure(item[3], "send", _one_line(e)))
+                self._send_error = (item[3], f"send channel failed: {one_line(e)}")
+                self.inbox.put(ChannelFailure(item[3], "send", one_line(e)))
             with self._posted_cv:
                 self._posted += 1
                 self._posted_cv.notify_all()
@@ -321,6 +248,8 @@ class Transport:
             self._sender.join(max(0.0, deadline - time.monotonic()))
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+        if self._polled is not None:  # the peers' close messages, taken by polling as the threads would
+            self._polled.wait_closed(max(0.0, deadline - time.monotonic()))
 
     # -- receiver threads -------------------------------------------------------------------
     def _receive(self, peer: int, group: Any, group_peer: int) -> None:
@@ -330,14 +259,14 @@ class Transport:
                 while (cap := self._receive_one(peer, group, group_peer, stream, cap)) >= 0:
                     pass
         except Exception as e:  # the peer died or the group broke: the runtime decides what to do
-            self.inbox.put(ChannelFailure(peer, "recv", _one_line(e)))
+            self.inbox.put(ChannelFailure(peer, "recv", one_line(e)))
 
     def _receive_one(self, peer: int, group: Any, group_peer: int, stream: Any, cap: int) -> int:
         """Take one message; returns the channel's new capacity, or -1 after the peer closed it."""
         if self._packed:
-            buf = torch.empty(max(cap, HEADER_BYTES), dtype=torch.uint8)
+            buf, raw = receive_buffer(max(cap, HEADER_BYTES))
             group.recv([buf], group_peer, 0).wait()
-            values = buf[:HEADER_BYTES].view(torch.int64).tolist()
+            values = read_header(raw)
         else:
             header = torch.empty(HEADER_LEN, dtype=torch.int64, device=self.device)
             group.recv([header], group_peer, 0).wait()
@@ -355,13 +284,11 @@ class Transport:
             return cap
         trial, iteration, task, msg, dtype, shape, sent_us = decode_header(values)
         nbytes = dtype.itemsize * math.prod(shape)
-        if values[0] == KIND_PACKED and 2 * nbytes >= buf.numel():
+        if values[0] == KIND_PACKED:
             # The payload is a view into this message's own buffer (never reused): no second
             # allocation and copy while this thread holds the GIL. A payload under half the buffer
             # (shapes vary) is copied out instead, so a small input never pins a large buffer.
-            payload = buf[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype).view(shape)
-        elif values[0] == KIND_PACKED:
-            payload = buf[HEADER_BYTES : HEADER_BYTES + nbytes].clone().view(dtype).view(shape)
+            payload = read_payload(buf, raw, dtype, shape, copy=2 * nbytes < buf.numel())
         else:
             payload = torch.empty(shape, dtype=dtype, device=self.device)
             group.recv([payload], group_peer, 0).wait()
@@ -373,15 +300,38 @@ class Transport:
 
 
 def send_thread() -> bool:
-    """Whether gloo sends go through a sender thread: ``RRFP_SEND_THREAD`` 1 (the default) or 0, or
-    ``auto``: only when this host's ranks times torch's threads outnumber its cores."""
-    text = os.environ.get("RRFP_SEND_THREAD", "1").strip().lower()
+    """Whether gloo sends go through a sender thread: ``RRFP_SEND_THREAD`` 1 or 0, or ``auto`` (the
+    default): only when this host's ranks times torch's threads outnumber its cores."""
+    text = os.environ.get("RRFP_SEND_THREAD", "auto").strip().lower()
     if text in ("1", "0"):
         return text == "1"
     if text != "auto":
         raise TransportError(f"RRFP_SEND_THREAD must be 0, 1 or auto, got {text!r}")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return local * torch.get_num_threads() > (os.cpu_count() or 1)
+
+
+def cuda_receive() -> str:
+    """How CUDA receives complete: ``event`` (the default: posted receives polled through CUDA events by
+    the runtime loop, rrfp.exec.cuda_recv) or ``thread`` (a receiver thread blocked in NCCL per channel,
+    as on gloo); ``RRFP_CUDA_RECV`` picks one. Neither has run on a GPU yet (README)."""
+    text = os.environ.get("RRFP_CUDA_RECV", "event").strip().lower()
+    if text not in ("event", "thread"):
+        raise TransportError(f"RRFP_CUDA_RECV must be event or thread, got {text!r}")
+    return text
+
+
+def _polled_inbox(
+    channels: dict[tuple[int, int], Any], me: int, to_global: Any, device: torch.device,
+    inbound: dict[int, tuple[int, Any, int]], transport: Transport,
+) -> Any:  # fmt: skip
+    from rrfp.exec.cuda_recv import NcclPoster, PolledChannel, PolledInbox, warm_channels
+
+    warm_channels(channels, me, to_global, device)  # before any receive is posted (see there)
+    polled = [
+        PolledChannel(peer, NcclPoster(g, gp, device), transport._local) for peer, g, gp in inbound.values()
+    ]
+    return PolledInbox(polled, transport.announcements)
 
 
 def _endpoint(peer: int, group: Any) -> tuple[int, Any, int]:
@@ -407,11 +357,3 @@ class _thread_stream:
     def __exit__(self, *exc: object) -> None:
         if self._ctx is not None:
             self._ctx.__exit__(*exc)
-
-
-def _one_line(e: BaseException) -> str:
-    """First line of the error, without gloo's source location and boilerplate advice."""
-    text = str(e).strip().splitlines()
-    line = text[0] if text else type(e).__name__
-    line = line.split("] ", 1)[-1] if line.startswith("[") else line
-    return line.split(". This is typically", 1)[0][:200]

@@ -34,12 +34,14 @@ from rrfp.exec.check import digest, local_grads
 from rrfp.exec.config import RunConfig
 from rrfp.exec.data import run_batch
 from rrfp.exec.layers import TPContext
+from rrfp.exec.megatron import GroupComm, MegatronRuntime, align_messages, variable_shapes
+from rrfp.exec.memory import batch_act_bytes
 from rrfp.exec.model import Stage, build_stage
 from rrfp.exec.runtime import PipelineRuntime, RankContext
 from rrfp.exec.stage import StageRunner
 from rrfp.exec.synthetic import Injector, SyntheticRunner
 from rrfp.exec.topology import Groups, Topology
-from rrfp.plan.budget import resolve_budget
+from rrfp.plan.budget import ByteBudget, parse_byte_item, position_bytes, resolve_budget
 from rrfp.plan.sources import make_hint
 from rrfp.study.trial import TrialId
 from rrfp.traces.trace import TraceRecorder
@@ -88,6 +90,10 @@ class TrialOutcome:
     trace: Any = None
     calibration: dict[str, Any] | None = None
     """backfill's measured mean costs and message time (ms), once calibrated."""
+    peak_bytes: int = 0
+    """Byte mode: most activation bytes held at once on this rank, over all iterations."""
+    saved: list[tuple[int, int]] = field(default_factory=list)
+    """Byte mode, real model: (measured, predicted) activation bytes of every forward of this rank."""
 
 
 class RrfpTrial:
@@ -97,7 +103,10 @@ class RrfpTrial:
         cfg, topo = ctx.cfg, ctx.topo
         self.ctx, self.trial, self.cfg = ctx, trial, cfg
         hint = make_hint(trial.hint, cfg.pp, cfg.microbatches, cfg.virtual_stages)
-        budgets = resolve_budget(trial.budget, hint)
+        self.bytes = byte_item(cfg, trial)
+        """Token mode: the budget in bytes (rrfp.plan.budget.ByteBudget); slots are then the hint's peak,
+        for the record only."""
+        budgets = resolve_budget(None if self.bytes is not None else trial.budget, hint)
         self.policy = get_policy(trial.policy)
         """The policy asked for; backfill's clocked phase plans with a calibrated copy of it."""
         self.sched = RankScheduler(hint, topo.pp_rank, self.policy, budgets[topo.pp_rank])
@@ -105,10 +114,24 @@ class RrfpTrial:
         injector = Injector(cfg.jitter, cfg.cv, cfg.inject_ms, cfg.seed, topo.dp_rank)
         self.recorder = recorder(cfg, trial, topo.coords, budgets)
         loop = dataclasses.replace(ctx.loop, recorder=self.recorder)
-        self.runtime = PipelineRuntime(loop, self.sched, self.runner, index, injector)
+        self.runtime = self._runtime(loop, index, injector)
         params = [p for m in self.stages.values() for p in m.parameters()]
         self.opt = torch.optim.SGD(params, lr=cfg.lr) if params else None
         self.out = TrialOutcome(topo.coords(), budget=self.sched.budget)
+        self._act: Any = None  # byte mode: this iteration's predicted bytes per (stage, microbatch)
+
+    def _runtime(self, loop: RankContext, index: int, injector: Injector) -> PipelineRuntime:
+        """rrfp's loop over the transport; with ``--send megatron`` a fixed trial runs Megatron-core's
+        blocking P2P calls on the pipeline group instead (rrfp.exec.megatron; the preflight checked that
+        it runs the 1f1b order)."""
+        if self.cfg.send != "megatron" or self.trial.policy != "fixed":
+            return PipelineRuntime(loop, self.sched, self.runner, index, injector)
+        ctx = self.ctx
+        comm = GroupComm(ctx.groups.pp, ctx.topo.global_rank, ctx.device)
+        return MegatronRuntime(
+            loop, self.sched, self.runner, index, injector, comm, variable_shapes(self.cfg), self.trial.label,
+            ctx.device,
+        )  # fmt: skip
 
     def _build(self, spec: Any) -> tuple[dict[int, Stage], Any]:
         cfg, topo = self.cfg, self.ctx.topo
@@ -124,7 +147,8 @@ class RrfpTrial:
             s: build_stage(cfg.model, s, spec.num_stages, cfg.seed, cfg.microbatches, tp).to(device)
             for s in spec.stages_of(topo.pp_rank)
         }
-        return stages, StageRunner(stages, spec.num_stages, cfg.deterministic)
+        runner = StageRunner(stages, spec.num_stages, cfg.deterministic, measure=cfg.tokens is not None)
+        return stages, runner
 
     def step(self, it: int) -> None:
         """Iteration ``it``: barrier, run every task, DP all-reduce, optimizer step; record the time."""
@@ -146,6 +170,9 @@ class RrfpTrial:
         out.losses.append(self.runner.loss)
         out.overhead.append(stats.overhead_per_task)
         out.peak = max(out.peak, self.sched.peak)  # the scheduler's peak restarts every iteration
+        out.peak_bytes = max(out.peak_bytes, self.sched.peak_bytes)
+        if self._act is not None:  # what each forward kept, beside the formula's prediction
+            out.saved += [(b, int(self._act[s, m, 0])) for s, m, b in getattr(self.runner, "saved", ())]
         if isinstance(self.policy, Backfill) and not self.runtime.clocked and it + 1 >= cfg.warmup:
             self._calibrate(self.policy)
 
@@ -171,6 +198,8 @@ class RrfpTrial:
         out = self.out
         out.digest = digest(out.grads[0]) if out.grads else None
         out.trace = self.recorder.frame() if self.recorder is not None else None
+        if out.trace is not None and isinstance(self.runtime, MegatronRuntime):  # every rank has a recorder
+            out.trace = align_messages(out.trace, self.ctx.groups.ctrl)
         return out
 
     def _begin(self, it: int) -> None:
@@ -179,6 +208,7 @@ class RrfpTrial:
         if isinstance(self.runner, SyntheticRunner):
             self.runner.begin(it)
             sample = self.runner.sample
+            self._use_bytes(None if sample is None else sample.act_bytes)
             if self.cfg.tokens is not None and sample is not None and sample.tokens is not None:
                 images = [0] * len(sample.tokens) if sample.images is None else sample.images.tolist()
                 self.runtime.sizes = (sample.tokens.tolist(), [int(x) for x in images])
@@ -187,7 +217,19 @@ class RrfpTrial:
         batch, sizes = run_batch(self.cfg, ctx.topo.dp_rank, it)
         if sizes is not None:
             self.runtime.sizes = (sizes.tokens_per_microbatch.tolist(), sizes.images_per_microbatch.tolist())
+        if self.bytes is not None:
+            act = batch_act_bytes(self.cfg.model, batch, self.sched.hint.spec.num_stages, self.cfg.tp)
+            self._use_bytes(act)
         self.runner.begin([mb.to(ctx.device) for mb in batch])
+
+    def _use_bytes(self, act: Any) -> None:
+        """Byte mode: this iteration's byte deltas and budget for the runtime to hand the scheduler."""
+        self._act = act
+        if self.bytes is None or act is None:
+            return
+        sched = self.sched
+        deltas = position_bytes(sched.hint.plan.wiring(sched.rank), act)
+        self.runtime.memory = (deltas, self.bytes.resolve(sched.rank, deltas, sched.hint.name))
 
     def _dp_allreduce(self, it: int) -> None:
         """Average gradients over the DP replicas (one flat buffer per stage)."""
@@ -207,6 +249,14 @@ class RrfpTrial:
         if self.recorder is not None:
             o, rank = self.ctx.origin, self.ctx.topo.rank
             self.recorder.add("allreduce", it, rank, None, start - o, time.monotonic() - o, nbytes=nbytes)
+
+
+def byte_item(cfg: RunConfig, trial: TrialId) -> ByteBudget | None:
+    """Token mode counts memory in bytes: the trial's budget as a byte item (``Nx`` or bytes; preflight
+    refused the rest); None: slots."""
+    if cfg.tokens is None or trial.is_baseline:
+        return None
+    return parse_byte_item(trial.budget or "1x", cfg.pp)
 
 
 def keep_grads(out: TrialOutcome, stages: dict[int, Any], it: int, cfg: RunConfig) -> None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from rrfp.exec import faults, liveness
 from rrfp.exec.board import BoardError, open_board
 from rrfp.exec.check import Reference, compare_run, reference
-from rrfp.exec.config import RunConfig, switch_interval
+from rrfp.exec.config import RunConfig, clocked_policy, switch_interval
 from rrfp.exec.report import announce, emit
 from rrfp.exec.results import ExecMeasures, exec_result
 from rrfp.exec.runtime import RankContext
@@ -236,6 +236,8 @@ class Worker:
             calibration=outs[0].calibration if outs else None,
             check=check,
             grad_digest=grad_digest,
+            peak_bytes=tuple(_per_pp(outs, lambda o: o.peak_bytes)) if cfg.tokens is not None else (),
+            memory_check=memory_check(outs),
             trace=tuple(o.trace for o in outs if o.trace is not None),
         )
         rrfp_scheduled = not trial.is_baseline  # torch's schedules hold no rrfp peaks or budgets
@@ -260,6 +262,16 @@ def _overhead_us(outs: list[TrialOutcome], warmup: int) -> float | None:
     """Median over ranks of each rank's median per-task loop overhead (None: not measured)."""
     per_rank = [statistics.median(o.overhead[warmup:]) for o in outs if o.overhead[warmup:]]
     return 1e6 * statistics.median(per_rank) if per_rank else None
+
+
+def memory_check(outs: list[TrialOutcome]) -> dict[str, Any] | None:
+    """Every rank's forwards: measured activation bytes against the prediction (None: not measured)."""
+    pairs = [p for o in outs for p in o.saved]
+    if not pairs:
+        return None
+    worst = max(abs(m - p) / p for m, p in pairs if p) if any(p for _, p in pairs) else 0.0
+    return {"forwards": len(pairs), "measured_bytes": sum(m for m, _ in pairs),
+            "predicted_bytes": sum(p for _, p in pairs), "max_rel_error": worst}  # fmt: skip
 
 
 def _per_pp(outs: list[TrialOutcome], value: Any) -> list[Any]:
@@ -294,7 +306,7 @@ def resolve_announce(cfg: RunConfig, one_host: bool) -> str:
         raise BoardError("--announce board needs every rank on one host; use all, backward or none")
     if cfg.announce != "auto":
         return cfg.announce
-    clocked = any(t.policy == "backfill" for t in cfg.trials if not t.is_baseline)
+    clocked = any(clocked_policy(t.policy) for t in cfg.trials if not t.is_baseline)
     return "board" if one_host and clocked and cfg.pp > 1 else "all"
 
 

@@ -13,10 +13,19 @@ nor pandas.
 
 from rrfp.dispatch.backfill import Backfill, BackfillError, unit_costs
 from rrfp.dispatch.driver import DeadlockError, Run, TimingError, run_reference
+from rrfp.dispatch.guarded import Guarded
 from rrfp.dispatch.policies import Policy, PolicyError, get_policy, policy_names, register_policy
 from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
 from rrfp.dispatch.tp import agree
-from rrfp.plan.budget import BudgetError, hint_peaks, order_peak, resolve_budget
+from rrfp.plan.budget import (
+    BudgetError,
+    InfeasibleBudget,
+    hint_peaks,
+    order_peak,
+    parse_bytes,
+    position_bytes,
+    resolve_budget,
+)
 from rrfp.plan.hints import Hint, HintError, hint_names
 from rrfp.plan.sources import hint_orders, make_hint
 from rrfp.plan.spec import PipelineSpec, SpecError
@@ -30,8 +39,10 @@ __all__ = [
     "BackfillError",
     "BudgetError",
     "DeadlockError",
+    "Guarded",
     "Hint",
     "HintError",
+    "InfeasibleBudget",
     "Op",
     "PipelineSpec",
     "Policy",
@@ -51,7 +62,9 @@ __all__ = [
     "hint_peaks",
     "make_hint",
     "order_peak",
+    "parse_bytes",
     "policy_names",
+    "position_bytes",
     "register_policy",
     "resolve_budget",
     "run_reference",

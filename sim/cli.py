@@ -35,7 +35,14 @@ import click
 from click.core import ParameterSource
 
 from rrfp.errors import UserError
-from rrfp.study.execution import AUTO, EXECUTION_OPTIONS, parse_workers, without_execution_args
+from rrfp.study.execution import (
+    AUTO,
+    DASK_ENV,
+    EXECUTION_OPTIONS,
+    execution,
+    parse_workers,
+    without_execution_args,
+)
 from rrfp.study.options import (
     TOKEN_SHARED,
     click_options,
@@ -63,7 +70,8 @@ def _split(text: str) -> tuple[str, ...]:
 # rrfp-run has too come from the one shared table (rrfp.study.options.SHARED), which the dataclasses
 # take their defaults from.
 _D = option_defaults()
-SHARED_NAMES = ("stages", "microbatches", "virtual_stages", "hints", "policies", "memory_budget", "jitter",
+SHARED_NAMES = ("stages", "microbatches", "virtual_stages", "hints", "policies", "memory_budget",
+                "gpu_memory", "send", "jitter",
                 "cv", "seed", "iterations", "warmup", "progress", "version", *TOKEN_SHARED)  # fmt: skip
 """The shared options both commands take (compare adds --json and --trace-out); the token-mode ones
 (rrfp.sim.token_cli) apply with --lengths or --scenario."""
@@ -93,8 +101,6 @@ _OPTIONS: list[Callable[[Any], Any]] = [
                  help="Bytes/s per link direction (inf: size is free)."),
     click.option("--contention/--no-contention", default=_D["contention"], show_default=True,
                  help="One transfer at a time per link direction."),
-    click.option("--send", default=_D["send"], show_default=True,
-                 help="Fixed baseline's sends: eager, megatron or rendezvous (rrfp is always eager)."),
     click.option("--tp", type=int, default=_D["tp"], show_default=True, help="Tensor-parallel degree."),
     click.option("--dp", type=int, default=_D["dp"], show_default=True, help="Data-parallel replicas."),
     click.option("--grad-bytes", type=float, default=_D["grad_bytes"], show_default=True,
@@ -152,10 +158,16 @@ def _workers_callback(ctx: click.Context, param: click.Parameter, value: str) ->
 
 
 def workers_option(what: str) -> Callable[[Any], Any]:
-    """``--workers N|auto``: an execution setting, outside the options a config is built from."""
-    return click.option("--workers", "workers", default=AUTO, show_default=True, callback=_workers_callback,
-                        help=f"Processes for {what}: N, or auto (in this process for small runs, else the "
-                        "cores this process may use). Results are the same whatever the number.")  # fmt: skip
+    """``--workers N|auto`` and ``--dask ADDRESS``: execution settings, outside the options a config is
+    built from (rrfp.study.execution)."""
+    return with_options([
+        click.option("--workers", "workers", default=AUTO, show_default=True, callback=_workers_callback,
+                     help=f"Processes for {what}: N, or auto (in this process for small runs, else the "
+                     "cores this process may use). Results are the same whatever the number."),
+        click.option("--dask", "dask", default=None, envvar=DASK_ENV, show_envvar=True, metavar="ADDRESS",
+                     help=f"Run {what} on the Dask cluster whose scheduler is at ADDRESS (needs the dask "
+                     "extra; not with --workers N). Results are the same."),
+    ])  # fmt: skip
 
 
 class _DefaultGroup(one_line_errors(click.Group, PROG, os_errors=True)):  # type: ignore[misc]
@@ -201,6 +213,7 @@ def cli() -> None:
 def compare(
     ctx: click.Context,
     workers: int | str,
+    dask: str | None,
     json: bool,
     trace_out: str | None,
     plot: str | None,
@@ -229,6 +242,7 @@ def compare(
     check_suffix(plot, PLOT_SUFFIXES, "--plot")
     given = given_options(ctx)
     command = study_command(ctx)
+    ctx.with_resource(execution(workers, dask))  # the Dask client, if any, closes with the command
     if replay is not None:
         _replay(replay, replay_run, replay_timing, values, given, json, trace_out, plot, command, workers)
         return
@@ -341,6 +355,7 @@ def sweep(
     plot: str | None,
     progress: bool | None,
     workers: int | str,
+    dask: str | None,
     resume: bool,
     **values: Any,
 ) -> None:
@@ -360,6 +375,7 @@ def sweep(
     explicit = given | {name for name, _ in axes}  # ...but they override a --scenario's values
     typed = sorted(given - EXECUTION_OPTIONS - {"out", "plot"})  # what the sweep computes, nothing else
     journal = Journal(out, {"values": values, "grid": axes, "given": typed}, resume=resume)
+    ctx.with_resource(execution(workers, dask))  # the Dask client, if any, closes with the command
     frame = run_sweep(
         values,
         axes,

@@ -24,12 +24,14 @@ from typing import Any
 
 from rrfp.dispatch.policies import policy_names
 from rrfp.errors import UserError
+from rrfp.plan.budget import parse_bytes
 from rrfp.plan.hints import CLASS_HINTS, SEQUENCE_HINTS, hint_names
 from rrfp.plan.sources import task_count
 from rrfp.plan.spec import MAX_DEGREE, MAX_TASKS, too_many_tasks
 from rrfp.study.options import MAX_CV, MAX_ITERATIONS, MAX_SECONDS, MAX_SEED, parse_budgets
 from rrfp.study.options import defaults as shared_defaults
 from rrfp.traces.fit import FittedWorkload
+from rrfp.workload.memory import MemoryModel
 from rrfp.workload.model import WorkloadConfig
 from rrfp.workload.tokens import TokenWorkload
 
@@ -176,6 +178,14 @@ class ExperimentConfig:
     memory_budget: str = SHARED["memory_budget"]
     """Activation budgets per rank, a comma list: each a factor of the hint's own peak (``1x``, ``2x``)
     or a whole number of slots; every (hint, policy) runs at each (:attr:`budgets`)."""
+    gpu_memory: str | None = None
+    """Token mode: one device's memory (``80GiB``); the ``device`` budget is it less each rank's static
+    bytes (rrfp.sim.memory)."""
+    bytes_per_param: float | None = None
+    """Token mode: bytes of weights, gradients and optimizer state per parameter; None: 18, or
+    ``6 + 12/dp`` with :attr:`distributed_optimizer` (rrfp.workload.memory)."""
+    distributed_optimizer: bool = False
+    """Token mode: the fp32 optimizer state is sharded over dp (Megatron's distributed optimizer)."""
     workload: WorkloadConfig | FittedWorkload | TokenWorkload = field(default_factory=default_workload)
     """What tasks cost: a workload model, per-stage fits of a recorded trace (rrfp.traces.fit), or a
     token-level workload (rrfp.workload.tokens: sizes drawn from real sample lengths)."""
@@ -217,6 +227,53 @@ class ExperimentConfig:
             )
         if self.cluster.send == "megatron":
             self._check_megatron()
+        self._check_memory()
+
+    @property
+    def byte_mode(self) -> bool:
+        """Memory counts in bytes: the workload has a model description (token mode)."""
+        return isinstance(self.workload, TokenWorkload)
+
+    def _check_memory(self) -> None:
+        """Byte-mode options only in token mode; budget items of the right kind (rrfp.sim.memory)."""
+        memory = {"gpu_memory": self.gpu_memory is not None,
+                  "bytes_per_param": self.bytes_per_param is not None,
+                  "distributed_optimizer": bool(self.distributed_optimizer)}  # fmt: skip
+        if not self.byte_mode:
+            given = [k for k, v in memory.items() if v]
+            if given:
+                flags = ", ".join("--" + k.replace("_", "-") for k in given)
+                raise ConfigError(
+                    f"{flags}: memory in bytes needs a model description (--lengths or --scenario)"
+                )
+            for item in self.budgets:
+                if item.lower() == "device" or parse_bytes(item) is not None:
+                    raise ConfigError(
+                        f"--memory-budget {item}: a byte budget needs a model description (--lengths or "
+                        "--scenario); without one budgets count activation slots"
+                    )
+            return
+        MemoryModel(bytes_per_param=self.bytes_per_param, distributed_optimizer=self.distributed_optimizer,
+                    tp=self.cluster.tp, dp=self.cluster.dp)  # fmt: skip
+        cap = None if self.gpu_memory is None else parse_bytes(str(self.gpu_memory))
+        if self.gpu_memory is not None and cap is None:
+            raise ConfigError(f"--gpu-memory {self.gpu_memory!r} must be bytes with a unit, like 80GiB")
+        for item in self.budgets:
+            self._check_byte_item(item, cap)
+
+    def _check_byte_item(self, item: str, cap: int | None) -> None:
+        if item.isdigit():
+            raise ConfigError(
+                f"--memory-budget {item}: token mode counts memory in bytes -- give Nx, bytes like 40GiB, "
+                "or device with --gpu-memory"
+            )
+        if item.lower() == "device" and cap is None:
+            raise ConfigError("--memory-budget device needs --gpu-memory (one device's capacity, e.g. 80GiB)")
+        if cap is not None and parse_bytes(item) is not None:
+            raise ConfigError(
+                f"--memory-budget {item} and --gpu-memory: give one -- a byte budget per rank, or the "
+                "device's capacity (budget device: the capacity less each rank's weights)"
+            )
 
     def _check_names(self) -> None:
         if not self.hints or not self.policies:
@@ -277,7 +334,8 @@ class ExperimentConfig:
 
 # -- rrfp-sim's options ------------------------------------------------------------------------------
 EXPERIMENT_OPTIONS = ("stages", "microbatches", "virtual_stages", "hints", "policies", "seeds", "seed",
-                      "iterations", "warmup", "memory_budget")  # fmt: skip
+                      "iterations", "warmup", "memory_budget", "gpu_memory", "bytes_per_param",
+                      "distributed_optimizer")  # fmt: skip
 """Options that are :class:`ExperimentConfig` fields of the same name."""
 CLUSTER_OPTIONS = ("tp", "dp", "comm_latency", "bandwidth", "contention", "send", "grad_bytes")
 """Options that are :class:`ClusterConfig` fields of the same name."""

@@ -48,8 +48,8 @@ from typing import Any
 import numpy as np
 
 from rrfp.dispatch.backfill import Backfill, CostModel
-from rrfp.dispatch.policies import Policy
-from rrfp.plan.budget import resolve_budget
+from rrfp.dispatch.policies import Policy, get_policy
+from rrfp.plan.budget import InfeasibleBudget, resolve_budget
 from rrfp.plan.hints import Hint
 from rrfp.plan.sources import make_hint, task_count
 from rrfp.plan.spec import PROGRESS_TASKS, PipelineSpec
@@ -67,6 +67,7 @@ from rrfp.workload.model import IterationSample, Workload
 
 from .config import BASELINE_POLICY, ExperimentConfig
 from .megatron import variable_shapes
+from .memory import ByteBudget, byte_budget
 from .model import ClusterModel, ModelRun
 
 _SHARED = ("seq", "images", "straggler")  # one draw per DP replica, shared by its TP members (same data)
@@ -85,6 +86,8 @@ class PlannedRun:
     baseline: TrialId | None
     model: ClusterModel | None = None
     budget_text: str = "1x"
+    byte_budget: ByteBudget | None = None
+    """Byte mode (token mode): the budget item in bytes, resolved per iteration (rrfp.sim.memory)."""
 
 
 @dataclass
@@ -113,6 +116,11 @@ class RunStats:
     """Per replication: the mean of iteration time / that shared bound (the table's time/LB)."""
     budget_text: str = "1x"
     """The memory budget as given (``1x``, ``2x``, ``6``)."""
+    infeasible: str | None = None
+    """Byte mode: why the run could not follow its hint within the budget (the first replication and
+    iteration that could not); its measurements are then empty."""
+    peak_bytes: list[int] = field(default_factory=list)
+    """Byte mode: most activation bytes per pipeline rank, max over replications."""
 
     def trial_results(self, source: str = "sim", trial: TrialId | None = None) -> list[TrialResult]:
         """One :class:`TrialResult` per replication, the shape a real run's results share; ``trial``
@@ -189,12 +197,20 @@ def plan_runs(cfg: ExperimentConfig, step: Step | None = None) -> list[PlannedRu
                 run_hint = base_hint if policy == BASELINE_POLICY else hint
                 key = TrialId(policy, run_hint.name, budget_label(text))
                 if key not in planned:
-                    budget = resolve_budget(text, run_hint)
-                    planned[key] = PlannedRun(key, run_hint, budget, None, budget_text=text)
+                    planned[key] = _planned(cfg, key, run_hint, text)
     pairs = fixed_baselines(list(planned), lambda h: bases.get(h, h))
     for key, p in planned.items():
         p.baseline = pairs.get(key)
     return list(planned.values())
+
+
+def _planned(cfg: ExperimentConfig, key: TrialId, hint: Hint, text: str) -> PlannedRun:
+    """One run's budgets: slots from ``text``, or in byte mode bytes (slots then at the hint's peak, for
+    the record: admission counts bytes)."""
+    if not cfg.byte_mode:
+        return PlannedRun(key, hint, resolve_budget(text, hint), None, budget_text=text)
+    bb = byte_budget(text, cfg, hint.spec)
+    return PlannedRun(key, hint, resolve_budget(None, hint), None, budget_text=text, byte_budget=bb)
 
 
 def build_models(cfg: ExperimentConfig, plans: list[PlannedRun], step: Step | None = None) -> None:
@@ -212,6 +228,7 @@ def build_models(cfg: ExperimentConfig, plans: list[PlannedRun], step: Step | No
             msg_bytes=mean_msg_bytes(cfg.workload, p.hint.spec),
             send=send,
             shapes_vary=variable_shapes(cfg.workload),  # megatron's shape handshake (rrfp.sim.megatron)
+            byte_budget=p.byte_budget,
         )
 
 
@@ -222,13 +239,15 @@ def mean_msg_bytes(workload: Workload, spec: PipelineSpec) -> float:
 
 
 def run_policy(cfg: ExperimentConfig, hint: Hint, name: str) -> str | Policy:
-    """The policy a run uses: the registered name, except ``backfill``, which plans with the workload's
-    mean cost per (stage, op) and the mean message time (latency + bytes / bandwidth; comm multipliers
-    have mean 1) -- expectations, never the realised durations it will meet."""
-    if name != Backfill.name:
+    """The policy a run uses: the registered name, except ``backfill`` and the policies built on it
+    (``guarded``), which plan with the workload's mean cost per (stage, op) and the mean message time
+    (latency + bytes / bandwidth; comm multipliers have mean 1) -- expectations, never the realised
+    durations they will meet."""
+    kind = type(get_policy(name))
+    if not issubclass(kind, Backfill):
         return name
     latency = cfg.cluster.transfer_time(mean_msg_bytes(cfg.workload, hint.spec))
-    return Backfill(expected=expected_cost_model(cfg.workload, hint.spec), latency=latency)
+    return kind(expected=expected_cost_model(cfg.workload, hint.spec), latency=latency)
 
 
 def expected_cost_model(workload: Workload, spec: PipelineSpec) -> CostModel:
@@ -348,21 +367,27 @@ def measure(
     stats.measured.append(tuple(float(t) for t in times))
     stats.held.append(tuple(int(p) for p in out.peaks))
     stats.bounds.append(tuple(float(b) for b in lbs))
+    if out.peak_bytes is not None:
+        old = stats.peak_bytes or [0] * len(out.peak_bytes)
+        stats.peak_bytes = [max(a, b) for a, b in zip(old, out.peak_bytes, strict=True)]
 
 
 # -- the experiment ----------------------------------------------------------------------------------
 def run_experiment(
-    cfg: ExperimentConfig, *, progress: bool | None = None, trace: bool = False, workers: int | str = 1
-) -> ExperimentResult:
+    cfg: ExperimentConfig, *, progress: bool | None = None, trace: bool = False, workers: int | str = 1,
+    plans: list[PlannedRun] | None = None,
+) -> ExperimentResult:  # fmt: skip
     """Run every planned (hint, policy) for ``cfg.seeds`` replications on common random numbers.
 
     ``progress``: a tqdm bar on stderr (None: only when stderr is a terminal and the run takes > 1 s).
     ``trace``: record replication 0 of every run (all iterations) as trace rows (in this process).
     ``workers``: processes for the replications (rrfp.study.execution; ``auto``: by size); the result
     is the same whatever their number -- replication i draws from index i, combined in order.
+    ``plans``: :func:`plan_runs` of ``cfg`` made by the caller (a sweep plans every cell on the client,
+    so a CSV hint's file is read there, once, and not by a worker that may not see it).
     """
     building = BuildProgress(cfg, progress)
-    plans = plan_runs(cfg, building.step)
+    plans = plan_runs(cfg, building.step) if plans is None else plans
     n = 1 if trace else resolve_workers(workers, cfg.seeds, estimate_seconds(cfg, len(plans)))
     if n > 1:
         building.done()
@@ -377,7 +402,9 @@ def run_experiment(
             p.key, p.baseline, *paired_speedup(stats[p.baseline].iteration_time, stats[p.key].iteration_time)
         )
         for p in plans
-        if p.baseline is not None and p.baseline in stats
+        if p.baseline is not None
+        and p.baseline in stats
+        and not (stats[p.key].infeasible or stats[p.baseline].infeasible)
     ]
     group_bounds(plans, stats)
     return ExperimentResult(cfg, [stats[p.key] for p in plans], speedups, traces)
@@ -391,8 +418,14 @@ def _replications(
     traces: list[TraceRecorder] = []
     for rep, p, samples in _progress(cfg, plans, progress, reps):
         assert p.model is not None
+        if stats[p.key].infeasible:
+            continue
         recorder = _recorder(cfg, p, rep) if trace and rep == 0 else None
-        out = p.model.run(samples, recorder)
+        try:
+            out = p.model.run(samples, recorder)
+        except InfeasibleBudget as e:
+            _mark_infeasible(stats[p.key], str(e.at(replication=rep)))
+            continue
         if recorder is not None:
             traces.append(recorder)
         measure(cfg, p, out, samples, stats[p.key])
@@ -433,8 +466,26 @@ def _parallel_stats(
 _PER_REP = ("iteration_time", "throughput", "bubble", "lower_bound", "lb_ratio", "measured", "held", "bounds")
 
 
+def _mark_infeasible(stats: RunStats, why: str) -> None:
+    """The run could not follow its hint within its budget: keep why, drop what it measured (a run is
+    reported whole or not at all, whatever the worker count)."""
+    stats.infeasible = why
+    for name in _PER_REP:
+        getattr(stats, name).clear()
+    stats.peaks, stats.peak_bytes = [], []
+
+
 def _extend(into: RunStats, part: RunStats) -> None:
-    """Append ``part``'s replications to ``into`` (the later ones); peaks are the max of both."""
+    """Append ``part``'s replications to ``into`` (the later ones); peaks are the max of both. The first
+    infeasible part (in replication order) makes the whole run infeasible."""
+    if into.infeasible:
+        return
+    if part.infeasible:
+        _mark_infeasible(into, part.infeasible)
+        return
+    if part.peak_bytes:
+        old = into.peak_bytes or [0] * len(part.peak_bytes)
+        into.peak_bytes = [max(a, b) for a, b in zip(old, part.peak_bytes, strict=True)]
     for name in _PER_REP:
         getattr(into, name).extend(getattr(part, name))
     into.peaks = [max(a, b) for a, b in zip(into.peaks or [0] * len(part.peaks), part.peaks, strict=True)]
@@ -454,7 +505,8 @@ def group_bounds(plans: list[PlannedRun], stats: dict[TrialId, RunStats]) -> Non
     groups: dict[tuple[int, int, str], list[RunStats]] = {}
     for p in plans:
         spec = p.hint.spec
-        groups.setdefault((spec.num_stages, spec.microbatches, spec.placement), []).append(stats[p.key])
+        if not stats[p.key].infeasible:
+            groups.setdefault((spec.num_stages, spec.microbatches, spec.placement), []).append(stats[p.key])
     for members in groups.values():
         for rep in range(len(members[0].bounds)):
             shared = np.min([m.bounds[rep] for m in members], axis=0)

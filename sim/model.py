@@ -58,6 +58,7 @@ from rrfp.dispatch.driver import deadlock_error
 from rrfp.dispatch.policies import Policy, get_policy
 from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.dispatch.tp import agree
+from rrfp.plan.budget import InfeasibleBudget, position_bytes
 from rrfp.plan.hints import Hint, gc_paused
 from rrfp.plan.task import Op, Task
 from rrfp.traces.trace import TraceRecorder
@@ -66,6 +67,7 @@ from rrfp.workload.model import IterationSample
 from .config import BASELINE_POLICY, ClusterConfig, ConfigError
 from .engine import InstantEnvironment
 from .megatron import Megatron
+from .memory import ByteBudget, scaled
 from .rendezvous import Rendezvous, receive_orders
 
 Samples = Sequence[Sequence[Sequence[IterationSample]]]  # [iteration][dp][tp]
@@ -84,6 +86,8 @@ class ModelRun:
     """Most activations any member of each pipeline rank held at once, over all iterations."""
     finish: np.ndarray
     """Seconds from the iteration's start to the end of each (iteration, dp, pipeline rank)'s last task."""
+    peak_bytes: list[int] | None = None
+    """Byte mode: most activation bytes any member of each pipeline rank held, over all iterations."""
 
 
 class _RankPlan:
@@ -344,16 +348,20 @@ class ClusterModel:
         msg_bytes: float = 0.0,
         send: str | None = None,
         shapes_vary: bool = False,
+        byte_budget: ByteBudget | None = None,
     ) -> None:
         """``policy``: a registered name, or an instance (e.g. ``Backfill`` with the workload's expected
         costs) that every scheduler of the run shares. ``send`` defaults to ``cluster.send_mode(policy)``;
         rendezvous and megatron need the fixed policy. ``shapes_vary``: megatron runs a shape handshake
-        before each call (rrfp.sim.megatron.variable_shapes says when Megatron would)."""
+        before each call (rrfp.sim.megatron.variable_shapes says when Megatron would). ``byte_budget``:
+        memory counts in bytes (each sample's ``act_bytes``), this budget resolved per iteration
+        (rrfp.sim.memory); a run it cannot fit raises :class:`rrfp.plan.budget.InfeasibleBudget`."""
         name = policy if isinstance(policy, str) else policy.name
         send = cluster.send_mode(name) if send is None else send
         if send in ("rendezvous", "megatron") and name != BASELINE_POLICY:
             raise ConfigError(f"send {send!r} needs the fixed policy; {name!r} is always eager")
         self.hint, self.policy, self.cluster = hint, name, cluster
+        self.byte_budget = byte_budget
         self.clocked = (get_policy(policy) if isinstance(policy, str) else policy).needs_clock
         self.pp, self.tp, self.dp = hint.spec.pp, cluster.tp, cluster.dp
         self.rendezvous = Rendezvous(self.transfer) if send == "rendezvous" else None
@@ -423,6 +431,7 @@ class ClusterModel:
         busy = np.zeros((n, self.dp, self.pp))
         finish = np.zeros((n, self.dp, self.pp))
         peaks = [0] * self.pp
+        peak_bytes = [0] * self.pp
         times: list[float] = []
         for it, sample in enumerate(samples):
             self.iteration = it
@@ -437,9 +446,10 @@ class ClusterModel:
                     busy[it, d, r] = w.busy_time
                     finish[it, d, r] = w.finish - start
                     peaks[r] = max(peaks[r], *(s.peak for s in w.scheds))
+                    peak_bytes[r] = max(peak_bytes[r], *(s.peak_bytes for s in w.scheds))
             self._advance_to(barrier)
         self.recorder = None
-        return ModelRun(times, busy, peaks, finish)
+        return ModelRun(times, busy, peaks, finish, peak_bytes if self.byte_budget is not None else None)
 
     def _check_samples(self, samples: Samples) -> None:
         spec = self.hint.spec
@@ -467,6 +477,8 @@ class ClusterModel:
             for w in row:
                 w.reset()
                 self._load(w, sample[d], tables)
+                if self.byte_budget is not None:
+                    self._use_bytes(w, sample[d])
                 if self.rendezvous is not None:
                     self.rendezvous.post_receives(w)
                 w.mark()
@@ -482,6 +494,19 @@ class ClusterModel:
         durs = [table[plan.opcode, plan.stage, plan.mb] for table in tables]
         w.dur = (durs[0] if len(durs) == 1 else np.max(durs, axis=0)).tolist()
         w.tx = [self._tx(s, plan) for s in sample]
+
+    def _use_bytes(self, w: _Worker, sample: Sequence[IterationSample]) -> None:
+        """Byte mode: this iteration's byte deltas and budget into each member's scheduler."""
+        assert self.byte_budget is not None
+        wiring = self.hint.plan.wiring(w.r)
+        for sched, s in zip(w.scheds, sample, strict=True):
+            if s.act_bytes is None:
+                raise ConfigError("byte budgets need samples with act_bytes (a token-mode workload)")
+            deltas = position_bytes(wiring, scaled(s.act_bytes, self.tp))
+            try:
+                sched.use_bytes(deltas, self.byte_budget.resolve(w.r, deltas, self.hint.name))
+            except InfeasibleBudget as e:
+                raise e.at(self.iteration) from None
 
     def _tx(self, s: IterationSample, plan: _RankPlan) -> list[float]:
         """Transfer seconds of each position's message: (latency + bytes / bandwidth) x comm jitter, the
@@ -584,6 +609,8 @@ class ClusterModel:
         s = self._current[w.d][0]  # the replica's data: the same for its TP members
         sizes = {} if s.tokens is None else {"tokens": int(s.tokens[task.mb]), "images": _images(s, task.mb)}
         for gid, sched in zip(w.gids, w.scheds, strict=True):
+            if self.byte_budget is not None:
+                sizes["held_bytes"] = sched.held_bytes
             self.recorder.add("compute", self.iteration, gid, task, start, end, held=sched.held, **sizes)
 
 

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from rrfp.plan.budget import format_bytes
 from rrfp.study import schema
 from rrfp.study.compare import Comparison, budget_note, legend, verdict
 from rrfp.study.options import costs_text
@@ -49,7 +50,10 @@ from .experiment import ExperimentResult, RunStats, interval
 
 
 def _run_dict(s: RunStats) -> dict[str, Any]:
+    if s.infeasible:
+        return _infeasible_dict(s)
     bubble = np.mean(s.bubble, axis=0)  # (pp,): mean over replications
+    extra = {"peak_bytes": [int(p) for p in s.peak_bytes]} if s.peak_bytes else {}
     return {
         **trial_fields(s.key, s.budget_text),
         "iteration_time": schema.interval(*interval(s.iteration_time)),
@@ -65,6 +69,16 @@ def _run_dict(s: RunStats) -> dict[str, Any]:
         "group_lower_bound_ratio": {"mean": number(np.mean(s.group_lb_ratio))},
         "peak_activations": [int(p) for p in s.peaks],
         "budget": [int(s.budget[r]) for r in sorted(s.budget)],
+        **extra,
+    }
+
+
+def _infeasible_dict(s: RunStats) -> dict[str, Any]:
+    """A run whose budget its hint order cannot fit: no numbers, and why (byte mode)."""
+    return {
+        **trial_fields(s.key, s.budget_text),
+        "iteration_time": schema.interval(math.nan, math.nan, math.nan),
+        "infeasible": s.infeasible,
     }
 
 
@@ -96,6 +110,10 @@ TOKEN_BASE = ("costs", "jitter", "cv", "jitter_samples", "imbalance", "straggler
 message size are not: token mode derives them)."""
 
 
+BYTE_OPTIONS = ("gpu_memory", "bytes_per_param", "distributed_optimizer")
+"""ExperimentConfig fields that only mean something in byte mode (token mode)."""
+
+
 def token_dict(w: TokenWorkload) -> dict[str, Any]:
     """A token workload in the JSON ``config``: ``mode: tokens``, every token option and the samples'
     summary (TokenWorkload.describe), then the base workload's fields it uses (:data:`TOKEN_BASE`)."""
@@ -111,6 +129,9 @@ def result_dict(
     option's source)."""
     cfg = config_dict(result.config)
     cfg["microbatches"] = result.config.m
+    if not result.config.byte_mode:  # memory in slots: the config as before byte mode (goldens)
+        for key in BYTE_OPTIONS:
+            del cfg[key]
     cfg.update(extra or {})
     budgets = {s.key: s.budget_text for s in result.stats}
     speedups = []
@@ -185,6 +206,12 @@ def peak_range(peaks: list[int] | tuple[int, ...]) -> str:
     return str(high) if low == high else f"{low}-{high}"
 
 
+def byte_range(peaks: list[int]) -> str:
+    """Peak activation bytes over the pipeline ranks as ``min-max``."""
+    low, high = format_bytes(min(peaks)), format_bytes(max(peaks))
+    return high if low == high else f"{low}-{high}"
+
+
 def comparisons(result: ExperimentResult) -> list[Comparison]:
     """The experiment's speedups as rrfp.study.compare reads them."""
     return [Comparison(s.key, s.baseline, s.mean, s.ci_low, s.ci_high, s.paired) for s in result.speedups]
@@ -209,6 +236,9 @@ def format_table(result: ExperimentResult, header: list[str] | None = None) -> s
     columns = ["trial", "iteration time s [95% CI]", "bubble", "time/LB", "peak act", "speedup [95% CI]"]
     rows = []
     for s in result.stats:
+        if s.infeasible:
+            rows.append([s.key.label, "infeasible (see below)", "-", "-", "-", ""])
+            continue
         mean, low, high = interval(s.iteration_time)
         sp = speed.get(s.key)
         rows.append(
@@ -217,12 +247,16 @@ def format_table(result: ExperimentResult, header: list[str] | None = None) -> s
                 _ci(mean, low, high, ".4g"),
                 f"{np.mean(s.bubble):.3f}",
                 f"{np.mean(s.group_lb_ratio):.3f}",
-                peak_range(s.peaks),
+                peak_range(s.peaks) if not s.peak_bytes else byte_range(s.peak_bytes),
                 "" if sp is None else f"{_ci(sp.mean, sp.ci_low, sp.ci_high, '.4f')} vs {sp.baseline.label}",
             ]
         )
     comps = comparisons(result)
-    notes = [verdict(comps)]
+    infeasible = [f"{s.key.label}: {s.infeasible}" for s in result.stats if s.infeasible]
+    summary = verdict(comps)
+    if infeasible and not comps:
+        summary = "summary: nothing to compare: a run and its fixed baseline must both fit their budget"
+    notes = [summary, *infeasible]
     note = budget_note(comps, [s.key.budget for s in result.stats])
     return "\n".join([describe(result), *(header or []), "", *render(columns, rows), "", *notes,
                       *([note] if note else []), "", *legend(COLUMNS)])  # fmt: skip

@@ -99,7 +99,7 @@ def run_sweep(
 
     from rrfp.study.execution import resolve_workers, run_jobs
 
-    from .experiment import estimate_seconds
+    from .experiment import estimate_seconds, plan_runs
 
     points = grid_configs(base, axes, build)
     done = journal.open() if journal is not None else {}
@@ -107,7 +107,9 @@ def run_sweep(
         print(f"rrfp-sim: resuming: {len(done)} of {len(points)} grid points from {journal.path}",
               file=sys.stderr, flush=True)  # fmt: skip
     todo = [i for i in range(len(points)) if i not in done]
-    jobs = [(cell_name(points[i][0]), points[i]) for i in todo]
+    # Planned here: a CSV hint's file is read on the client, once per point, not by a worker (which
+    # may run elsewhere, in another directory); planning errors come out before any point runs.
+    jobs = [(cell_name(points[i][0]), (*points[i], plan_runs(points[i][1]))) for i in todo]
     seconds = sum(estimate_seconds(cfg, len(cfg.hints) * len(cfg.policies)) for _, cfg in points)
     n = resolve_workers(workers, max(1, len(jobs)), seconds)
     enabled = sys.stderr.isatty() if progress is None else progress
@@ -130,11 +132,17 @@ def cell_name(point: dict[str, Any]) -> str:
     return " ".join(f"{k.replace('_', '-')}={v}" for k, v in point.items())
 
 
-def cell_job(point: dict[str, Any], cfg: ExperimentConfig) -> list[dict[str, Any]]:
-    """One grid point's CSV rows (a worker's job: picklable in, picklable out)."""
+def cell_job(
+    point: dict[str, Any], cfg: ExperimentConfig, plans: list[Any] | None = None
+) -> list[dict[str, Any]]:
+    """One grid point's CSV rows (a worker's job: picklable in, picklable out); ``plans``: the point's
+    planned runs, made by the caller (copied: the models built into them stay this job's)."""
+    from dataclasses import replace
+
     from .experiment import run_experiment
 
-    return result_rows(point, run_experiment(cfg, progress=False))
+    own = None if plans is None else [replace(p) for p in plans]
+    return result_rows(point, run_experiment(cfg, progress=False, plans=own))
 
 
 def result_rows(point: dict[str, Any], result: Any) -> list[dict[str, Any]]:
@@ -155,16 +163,25 @@ def result_rows(point: dict[str, Any], result: Any) -> list[dict[str, Any]]:
                 "iteration_time": r["iteration_time"]["mean"],
                 "iteration_time_ci_low": r["iteration_time"]["ci_low"],
                 "iteration_time_ci_high": r["iteration_time"]["ci_high"],
-                "bubble_fraction": r["bubble_fraction"]["mean"],
-                "lower_bound_ratio": r["lower_bound_ratio"]["mean"],
-                "peak_activations": max(r["peak_activations"]),
+                "bubble_fraction": r.get("bubble_fraction", {}).get("mean"),  # absent: infeasible
+                "lower_bound_ratio": r.get("lower_bound_ratio", {}).get("mean"),
+                "peak_activations": max(r["peak_activations"]) if "peak_activations" in r else None,
                 "baseline": None if sp is None else sp["baseline"]["trial"],
                 "speedup": None if sp is None else sp["mean"],
                 "ci_low": None if sp is None else sp["ci_low"],
                 "ci_high": None if sp is None else sp["ci_high"],
+                **(_byte_columns(r) if result.config.byte_mode else {}),
             }
         )
     return rows
+
+
+def _byte_columns(r: dict[str, Any]) -> dict[str, Any]:
+    """Byte mode's columns: the peak bytes over the ranks, and why a run was infeasible (else empty)."""
+    return {
+        "peak_bytes": max(r["peak_bytes"]) if "peak_bytes" in r else None,
+        "infeasible": r.get("infeasible"),
+    }
 
 
 def write_sweep(frame: pd.DataFrame, out: str | Path, plot: str | Path | None, x: str) -> None:

@@ -22,13 +22,15 @@ from typing import Any
 import click
 
 from rrfp.errors import UserError
+from rrfp.workload.memory import RECOMPUTE
 from rrfp.workload.scenarios import apply_scenario, describe_scenarios, scenario_names
 from rrfp.workload.tokens import DERIVED_OPTIONS, TOKEN_OPTIONS, TokenWorkload, check_token_options
 
 from .config import ExperimentConfig
+from .memory import DEVICE
 from .tokens import token_config
 
-SIM_ONLY = ("vision_hidden", "dtype_bytes")
+SIM_ONLY = ("vision_hidden", "dtype_bytes", "recompute", "vocab")
 """Token options rrfp-sim has and rrfp-run does not (its model's vision width is --hidden, its messages
 are what the model computes)."""
 MODE_OPTIONS = ("scenario", *TOKEN_OPTIONS)
@@ -40,6 +42,17 @@ OPTIONS: list[Callable[[Any], Any]] = [
                  help="Token mode: vision encoder width [--hidden]."),
     click.option("--dtype-bytes", type=int, default=_FIELD_DEFAULTS["dtype_bytes"], show_default=True,
                  help="Token mode: bytes per activation element (a message is tokens x width x this)."),
+    click.option("--recompute", type=click.Choice(RECOMPUTE), default=_FIELD_DEFAULTS["recompute"],
+                 show_default=True,
+                 help="Token mode: activation recomputation -- selective keeps 34sbh per layer (the backward "
+                      "re-runs the attention scores), full keeps the layer inputs (the backward re-runs the "
+                      "forward)."),
+    click.option("--vocab", type=int, default=_FIELD_DEFAULTS["vocab"], show_default=True,
+                 help="Token mode: vocabulary size, for the embedding and LM head weights (0: not counted)."),
+    click.option("--bytes-per-param", type=float, default=None,
+                 help="Token mode: bytes per trained parameter [18: weights 2, grads 4, master 4, Adam 8]."),
+    click.option("--distributed-optimizer", is_flag=True, default=False,
+                 help="Token mode: optimizer state sharded over dp (6 + 12/dp bytes per parameter)."),
     click.option("--scenario", default=None,
                  help=f"Token mode: a named set of option values ({', '.join(scenario_names())}); an option "
                       "given explicitly overrides its value. Each value's source: rrfp-sim scenarios."),
@@ -115,9 +128,12 @@ def build(
             "and --encoder gives the multimodal structure"
         )
     options = {k: v for k, v in {**rest, **token}.items() if k not in (*DERIVED_OPTIONS, "workload")}
+    if "gpu_memory" in given and "memory_budget" not in given:
+        options["memory_budget"] = DEVICE  # a device's capacity given: budget by it (rrfp.sim.memory)
     if scenario is None:
         return Built(token_config(options))
-    applied = apply_scenario(scenario, {k: v for k, v in options.items() if k in given})
+    explicit = {k: v for k, v in options.items() if k in given or (k == "memory_budget" and v == DEVICE)}
+    applied = apply_scenario(scenario, explicit)
     return Built(token_config(applied.values), scenario, applied.values, applied.sources)
 
 

@@ -66,6 +66,9 @@ TABLE = {
     "images_mean": (("--images-mean",), "float", 1.0, 1.0),
     "images_cv": (("--images-cv",), "float", 0.0, 0.0),
     "version": (("--version",), "version", None, None),
+    "gpu_memory": (("--gpu-memory",), "text", None, None),
+    "send": (("--send",), "text", "eager", "eager"),
+    "mb_order": (("--mb-order",), "text", "none", "none"),
 }
 COMMANDS = {"rrfp-sim": sim_cli.cli.commands["compare"], "rrfp-run": run_main}
 

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import pickle
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rrfp.exec.check import CheckResult
 from rrfp.exec.config import RunConfig
 from rrfp.exec.launch import EXIT_FAIL, EXIT_OK, exit_code
-from rrfp.exec.report import as_json, as_row, table
+from rrfp.exec.report import as_json, as_row, compact_json, table
 from rrfp.exec.results import ExecMeasures, exec_result, measures, without_trace
 from rrfp.study.result import TrialResult
 from rrfp.study.trial import TrialId
@@ -131,3 +135,28 @@ def test_importing_every_exec_module_leaves_rrfp_sim_out() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
+
+
+_SCALARS = (
+    st.none() | st.booleans() | st.integers() | st.text() | st.floats(allow_nan=False, allow_infinity=False)
+)
+
+
+@settings(max_examples=examples(300))
+@given(
+    doc=st.recursive(
+        _SCALARS, lambda inner: st.lists(inner) | st.dictionaries(st.text(), inner), max_leaves=30
+    )
+)
+def test_compact_json_is_the_same_json(doc: object) -> None:
+    """rrfp-run's --json puts lists of plain values on one line (128 ranks stay readable); only the
+    whitespace may change."""
+    assert json.loads(compact_json(doc)) == doc
+
+
+def test_compact_json_puts_plain_lists_on_one_line() -> None:
+    doc = {"peaks": list(range(128)), "rows": [{"a": [1.5, None, "x, y"]}], "nested": [[1], [2]]}
+    lines = compact_json(doc).splitlines()
+    assert ' "peaks": [' + ", ".join(map(str, range(128))) + "]," in lines
+    assert '   "a": [1.5, null, "x, y"]' in lines
+    assert "  [1]," in lines  # a list of lists keeps one element per line

@@ -59,11 +59,11 @@ def _stopped_sweep(tmp_path: Path, after: int, monkeypatch: pytest.MonkeyPatch) 
     real = sweep_mod.cell_job
     calls = []
 
-    def stop(point, cfg):  # type: ignore[no-untyped-def]
+    def stop(point, cfg, *plans):  # type: ignore[no-untyped-def]
         if len(calls) == after:
             raise KeyboardInterrupt
         calls.append(point)
-        return real(point, cfg)
+        return real(point, cfg, *plans)
 
     monkeypatch.setattr(sweep_mod, "cell_job", stop)
     out = tmp_path / "s.csv"

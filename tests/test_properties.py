@@ -187,6 +187,11 @@ def held_peak(spec: rrfp.PipelineSpec, events: list[tuple[Task, float, float]]) 
     """
     changes = [(start, 1, +1) for t, start, _ in events if spec.acquires(t)]
     changes += [(end, 0, -1) for t, _, end in events if spec.releases(t)]
+    return running_peak(changes)
+
+
+def running_peak(changes: list[tuple[float, int, int]]) -> int:
+    """The highest running total of (time, order at one instant, delta) changes, applied in order."""
     held = peak = 0
     for _, _, delta in sorted(changes):
         held += delta

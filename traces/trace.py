@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
 SCHEMA_VERSION = 3
 PLAIN_VERSION = 2  # what a frame without token data is written as (its files unchanged by v3)
-TOKEN_COLUMNS = ("tokens", "images")  # v3's columns: a frame may lack them (no token data)
+TOKEN_COLUMNS = ("tokens", "images", "held_bytes")  # v3's columns: a frame may lack them (no token data)
 KINDS = ("compute", "send", "recv", "wait", "allreduce")
 OP_NAMES = tuple(op.value for op in OPS)  # the op column's values (besides "" for no task)
 
@@ -77,9 +77,15 @@ COLUMNS: dict[str, str] = {
     "budget": "int",  # v2: activation budget of the row's pipeline rank in its run; -1 if not recorded
     "tokens": "int",  # v3: compute rows in token mode: text tokens of the task's microbatch; else -1
     "images": "int",  # v3: compute rows in token mode: images of the task's microbatch; else -1
+    "held_bytes": "int",  # v3: compute rows in byte mode: activation bytes held (as held); else -1
 }
 # Columns added after v1: (version that added it, the value older files get).
-ADDED: dict[str, tuple[int, Any]] = {"budget": (2, -1), "tokens": (3, -1), "images": (3, -1)}
+ADDED: dict[str, tuple[int, Any]] = {
+    "budget": (2, -1),
+    "tokens": (3, -1),
+    "images": (3, -1),
+    "held_bytes": (3, -1),
+}
 # Rows are grouped by run identity first, so a merged frame keeps each run contiguous; within one run
 # this is the (iteration, rank, start) order of the contract.
 SORT_KEYS = ("run", "policy", "hint", "seed", "iteration", "rank", "start")
@@ -141,10 +147,14 @@ class TraceRecorder:
         msg: int = -1,
         tokens: int = -1,
         images: int = -1,
+        held_bytes: int = -1,
     ) -> None:
         """Append one event. Values are checked once, in :meth:`frame` (keeps this call cheap).
-        ``tokens``/``images``: a compute row's microbatch sizes in token mode (v3)."""
-        self._rows.append((kind, iteration, rank, task, start, end, nbytes, held, peer, msg, tokens, images))
+        ``tokens``/``images``: a compute row's microbatch sizes in token mode (v3); ``held_bytes``: the
+        activation bytes held in byte mode (v3)."""
+        self._rows.append(
+            (kind, iteration, rank, task, start, end, nbytes, held, peer, msg, tokens, images, held_bytes)
+        )
 
     def extend(self, other: TraceRecorder) -> None:
         """Merge ``other``'s rows (a snapshot: rows added to ``other`` later are not seen)."""
@@ -168,8 +178,8 @@ class TraceRecorder:
         import pandas as pd
 
         n = len(self._rows)
-        kind, iteration, rank, tasks, start, end, nbytes, held, peer, msg, tokens, images = (
-            zip(*self._rows, strict=True) if n else ((),) * 12
+        kind, iteration, rank, tasks, start, end, nbytes, held, peer, msg, tokens, images, held_bytes = (
+            zip(*self._rows, strict=True) if n else ((),) * 13
         )
         ints = lambda v: np.fromiter(v, dtype=np.int64, count=n)  # noqa: E731
         floats = lambda v: np.fromiter(v, dtype=np.float64, count=n)  # noqa: E731
@@ -182,7 +192,7 @@ class TraceRecorder:
         cols.update(run=[self.run] * n, policy=[self.policy] * n, hint=[self.hint] * n, seed=self.seed)
         cols.update(zip(("pp_rank", "tp_rank", "dp_rank"), self._coord_columns(cols["rank"]), strict=True))
         cols["budget"] = ints(self.budget.get(int(r), -1) for r in cols["pp_rank"])
-        cols.update(tokens=ints(tokens), images=ints(images))
+        cols.update(tokens=ints(tokens), images=ints(images), held_bytes=ints(held_bytes))
         return pd.DataFrame({name: cols[name] for name in COLUMNS}, index=pd.RangeIndex(n))
 
     def _coord_columns(self, ranks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -301,6 +311,8 @@ def _token_checks(col: dict[str, np.ndarray], is_compute: np.ndarray) -> list[tu
         ("images", images < -1, "must be >= 0, or -1 for n/a"),
         ("tokens", ~is_compute & (tokens != -1), "only compute rows carry tokens (-1 elsewhere)"),
         ("images", (tokens == -1) != (images == -1), "tokens and images are recorded together"),
+        ("held_bytes", col["held_bytes"] < -1, "must be >= 0, or -1 for n/a"),
+        ("held_bytes", ~is_compute & (col["held_bytes"] != -1), "only compute rows carry held_bytes"),
     ]
 
 

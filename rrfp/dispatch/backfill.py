@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
 from rrfp.dispatch.policies import Policy, register_policy
@@ -154,6 +154,11 @@ class Backfill(Policy):
         # Plans by compiled order and rank, shared by every scheduler of that rank (TP members, DP
         # replicas, a class hint and its reference); weak, so they go with the hint's plan.
         self._plans: WeakKeyDictionary[CompiledPlan, dict[int, _Plan]] = WeakKeyDictionary()
+
+    def knobs(self) -> dict[str, Any]:
+        """The parameters that are the policy's own choice, not its cost model or its driver's
+        announcements: what a calibrated copy keeps (``type(p)(expected=..., **p.knobs())``)."""
+        return {"window": self.window, "margin": self.margin}
 
     # -- Policy interface -------------------------------------------------------------------
     def pick(self, s: SchedulerView) -> Task | None:

@@ -16,11 +16,12 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from numbers import Real
+from typing import Any
 
 from rrfp.dispatch.policies import Policy
 from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.errors import InternalError, UserError
-from rrfp.plan.budget import BudgetError
+from rrfp.plan.budget import BudgetError, position_bytes, sequence_peak
 from rrfp.plan.hints import Hint, HintError
 from rrfp.plan.task import Task
 
@@ -53,6 +54,8 @@ class Run:
 
     log: dict[int, list[tuple[Task, float, float]]] = field(default_factory=dict)
     peak: dict[int, int] = field(default_factory=dict)
+    peak_bytes: dict[int, int] = field(default_factory=dict)
+    """Byte mode (``act`` given): the most activation bytes each rank held."""
 
     @property
     def makespan(self) -> float:
@@ -69,20 +72,21 @@ def run_reference(
     *,
     budget: Mapping[int, int] | None = None,
     latency: Latency | float = 0.0,
+    act: Any = None,
+    byte_budget: Mapping[int, int] | None = None,
 ) -> Run:
     """Run one iteration of ``hint`` under ``policy`` with the given task durations.
 
     ``duration`` is a mapping with every task of the hint (checked in bulk, once) or a function of a
     task (each value checked as it is drawn, once per task); ``latency`` is a constant or a function
     (producer, consumer) -> seconds for cross-rank messages (checked likewise); ``budget`` maps each
-    rank to a whole number of activations (:func:`rrfp.resolve_budget`). Every time must be a finite
-    number >= 0: anything else raises :class:`TimingError` (a user error) before it enters the clock.
-    """
-    if not isinstance(hint, Hint):
-        raise HintError(f"run_reference needs a Hint (rrfp.make_hint), got {type(hint).__name__}")
+    rank to a whole number of activations (:func:`rrfp.resolve_budget`). Byte mode: ``act`` is an array
+    (stages, microbatches, 2) of the bytes each forward holds and W keeps
+    (rrfp.plan.budget.position_bytes), ``byte_budget`` each rank's bytes (default: the hint order's byte
+    peak; below it: :class:`rrfp.plan.budget.InfeasibleBudget`). Every time must be a finite number >= 0:
+    anything else raises :class:`TimingError` (a user error) before it enters the clock."""
+    scheds = _schedulers(hint, policy, budget, act, byte_budget)
     spec = hint.spec
-    budgets = _budgets(budget, spec.pp)
-    scheds = {r: RankScheduler(hint, r, policy, budgets[r]) for r in range(spec.pp)}
     dur = _durations(hint, duration)
     lat = _latencies(latency)
     run = Run(log={r: [] for r in range(spec.pp)})
@@ -119,7 +123,29 @@ def run_reference(
                 seq += 1
     _check_all_done(hint, scheds, now)
     run.peak = {r: s.peak for r, s in scheds.items()}
+    run.peak_bytes = {r: s.peak_bytes for r, s in scheds.items()} if act is not None else {}
     return run
+
+
+def _schedulers(
+    hint: Hint, policy: str | Policy, budget: object, act: Any, byte_budget: Mapping[int, int] | None
+) -> dict[int, RankScheduler]:
+    """One scheduler per rank, checked: slot budgets, and in byte mode this iteration's bytes."""
+    if not isinstance(hint, Hint):
+        raise HintError(f"run_reference needs a Hint (rrfp.make_hint), got {type(hint).__name__}")
+    budgets = _budgets(budget, hint.spec.pp)
+    scheds = {r: RankScheduler(hint, r, policy, budgets[r]) for r in range(hint.spec.pp)}
+    if act is not None:
+        _use_bytes(hint, scheds, act, byte_budget)
+    return scheds
+
+
+def _use_bytes(
+    hint: Hint, scheds: Mapping[int, RankScheduler], act: Any, byte_budget: Mapping[int, int] | None
+) -> None:
+    for r, s in scheds.items():
+        deltas = position_bytes(hint.plan.wiring(r), act)
+        s.use_bytes(deltas, sequence_peak(deltas) if byte_budget is None else byte_budget[r])
 
 
 def _check_all_done(hint: Hint, scheds: Mapping[int, RankScheduler], now: float) -> None:

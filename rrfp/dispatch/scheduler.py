@@ -29,7 +29,7 @@ Only forwards take memory, so only forwards can be refused by hint-safe admissio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from heapq import heappop, heappush
 from numbers import Integral
 from weakref import WeakKeyDictionary
@@ -37,7 +37,7 @@ from weakref import WeakKeyDictionary
 from rrfp.dispatch.policies import Policy, PolicyError, get_policy
 from rrfp.dispatch.segtree import MaxPrefixTree
 from rrfp.errors import InternalError
-from rrfp.plan.budget import BudgetError
+from rrfp.plan.budget import BudgetError, InfeasibleBudget, sequence_peak
 from rrfp.plan.compiled import RankWiring
 from rrfp.plan.hints import Hint, HintError
 from rrfp.plan.spec import SpecError
@@ -83,6 +83,8 @@ class RankScheduler:
         self._ready_forwards0 = sum(1 for r, f in zip(wiring.ready, self.is_forward, strict=True) if r and f)
         self._source: Callable[[int], float | None] | None = None  # listen(): pulled announcements
         self.budget = _checked_budget(hint, rank, budget, wiring.peak)
+        self.budget_bytes: int | None = None
+        """Byte mode (:meth:`use_bytes`): this iteration's activation budget in bytes; None: slots."""
         self.reset()
 
     def reset(self) -> None:
@@ -97,6 +99,10 @@ class RankScheduler:
         self.head = 0  # first position not yet started: what `fixed` waits for
         self.held = 0  # activation slots held now (in-flight forwards included)
         self.peak = 0
+        self.held_bytes = 0  # byte mode: activation bytes held now
+        self.peak_bytes = 0
+        self._bytes: list[int] | None = None  # byte mode: this iteration's byte delta per position
+        self._tdelta = self._delta  # the deltas admission's tree holds (slots, or bytes)
         self._tree = self._tree0.copy()
         self._since: dict[int, float] = {}  # position -> announced start of its cross-rank producer
         self._fheap: list[int] = list(ranking.fheap)  # the initially ready positions' priorities
@@ -132,6 +138,9 @@ class RankScheduler:
         self._completed += 1
         if self._releases[pos]:
             self.held -= 1
+        b = self._bytes
+        if b is not None and b[pos] < 0:  # B, I and W give bytes back when they end
+            self.held_bytes += b[pos]
         need = self._need
         c = self._feeds[pos]  # its local consumers, written out twice: this runs once per task
         if c >= 0:
@@ -173,13 +182,18 @@ class RankScheduler:
             self.held += 1
             if self.held > self.peak:
                 self.peak = self.held
+            b = self._bytes
+            if b is not None:
+                self.held_bytes += b[pos]
+                if self.held_bytes > self.peak_bytes:
+                    self.peak_bytes = self.held_bytes
         if pos == self.head:
             started, n = self._started, len(self.tasks)
             head = pos + 1
             while head < n and started[head]:
                 head += 1
             self.head = head
-        elif self._delta[pos]:
+        elif self._tdelta[pos]:
             # Out of hint order: take its delta out of the remaining-order tree (a 0 is already 0).
             self._tree.set(pos, 0)
 
@@ -216,7 +230,39 @@ class RankScheduler:
             return True
         head = self.head
         ahead = self._tree.max_prefix(head, pos) if pos > head else 0
-        return self.held + self._delta[pos] + ahead <= self.budget
+        b = self._bytes
+        if b is None:
+            return self.held + self._delta[pos] + ahead <= self.budget
+        return self.held_bytes + b[pos] + ahead <= self.budget_bytes  # type: ignore[operator]
+
+    def headroom(self) -> int:
+        """How much more memory than now (slots; bytes in byte mode) the rank may take right now
+        without breaking hint-safe admission: the budget less what is held less the highest point the
+        rest of the hint order from the head still climbs to (out-of-order starts already taken out).
+        Never negative while the driver keeps to the protocol (following the hint stays feasible);
+        O(log n), one query of admission's tree. Not on the hot path of any built-in policy."""
+        ahead = self._tree.max_prefix(self.head, len(self.tasks))
+        if self._bytes is None:
+            return self.budget - self.held - ahead
+        return self.budget_bytes - self.held_bytes - ahead  # type: ignore[operator]
+
+    def use_bytes(self, deltas: Sequence[int], budget: int) -> None:
+        """Byte mode for this iteration (call after :meth:`reset`, before any start): ``deltas`` is each
+        position's bytes (+ taken by an F when it starts, - given back by B, I or W when they end:
+        rrfp.plan.budget.position_bytes), ``budget`` the bytes this rank may hold. Admission then
+        counts bytes (slots are still counted, for traces); :class:`InfeasibleBudget` if the hint order
+        itself would exceed ``budget``."""
+        if self._started.find(1) >= 0:
+            raise SchedulerError(f"rank {self.rank}: use_bytes() after a start (call it after reset())")
+        deltas = [int(d) for d in deltas]
+        if len(deltas) != len(self.tasks):
+            raise SchedulerError(f"rank {self.rank}: {len(deltas)} byte deltas for {len(self.tasks)} tasks")
+        need = sequence_peak(deltas)
+        if need > budget:
+            raise InfeasibleBudget(self.rank, need, budget, self.hint.name)
+        self._bytes = self._tdelta = deltas
+        self.budget_bytes = int(budget)
+        self._tree = MaxPrefixTree(deltas)
 
     def is_ready(self, pos: int) -> bool:
         return not self._started[pos] and self._need[pos] == 0

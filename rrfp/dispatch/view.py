@@ -45,6 +45,11 @@ class SchedulerView(Protocol):
         """Hint-safe admission: may ``pos`` start now without making the rest of the hint infeasible?"""
         ...
 
+    def headroom(self) -> int:
+        """Memory (slots, or bytes in byte mode) the rank may take beyond what it holds now without
+        breaking hint-safe admission: budget - held - the rest of the hint order's climb from the head."""
+        ...
+
     def started(self, pos: int) -> bool: ...
 
     def awaiting(self, pos: int) -> bool:

@@ -9,18 +9,28 @@ combine results in index order.
 
 :func:`run_jobs` runs jobs on such an executor, retries once a job whose worker process died (the pool
 is rebuilt), and names the jobs that failed twice.
+
+``--dask ADDRESS`` (or ``DASK_SCHEDULER_ADDRESS``) sends the jobs to a Dask distributed cluster instead,
+through Dask's own ``concurrent.futures`` interface (``Client.get_executor``): :func:`execution` connects
+(bounded by :data:`CONNECT_TIMEOUT_S`), checks that every worker runs this rrfp version, makes
+:func:`resolve_workers` and :func:`executor_for` use the cluster, and closes the client on the way out
+(errors and Ctrl-C included). Dask is imported only then; it is the optional extra ``.[dask]``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from rrfp.errors import RunFailure, UserError
+from rrfp.study.options import version
 
 T = TypeVar("T")
 AUTO = "auto"
@@ -63,7 +73,12 @@ def available_cores() -> int:
 
 def resolve_workers(workers: int | str, jobs: int, seconds: float | None = None) -> int:
     """How many processes ``workers`` means for ``jobs`` independent jobs estimated at ``seconds``
-    (None: unknown, counted as large): never more than the jobs."""
+    (None: unknown, counted as large): never more than the jobs. Inside :func:`execution` with a Dask
+    cluster: the cluster's worker threads, and never 1 -- 1 means this process, and ``--dask`` sends
+    every study to the cluster (only a traced run, which callers pin to 1, stays here)."""
+    cluster = _CLUSTER.get()
+    if cluster is not None:
+        return max(2, min(cluster.threads(), jobs))
     n = parse_workers(workers)
     if n == AUTO:
         small = jobs < AUTO_MIN_JOBS or (seconds is not None and seconds < AUTO_MIN_SECONDS)
@@ -86,9 +101,13 @@ class InlineExecutor(Executor):
 
 
 def executor_for(workers: int) -> Executor:
-    """An in-process executor for one worker, else a spawn-started local process pool."""
+    """An in-process executor for one worker, else the Dask cluster of :func:`execution` if there is
+    one, else a spawn-started local process pool."""
     if workers <= 1:
         return InlineExecutor()
+    cluster = _CLUSTER.get()
+    if cluster is not None:
+        return cluster.executor()
     return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
 
 
@@ -101,7 +120,8 @@ def run_jobs(
 ) -> Iterator[tuple[int, T]]:
     """Run ``fn(*args)`` for each (name, args) of ``jobs``; yield (index, result) as each finishes
     (any order: callers combine by index). A job whose worker died is retried once on a fresh pool;
-    twice is :class:`JobFailed` naming it. On Ctrl-C (or any error) the pool is stopped, its queued
+    twice is :class:`JobFailed` naming it (on Dask: a ``KilledWorker``, which the scheduler raises after
+    its own ``allowed-failures`` retries). On Ctrl-C (or any error) the pool is stopped, its queued
     jobs cancelled, and the exception propagates."""
     todo = dict(enumerate(jobs))
     died: dict[int, int] = {}
@@ -112,17 +132,20 @@ def run_jobs(
                 yield i, fn(*args)
                 del todo[i]
             return
+        died_errors = getattr(pool, "died_errors", (BrokenProcessPool,))
         try:
             futures = {pool.submit(fn, *args): i for i, (_, args) in todo.items()}
             for future in _as_completed(futures):
                 i = futures[future]
                 try:
                     result = future.result()
-                except BrokenProcessPool:
+                except died_errors:
                     died[i] = died.get(i, 0) + 1
                     if died[i] > 1:
                         raise JobFailed(f"{todo[i][0]}: its worker process died twice") from None
                     continue
+                except CancelledError:  # not by us (we cancel only on the way out): a lost Dask scheduler
+                    raise JobFailed(f"{todo[i][0]}: cancelled by its executor (scheduler lost?)") from None
                 del todo[i]
                 yield i, result
         finally:
@@ -154,3 +177,139 @@ def without_execution_args(argv: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+# -- a Dask distributed cluster (--dask ADDRESS) -----------------------------------------------------
+DASK_ENV = "DASK_SCHEDULER_ADDRESS"
+"""The environment variable ``--dask`` falls back to (Dask's own name for a scheduler address)."""
+CONNECT_TIMEOUT_S = 10.0
+"""Seconds to reach the scheduler, and for a first worker to join a cluster that has none yet."""
+CLOSE_TIMEOUT_S = 10.0
+DASK_EXTRA = "pip install -e '.[dask]'"
+
+
+class DaskError(UserError):
+    """``--dask``: a malformed or unreachable address, no Dask installed, no workers, or a worker on
+    another rrfp version."""
+
+
+@dataclass(frozen=True)
+class DaskCluster:
+    """A connected ``distributed.Client`` whose workers run this rrfp version (:func:`execution`)."""
+
+    client: Any
+    address: str
+
+    def threads(self) -> int:
+        """The cluster's worker threads now (an adaptive cluster's count changes)."""
+        return sum(self.client.nthreads().values())
+
+    def executor(self) -> Executor:
+        return _DaskExecutor(self.client)
+
+
+class _DaskExecutor(Executor):
+    """Dask's own executor (``Client.get_executor``), as :func:`run_jobs` stops a pool.
+
+    ``pure=False``: every submission is a new task, so a retried job is run again rather than handed
+    the failed task's result. ``died_errors``: what :func:`run_jobs` retries once."""
+
+    def __init__(self, client: Any) -> None:
+        from distributed.scheduler import KilledWorker
+
+        self._inner = client.get_executor(pure=False)
+        self.died_errors = (BrokenProcessPool, KilledWorker)
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        return self._inner.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        # Dask's executor has no cancel_futures; shutdown(wait=False) is its "cancel what is left".
+        self._inner.shutdown(wait=wait and not cancel_futures)
+
+
+_CLUSTER: ContextVar[DaskCluster | None] = ContextVar("rrfp_dask_cluster", default=None)
+
+
+@contextlib.contextmanager
+def execution(workers: int | str, dask: str | None) -> Iterator[DaskCluster | None]:
+    """Where one command's independent jobs run: with ``dask`` (an address; "" or None: none), on that
+    Dask cluster until the block ends -- the client is closed then, on errors and Ctrl-C too. ``--dask``
+    with ``--workers`` other than auto is :class:`DaskError`: each names where the jobs run."""
+    if not dask:
+        yield None
+        return
+    if parse_workers(workers) != AUTO:
+        raise DaskError(f"give --workers or --dask (or {DASK_ENV}), not both")
+    client = connect_dask(dask)
+    try:
+        check_worker_versions(client, dask)
+        cluster = DaskCluster(client, dask)
+        token = _CLUSTER.set(cluster)
+        try:
+            yield cluster
+        finally:
+            _CLUSTER.reset(token)
+    finally:
+        with contextlib.suppress(Exception):  # results are out, or an error is on its way: keep it
+            client.close(timeout=CLOSE_TIMEOUT_S)
+
+
+def connect_dask(address: str, timeout: float | None = None) -> Any:
+    """A ``distributed.Client`` on the scheduler at ``address``, reached within ``timeout`` seconds
+    (default :data:`CONNECT_TIMEOUT_S`), else :class:`DaskError` in one line."""
+    try:
+        from distributed import Client
+    except ImportError:
+        raise DaskError(f"--dask needs Dask distributed: {DASK_EXTRA}") from None
+    timeout = CONNECT_TIMEOUT_S if timeout is None else timeout
+    # Probe first: a Client whose start fails is left half-made, and its __del__ then blocks for
+    # twice the timeout and prints a traceback -- not a one-line error.
+    try:
+        _probe(address, timeout)
+    except Exception as e:  # what came back may be anything: a refusal, a bad address, garbage bytes
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DaskError(f"--dask {address}: no Dask scheduler reachable there ({reason})") from None
+    try:
+        return Client(address, timeout=timeout, set_as_default=False)
+    except Exception as e:  # pragma: no cover - the probe just reached it
+        raise DaskError(f"--dask {address}: cannot connect ({e})") from None
+
+
+def _probe(address: str, timeout: float) -> None:
+    """Open and close one comm to ``address`` with the client's security settings (Dask's config)."""
+    import asyncio
+
+    from distributed.comm import connect
+    from distributed.security import Security
+
+    async def probe() -> None:
+        comm = await connect(address, timeout=timeout, **Security().get_connection_args("client"))
+        await comm.close()
+
+    asyncio.run(probe())
+
+
+def check_worker_versions(client: Any, address: str, timeout: float | None = None) -> None:
+    """Every worker of ``client`` has this rrfp version installed (the one results record), else
+    :class:`DaskError` naming the first other worker and both versions. A cluster with no worker yet
+    gets ``timeout`` seconds (default :data:`CONNECT_TIMEOUT_S`) for one to join; workers that join
+    later are not checked."""
+    from importlib import metadata
+
+    timeout = CONNECT_TIMEOUT_S if timeout is None else timeout
+    if not client.nthreads():
+        try:
+            client.wait_for_workers(1, timeout=timeout)
+        except Exception:  # distributed's TimeoutError (its base class moved between versions)
+            raise DaskError(f"--dask {address}: no worker joined within {timeout:g} s: scale the "
+                            "cluster first") from None  # fmt: skip
+    mine = version()
+    seen = client.run(metadata.version, "rrfp", on_error="return")
+    for worker, theirs in sorted(seen.items()):
+        if isinstance(theirs, BaseException):
+            raise DaskError(f"Dask worker {worker} cannot report its rrfp version ({type(theirs).__name__}: "
+                            f"{theirs}): install rrfp {mine} there")  # fmt: skip
+        if theirs != mine:
+            raise DaskError(f"Dask worker {worker} runs rrfp {theirs}, this client rrfp {mine}: install the "
+                            "same version on every worker")  # fmt: skip

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rrfp.errors import RunFailure, UserError
+from rrfp.plan.budget import parse_bytes
 
 # Limits of the numbers both CLIs accept, so a shared option takes the same values in each.
 MAX_SEED = (1 << 63) - 1
@@ -101,7 +102,17 @@ SHARED: tuple[SharedOption, ...] = (
                  "Comma list of policies: {policies}.", "NAME[,...]"),
     SharedOption("memory_budget", ("--memory-budget",), None, "list", "1x",
                  "Comma list of activation budgets per rank: Nx = N times the hint's own peak (1x, 1.5x, "
-                 "2x), or a whole number of activation slots.", "Nx|SLOTS[,...]"),
+                 "2x), or a whole number of activation slots; in token mode (bytes) Nx, bytes like 40GiB, "
+                 "or device (--gpu-memory less each rank's weights and optimizer state).",
+                 "Nx|SLOTS|BYTES|device[,...]"),
+    SharedOption("gpu_memory", ("--gpu-memory",), None, "text", None,
+                 "One device's memory, e.g. 80GiB. rrfp-sim (token mode): budget 'device' is this less each "
+                 "rank's weights, gradients and optimizer state, and the default budget with it; rrfp-run: "
+                 "the planner keeps every rank within it [no limit].", "BYTES"),
+    SharedOption("send", ("--send",), None, "text", "eager",
+                 "The fixed baseline's sends: eager, megatron (Megatron-core's blocking, batched 1F1B P2P; "
+                 "fixed on the 1f1b order only) or rendezvous (rrfp-sim only: steady-state coupling only); "
+                 "rrfp and backfill always send eagerly.", "eager|megatron|rendezvous"),
     SharedOption("jitter", ("--jitter",), None, "text", "lognormal",
                  "Compute jitter: none, normal, lognormal, gamma, pareto, spike (rrfp-run: sampled with "
                  "--synthetic, injected as sleeps with --inject-ms).", "FAMILY"),
@@ -162,13 +173,17 @@ SHARED: tuple[SharedOption, ...] = (
                  "Token mode: mean images per sample (see --images-dist).", "X >= 0"),
     SharedOption("images_cv", ("--images-cv",), None, "float", 0.0,
                  "Token mode: CV of the image rate (see --images-dist).", "X >= 0"),
+    SharedOption("mb_order", ("--mb-order",), None, "text", "none",
+                 "Token mode: each iteration's microbatches as drawn (none), or sorted by decoder tokens, "
+                 "shortest (size-asc) or longest (size-desc) first -- for every policy, fixed included.",
+                 "none|size-asc|size-desc"),
     SharedOption("version", ("--version",), None, "version", None, "Print the version and exit.", ""),
 )  # fmt: skip
 """The shared options, in the order both CLIs list them."""
 
 TOKEN_SHARED = ("lengths", "packing", "pack_tokens", "layers", "hidden", "heads", "microbatch_size",
                 "seq_len", "encoder", "encoder_stages", "freeze_encoder", "vision_layers", "image_size",
-                "patch", "images_dist", "images_mean", "images_cv")  # fmt: skip
+                "patch", "images_dist", "images_mean", "images_cv", "mb_order")  # fmt: skip
 """The token-mode options both CLIs share (rrfp-sim adds --vision-hidden and --dtype-bytes)."""
 
 BY_NAME: dict[str, SharedOption] = {o.name: o for o in SHARED}
@@ -195,12 +210,13 @@ def version() -> str:
 
 
 # -- the memory-budget grammar -----------------------------------------------------------------------
-_BUDGET_ITEM = re.compile(r"^(\d+(\.\d+)?x|\d+)$", re.IGNORECASE)
+_BUDGET_ITEM = re.compile(r"^(\d+(\.\d+)?x|\d+|\d+(\.\d+)?\s*[a-z]+|device)$", re.IGNORECASE)
 
 
 def parse_budgets(text: str | Iterable[str]) -> tuple[str, ...]:
     """``"1x, 2x,6"`` -> ("1x", "2x", "6"): a comma list (or a sequence) of budgets, each ``Nx`` (a
-    factor of the hint's own peak) or a whole number of activation slots. Whether a factor is at least
+    factor of the hint's own peak), a whole number of activation slots, or in byte mode bytes
+    (``40GiB``) or ``device`` (rrfp.sim.memory). Whether a factor is at least
     1x, or a count covers the hint's peak, depends on the hint (rrfp.plan.budget.resolve_budget)."""
     items = text.split(",") if isinstance(text, str) else list(text)
     out = tuple(str(i).strip() for i in items if str(i).strip())
@@ -209,9 +225,10 @@ def parse_budgets(text: str | Iterable[str]) -> tuple[str, ...]:
     for item in out:
         if not _BUDGET_ITEM.match(item):
             raise OptionError(
-                f"--memory-budget item {item!r} is neither a factor like 2x nor a whole number of "
-                "activation slots"
+                f"--memory-budget item {item!r} is neither a factor like 2x, a whole number of "
+                "activation slots, bytes like 40GiB, nor device"
             )
+        parse_bytes(item)  # an unknown unit: one line
     if len({i.lower() for i in out}) != len(out):
         raise OptionError(f"--memory-budget {','.join(out)!r} names a budget twice")
     return out

@@ -283,6 +283,10 @@ class IterationSample:
     msg_bytes: np.ndarray | None = None
     """Token mode: bytes of each message, shape (num_stages, microbatches, 2), indexed like ``comm``;
     None: every message has the workload's constant ``msg_bytes``."""
+    act_bytes: np.ndarray | None = None
+    """Token mode: activation bytes of each forward (one TP rank's share before dividing by tp), shape
+    (num_stages, microbatches, 2): ``[..., 0]`` what F(s, m) holds, ``[..., 1]`` what W still needs
+    after I (rrfp.workload.memory); None: memory counts in slots."""
     _lists: dict[Op, list[list[float]]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -83,6 +83,7 @@ import numpy as np
 from rrfp.workload import rng as rngs
 from rrfp.workload.jitter import Distribution, JitterError, make_distribution
 from rrfp.workload.lengths import FirstFit, LengthsError, LengthsTable, draw_rows, lengths_table
+from rrfp.workload.memory import RECOMPUTE, MemoryModel, activation_bytes
 from rrfp.workload.model import (
     _OPS,
     IterationSample,
@@ -94,6 +95,9 @@ from rrfp.workload.model import (
 
 ENCODERS = ("none", "first", "separate")
 PACKINGS = ("none", "greedy")
+MB_ORDERS = ("none", "size-asc", "size-desc")
+"""Microbatch order per iteration: as drawn, or by decoder tokens (text + image tokens), shortest or
+longest first -- the same permutation for every policy, fixed included, and in rrfp-run."""
 DATA_COMPONENTS = ("lengths", "images")
 """Streams the samples come from (shared by a DP replica's TP members: the same data)."""
 STREAM_COMPONENTS = (*rngs.COMPONENTS, "lengths")
@@ -106,7 +110,7 @@ _REFERENCE_SEED = 0
 TOKEN_OPTIONS = ("lengths", "layers", "hidden", "heads", "microbatch_size", "seq_len", "dtype_bytes",
                  "packing", "pack_tokens", "encoder", "encoder_stages", "freeze_encoder",
                  "vision_layers", "vision_hidden", "image_size", "patch", "images_dist", "images_mean",
-                 "images_cv")  # fmt: skip
+                 "images_cv", "recompute", "vocab", "mb_order")  # fmt: skip
 """Option names of the token mode; each is the :class:`TokenWorkload` field of the same name."""
 DERIVED_OPTIONS = ("seq_cv", "msg_bytes")
 """WorkloadConfig options token mode derives from the samples (giving one is an error)."""
@@ -204,6 +208,14 @@ class TokenWorkload:
     """Mean images per sample (when the lengths have no images column)."""
     images_cv: float = 0.0
     """CV of the image-rate mixing factor."""
+    recompute: str = "none"
+    """Activation recomputation (rrfp.workload.memory): ``none``, ``selective`` (the attention scores:
+    the backward re-runs the s^2 part of the forward) or ``full`` (the backward re-runs the forward)."""
+    vocab: int = 0
+    """Vocabulary size, for the embedding and LM head parameters (rrfp.workload.memory); 0: left out."""
+    mb_order: str = "none"
+    """Microbatch order of each iteration (:data:`MB_ORDERS`): a size-aware order is a hint pass that every
+    policy sees, so its gain is never credited to readiness."""
 
     _table: LengthsTable = field(init=False, repr=False, compare=False)
     _rate: Distribution = field(init=False, repr=False, compare=False)
@@ -231,6 +243,7 @@ class TokenWorkload:
                      "image_size", "patch"):  # fmt: skip
             _integer(name, getattr(self, name), 1)
         _integer("vision_layers", self.vision_layers, 0)
+        _integer("vocab", self.vocab, 0)
         for name in ("seq_len", "pack_tokens", "vision_hidden"):
             if getattr(self, name) is not None:
                 _integer(name, getattr(self, name), 1)
@@ -243,7 +256,8 @@ class TokenWorkload:
             raise WorkloadError(f"images_mean must be a finite number >= 0, got {self.images_mean!r}")
 
     def _check_modes(self) -> None:
-        for name, choices in (("packing", PACKINGS), ("encoder", ENCODERS)):
+        for name, choices in (("packing", PACKINGS), ("encoder", ENCODERS), ("recompute", RECOMPUTE),
+                              ("mb_order", MB_ORDERS)):  # fmt: skip
             if getattr(self, name) not in choices:
                 raise WorkloadError(
                     f"{name} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
@@ -356,7 +370,20 @@ class TokenWorkload:
         else:
             rows, images, slot = self._pack(gens, microbatches * self.microbatch_size)
         mbs = self.microbatch_size
-        return BatchSizes(microbatches, self._table.tokens[rows], images, slot // mbs, slot % mbs)
+        sizes = BatchSizes(microbatches, self._table.tokens[rows], images, slot // mbs, slot % mbs)
+        return sizes if self.mb_order == "none" else self._ordered(sizes)
+
+    def _ordered(self, sizes: BatchSizes) -> BatchSizes:
+        """``sizes`` with its microbatches renumbered by decoder tokens (ties: drawn order), samples kept
+        grouped by microbatch and row."""
+        load = sizes.per_microbatch((sizes.tokens + self.image_tokens * sizes.images).astype(np.float64))
+        key = load if self.mb_order == "size-asc" else -load
+        rank = np.empty(sizes.microbatches, dtype=np.int64)
+        rank[np.argsort(key, kind="stable")] = np.arange(sizes.microbatches)
+        mb = rank[sizes.microbatch]
+        order = np.lexsort((np.arange(len(mb)), sizes.row, mb))  # by new microbatch, row, stream order
+        return BatchSizes(sizes.microbatches, sizes.tokens[order], sizes.images[order], mb[order],
+                          sizes.row[order])  # fmt: skip
 
     def _images(self, rows: np.ndarray, gen: np.random.Generator) -> np.ndarray:
         if not self.multimodal:
@@ -406,6 +433,21 @@ class TokenWorkload:
         text = dec[:, None] * dec_flops[None, :]
         vision = enc[:, None] * enc_flops[None, :]
         return text + vision, (text if self.freeze_encoder else text + vision)
+
+    def recompute_flops(self, mom: _Moments, num_stages: int) -> np.ndarray:
+        """Forward FLOPs the backward re-runs per (stage, microbatch): the trained layers' whole forward
+        (``full``), their attention-score part, the s^2 term (``selective``), or nothing."""
+        if self.recompute == "none":
+            return np.zeros((num_stages, len(mom.A1)))
+        if self.recompute == "full":
+            return self.stage_flops(mom, num_stages)[1]
+        h, hv, p = float(self.hidden), float(self.vision_width), float(self.image_tokens)
+        dec, enc = self.stage_layers(num_stages)
+        dec[-1] *= 1 + self.base.imbalance
+        out = dec[:, None] * (4 * h * mom.A2)[None, :]
+        if not self.freeze_encoder:
+            out = out + enc[:, None] * (4 * hv * p * p * mom.N)[None, :]
+        return out
 
     def expected_moments(self, microbatches: int) -> _Moments:
         """E[moments] of one microbatch (exact unpacked; packed: a fixed-stream mean, see the module
@@ -482,24 +524,26 @@ class TokenWorkload:
         slow = _straggler(self.base, gens["straggler"], ranks, pp, microbatches)
         per_flop = pp / self.normaliser(microbatches)  # = (S / v) / E[FLOPs]: seconds per FLOP per cost
         jit = self.base.distribution("compute")
+        work = {op: self.costs[op] * loads[op != "F"] for op in _OPS}
+        work["I"] = work["I"] + self.costs["F"] * self.recompute_flops(mom, num_stages)  # re-run forward
         # F, then I, then W, each a full (S, M) draw: the order of WorkloadConfig's sample_iteration.
-        arrays = {
-            op: self.costs[op] * (loads[op != "F"] * per_flop * slow) * jit.sample(gens["compute"], shape)
-            for op in _OPS
-        }
+        arrays = {op: work[op] * (per_flop * slow) * jit.sample(gens["compute"], shape) for op in _OPS}
         comm = self.base.distribution("comm").sample(gens["comm"], (*shape, 2))
         return IterationSample(
             arrays["F"], arrays["I"], arrays["W"], comm,
             images=sizes.images_per_microbatch.astype(np.float64), tokens=sizes.tokens_per_microbatch,
             msg_bytes=self.message_bytes(mom, num_stages),
+            act_bytes=activation_bytes(self, mom, num_stages, MemoryModel(recompute=self.recompute)),
         )  # fmt: skip
 
     def mean_costs(self, pp: int, num_stages: int, microbatches: int) -> dict[str, np.ndarray]:
         """Expected duration per stage of F, I, W and B = I + W, shape (num_stages,) each; no stragglers
         (as rrfp.workload.model.mean_costs)."""
-        fwd, bwd = self.stage_flops(self.expected_moments(microbatches), num_stages)
+        mom = self.expected_moments(microbatches)
+        fwd, bwd = self.stage_flops(mom, num_stages)
         per_flop = pp / self.normaliser(microbatches)
         out = {op: self.costs[op] * (fwd if op == "F" else bwd)[:, 0] * per_flop for op in _OPS}
+        out["I"] = out["I"] + self.costs["F"] * self.recompute_flops(mom, num_stages)[:, 0] * per_flop
         out["B"] = out["I"] + out["W"]
         return out
 

@@ -1,0 +1,378 @@
+"""``--send megatron``: a fixed trial runs Megatron-core's non-interleaved 1F1B P2P, call by call.
+
+The paper's baseline is Megatron-based fixed-order 1F1B. rrfp's own transport (:mod:`rrfp.exec.transport`)
+is gentler: sends never block compute, and inputs arrive in any order through receiver threads. Under
+``--send megatron`` a ``fixed`` trial on the 1f1b order (or a class hint whose reference order is 1f1b)
+bypasses that transport and runs the P2P calls of Megatron-core's
+``forward_backward_pipelining_without_interleaving`` itself, with real blocking calls on the trial's
+pipeline process group (``docs/workload_facts.md`` §1a, NVIDIA/Megatron-LM ``d98e8a64``; the simulator's
+model of the same program is ``rrfp.sim.megatron``, whose docstring lists it: warm-up and cool-down as
+separate blocking calls, the steady state as batched exchanges, ``warmup = min(pp - r - 1, m)`` on rank r;
+:func:`megatron_program` builds it and a test holds it equal to the simulator's).
+
+* **A call** is one ``torch.distributed.batch_isend_irecv`` of its operations, every request waited on
+  before the next compute (facts 1: ``_batched_p2p_ops`` and ``_communicate``'s ``req.wait()``;
+  ``batch_p2p_comm=True``), then -- on CUDA -- a device synchronize (``batch_p2p_sync=True``). Over
+  gloo a send of an unbound buffer goes out once the peer announced the matching receive, so a blocking
+  send waits for its receiver, as NCCL's does (facts 5).
+* **The shape handshake** (facts 4: ``_communicate_shapes``): when shapes vary (:func:`variable_shapes`:
+  token mode with unequal lengths, multimodal) each call is preceded by the same operations on 3-int64
+  shape tensors, waited on; the tensors then go with the received shapes -- so variable shapes work
+  (torch's own pipelining aborts on a shape change). With equal shapes the first message of each
+  channel still carries its shape once (Megatron computes it from its config; this runtime does not know
+  the model's), and every later send is checked against it.
+* **Not the rrfp transport.** The tensors never touch the transport's header+payload receiver threads:
+  the calls run on the pipeline group (``Groups.pp``, rrfp.exec.topology), which those threads never
+  receive on -- only torch's baselines use it, inside their own steps -- so a blocking receive here can
+  neither steal a channel's message nor deadlock against a receiver thread.
+* **Faults.** Every wait is declared to the heartbeat thread (:func:`rrfp.exec.liveness.waiting`), which
+  ends it after ``--timeout`` with the usual one-line fault; a peer whose connection closes is a
+  :class:`~rrfp.exec.faults.LostPeerError` naming it.
+
+The computes are exactly the 1f1b order, dispatched by the rank's ``fixed`` scheduler (each compute must be
+the scheduler's pick: a program that disagreed with the order would be an internal error), so the trace
+rows (compute, send, recv, and one ``wait`` row per call: the rank is blocked), peaks, budgets,
+``--check`` and the dumps work as for every other trial.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rrfp.dispatch.scheduler import RankScheduler
+from rrfp.errors import InternalError
+from rrfp.exec import liveness
+from rrfp.exec.config import ExecConfigError, RunConfig
+from rrfp.exec.faults import PEER_ERRORS, LostPeerError, one_line
+from rrfp.exec.runtime import LoopStats, PipelineRuntime, RankContext, Runner
+from rrfp.exec.synthetic import Injector
+from rrfp.plan.hints import Hint
+from rrfp.plan.sources import make_hint
+from rrfp.plan.task import Op, Task
+
+SHAPE_DIMS = 3
+"""Megatron's shape tensor: 3 int64 (absent dims are sent as -1 here)."""
+DTYPE = torch.float32
+"""What every pipeline message of rrfp-run's models (and --synthetic's tokens) is."""
+
+
+@dataclass(frozen=True, slots=True)
+class P2P:
+    """One operation of a call: a send to, or a receive from, pipeline rank ``peer``."""
+
+    peer: int
+    send: bool
+    task: Task
+    """The message's consumer (on the receiving rank): names the message on both sides."""
+
+    @property
+    def direction(self) -> int:
+        """0: an activation (consumed by F), 1: a gradient."""
+        return 0 if self.task.op is Op.F else 1
+
+    @property
+    def name(self) -> str:
+        """Megatron's wording: ``send_forward``, ``recv_backward``, ..."""
+        return f"{'send' if self.send else 'recv'}_{'forward' if self.direction == 0 else 'backward'}"
+
+
+Call = tuple[P2P, ...]
+"""One ``_communicate``: operations posted together and waited on together."""
+
+
+def call_name(call: Call) -> str:
+    """Megatron's name of a call: ``send_forward_recv_backward``, ``recv_forward``, ..."""
+    return "_".join(op.name for op in call)
+
+
+def megatron_program(pp: int, m: int, rank: int) -> list[Task | Call]:
+    """Rank ``rank``'s computes and calls in Megatron's order (the module docstring); calls towards a
+    missing peer are left out, as Megatron's wrappers skip them."""
+    first, last = rank == 0, rank == pp - 1
+
+    def recv_forward(mb: int) -> Call:
+        return () if first else (P2P(rank - 1, False, Task(rank, Op.F, mb)),)
+
+    def send_forward(mb: int) -> Call:
+        return () if last else (P2P(rank + 1, True, Task(rank + 1, Op.F, mb)),)
+
+    def recv_backward(mb: int) -> Call:
+        return () if last else (P2P(rank + 1, False, Task(rank, Op.B, mb)),)
+
+    def send_backward(mb: int) -> Call:
+        return () if first else (P2P(rank - 1, True, Task(rank - 1, Op.B, mb)),)
+
+    warmup = min(pp - rank - 1, m)
+    remaining = m - warmup
+    out: list[Task | Call] = []
+    for i in range(warmup):
+        out += [recv_forward(i), Task(rank, Op.F, i), send_forward(i)]
+    if remaining:
+        out.append(recv_forward(warmup))
+    for i in range(remaining):
+        steady = send_forward(warmup + i) + recv_backward(i)
+        out += [Task(rank, Op.F, warmup + i), steady, Task(rank, Op.B, i)]
+        out.append(send_backward(i) + (recv_forward(warmup + i + 1) if i < remaining - 1 else ()))
+    for i in range(remaining, m):
+        out += [recv_backward(i), Task(rank, Op.B, i), send_backward(i)]
+    return [s for s in out if s != ()]
+
+
+def runs_megatron_order(hint: Hint) -> bool:
+    """Does ``fixed`` on ``hint`` run Megatron's program's computes (one loop stage per rank, unsplit,
+    every rank's order that of :func:`megatron_program`)?"""
+    spec = hint.spec
+    if spec.virtual_stages != 1 or spec.split or spec.placement != "loop":
+        return False
+    return all(
+        tuple(s for s in megatron_program(spec.pp, spec.microbatches, r) if isinstance(s, Task))
+        == tuple(hint.orders[r])
+        for r in range(spec.pp)
+    )
+
+
+def check_send(cfg: RunConfig) -> None:
+    """Refuse ``--send megatron`` where it applies to nothing or to another order (before any worker
+    starts): it needs a fixed trial, and every fixed trial must run the 1f1b order."""
+    if cfg.send != "megatron":
+        return
+    fixed = [t for t in cfg.trials if t.policy == "fixed"]
+    if not fixed:
+        raise ExecConfigError(
+            "--send megatron applies to fixed trials (Megatron-core's 1F1B) and no trial runs fixed: "
+            "add fixed/1f1b, or drop --send"
+        )
+    for t in fixed:
+        hint = make_hint(t.hint, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+        if runs_megatron_order(hint):
+            continue
+        order = hint.reference + (" (split backward)" if hint.spec.split and hint.reference != t.hint else "")
+        runs = "its own order" if order == t.hint else f"the {order} order"
+        raise ExecConfigError(
+            f"--send megatron runs Megatron-core's non-interleaved 1F1B, so fixed must run the 1f1b order; "
+            f"fixed on hint {t.hint!r} runs {runs} (use --send eager, or leave {t.label} out)"
+        )
+
+
+def variable_shapes(cfg: RunConfig) -> bool:
+    """Would Megatron run with ``variable_seq_lengths`` (facts 2, 4)? Token mode with unequal lengths or
+    an encoder, or the multimodal model (``--synthetic``: the multimodal workload) -- the rule of
+    ``rrfp.sim.megatron.variable_shapes``, which this layer may not import."""
+    if cfg.tokens is not None:
+        return cfg.tokens.multimodal or len(np.unique(cfg.tokens.table.tokens)) > 1
+    return (cfg.workload if cfg.synthetic else cfg.model.kind) == "multimodal"
+
+
+# -- communication ---------------------------------------------------------------------------------------
+class Comm(Protocol):
+    """Posts one call's operations together and returns once every one of them completed."""
+
+    def exchange(self, ops: Sequence[tuple[P2P, torch.Tensor]], what: str) -> None: ...
+
+
+class GroupComm:
+    """:class:`Comm` over a process group: one ``batch_isend_irecv``, every request waited on (a declared
+    wait: ``--timeout`` ends it), then a device synchronize on CUDA."""
+
+    def __init__(self, group: Any, to_global: Callable[[int], int], device: torch.device) -> None:
+        self.group, self.to_global, self.device = group, to_global, device
+        if group is not None and device.type == "cuda":
+            # NCCL: the first batched P2P on a group must involve every member; a barrier is that call.
+            liveness.barrier(group, "every pipeline rank to open Megatron's P2P group", setup=True)
+
+    def exchange(self, ops: Sequence[tuple[P2P, torch.Tensor]], what: str) -> None:
+        kinds = (dist.irecv, dist.isend)
+        p2p = [dist.P2POp(kinds[op.send], t, self.to_global(op.peer), self.group) for op, t in ops]
+        with liveness.waiting(what):
+            try:
+                for work in dist.batch_isend_irecv(p2p):
+                    work.wait()
+            except RuntimeError as e:  # gloo's errors; a closed connection is the peer's death
+                if any(s in str(e) for s in PEER_ERRORS):
+                    raise LostPeerError(self.to_global(ops[0][0].peer), f"{what}: {one_line(e)}") from e
+                raise
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # batch_p2p_sync=True
+
+
+def encode_shape(shape: Sequence[int], device: torch.device) -> torch.Tensor:
+    """Megatron's 3-int64 shape tensor (-1 pads a shape of fewer dims)."""
+    if len(shape) > SHAPE_DIMS:
+        raise InternalError(f"megatron: a message of shape {tuple(shape)} has more than {SHAPE_DIMS} dims")
+    return torch.tensor([*shape, *([-1] * (SHAPE_DIMS - len(shape)))], dtype=torch.int64, device=device)
+
+
+def decode_shape(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(x) for x in t.tolist() if x >= 0)
+
+
+def align_messages(frame: Any, group: Any) -> Any:
+    """This rank's trace frame with every message's transfer starting when both ends were in their call
+    (a collective over ``group``: every rank brings its frame of the same trial).
+
+    A blocking call's rows first span the rank's whole call; an end that called early spent the time
+    waiting for its peer, not on the link. As the trace schema reads a rendezvous send (traces/README.md),
+    a ``recv`` row then runs from the later of the two calls' starts to its arrival -- the handshake round
+    and the transfer: what a replay with ``--send megatron`` charges as link time -- and a ``send`` row
+    from its call's start to that moment, when the peer matched it."""
+    msgs = frame[frame["kind"].isin(("send", "recv"))]
+    mine = dict(
+        zip(zip(msgs["kind"], msgs["msg"].tolist(), strict=True), msgs["start"].tolist(), strict=True)
+    )
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    with liveness.waiting("every rank's Megatron message times for the trace", setup=True):
+        dist.all_gather_object(everyone, mine, group=group)
+    starts = {k: v for part in everyone for k, v in part.items()}
+    out = frame.copy()
+    for kind, other in (("recv", "send"), ("send", "recv")):
+        rows = out["kind"] == kind
+        peer = out.loc[rows, "msg"].map(lambda m, o=other: starts.get((o, m), -1.0))
+        later = np.maximum(out.loc[rows, "start"], peer).clip(upper=out.loc[rows, "end"])
+        out.loc[rows, "start" if kind == "recv" else "end"] = later
+    return out
+
+
+# -- the runtime -----------------------------------------------------------------------------------------
+class MegatronRuntime(PipelineRuntime):
+    """Runs iterations of one fixed 1f1b trial on one rank as Megatron's program (module docstring).
+
+    It keeps :class:`PipelineRuntime`'s surface -- ``run_iteration``, ``describe``, ``sizes``, the trace
+    rows -- so a trial drives either alike; the rank's transport, inbox and board are never touched."""
+
+    def __init__(
+        self, ctx: RankContext, sched: RankScheduler, runner: Runner, trial: int, injector: Injector,
+        comm: Comm, handshake: bool, label: str, device: torch.device,
+    ) -> None:  # fmt: skip
+        super().__init__(ctx, sched, runner, trial, injector)
+        spec = self.spec
+        if not runs_megatron_order(sched.hint) or sched.policy.name != "fixed":
+            raise InternalError(f"megatron: {sched.policy.name}/{sched.hint.name} is not fixed on 1f1b")
+        self.program = megatron_program(spec.pp, spec.microbatches, ctx.pp_rank)
+        self.comm, self.handshake, self.label, self.device = comm, handshake, label, device
+        self.pc = 0
+        """Index of the program step running now (for dumps)."""
+        self._outbox: dict[Task, torch.Tensor] = {}  # computed messages, until their call sends them
+        self._known: dict[tuple[int, bool, int], tuple[int, ...]] = {}  # channel -> shape, without handshake
+        self._sent: dict[tuple[int, int], int] = {}  # (src, dst pp rank) -> messages so far: trace ids
+
+    def run_iteration(self, iteration: int) -> LoopStats:
+        """Run this rank's program for ``iteration`` (the runner was begun by the caller)."""
+        sched, self.iteration, self.stats = self.sched, iteration, LoopStats()
+        sched.reset()
+        if self.memory is not None:
+            sched.use_bytes(*self.memory)
+        self.injector.begin(iteration, self.spec.num_stages, self.spec.microbatches)
+        t0 = time.monotonic()
+        for pc, step in enumerate(self.program):
+            self.pc = pc
+            if isinstance(step, Task):
+                self._compute(step)
+            else:
+                self._call(step)
+        self.pc = len(self.program)
+        if not sched.done or self._outbox:
+            raise InternalError(f"megatron: rank {self.ctx.pp_rank} ended its program with work left")
+        t1 = time.monotonic()
+        self.runner.finish()
+        self.stats.loop, self.stats.flush = t1 - t0, time.monotonic() - t1
+        return self.stats
+
+    def _compute(self, task: Task) -> None:
+        sched, runner = self.sched, self.runner
+        pick = sched.next()
+        if pick != task:  # the calls before delivered its input: fixed must offer exactly this task
+            raise InternalError(f"megatron: rank {sched.rank} runs {task} next, its fixed scheduler {pick}")
+        start = time.monotonic()
+        sched.start(task)
+        outputs = runner.run(task)
+        self.injector.sleep(task)
+        end = time.monotonic()
+        sched.complete(task)
+        self.stats.tasks += 1
+        self.stats.compute += end - start
+        for consumer, tensor in outputs:
+            if self.spec.rank_of(consumer.stage) == self.ctx.pp_rank:
+                runner.inputs[consumer] = tensor
+            else:
+                self._outbox[consumer] = tensor
+        self._record("compute", task, start, end)
+
+    def _call(self, call: Call) -> None:
+        """One Megatron P2P call: [its shape handshake], its tensors; the rank waits for all of them."""
+        what = f"{call_name(call)} with pp rank {call[0].peer} "
+        what += f"({self.label}, iteration {self.iteration})"
+        start = time.monotonic()
+        sends = {op: self._outbox.pop(op.task) for op in call if op.send}
+        for op, t in sends.items():
+            if t.dtype != DTYPE:
+                raise InternalError(f"megatron: {op.task}'s input is {t.dtype}, not {DTYPE}")
+        shapes = self._shapes(call, sends, what)
+        ops = [(op, sends[op] if op.send else torch.empty(shapes[op], dtype=DTYPE, device=self.device))
+               for op in call]  # fmt: skip
+        self.comm.exchange(ops, what)
+        end = time.monotonic()
+        for op, tensor in ops:
+            if not op.send:
+                self.runner.inputs[op.task] = tensor
+                self.sched.deliver(op.task)
+            self._record_message(op, tensor, start, end)
+        self.stats.wait += end - start
+        self._record("wait", None, start, end)
+
+    def _shapes(self, call: Call, sends: dict[P2P, torch.Tensor], what: str) -> dict[P2P, tuple[int, ...]]:
+        """The shape of each receive: by a handshake of the call's operations (every call when shapes
+        vary; else only a channel's first message), then as known."""
+        channel = self._channel
+        for op, t in sends.items():  # equal shapes: every send must have its channel's one shape
+            known = self._known.get(channel(op))
+            if not self.handshake and known is not None and known != tuple(t.shape):
+                raise InternalError(f"megatron: {op.task} is {tuple(t.shape)}, its channel's shape {known}")
+        need = [op for op in call if self.handshake or channel(op) not in self._known]
+        if need:
+            dev = self.device
+            ops = [
+                (op, encode_shape(sends[op].shape, dev) if op.send else encode_shape((), dev)) for op in need
+            ]
+            self.comm.exchange(ops, f"the shape handshake of {what}")
+            for op, t in ops:
+                self._known[channel(op)] = decode_shape(t)
+        return {op: self._known[channel(op)] for op in call if not op.send}
+
+    @staticmethod
+    def _channel(op: P2P) -> tuple[int, bool, int]:
+        return op.peer, op.send, op.direction
+
+    def _record_message(self, op: P2P, tensor: torch.Tensor, posted: float, end: float) -> None:
+        """A send or recv row spanning this rank's whole call (its handshake included) until
+        :func:`align_messages` moves the start of the transfer to the later of the two ends' calls. Both
+        ends name the message alike: (sender's global rank, direction, its count on the directed
+        channel), FIFO on both sides."""
+        me = self.ctx.pp_rank
+        src, dst = (me, op.peer) if op.send else (op.peer, me)
+        k = self._sent.get((src, dst), 0)
+        self._sent[src, dst] = k + 1
+        rec = self.ctx.recorder
+        if rec is None:
+            return
+        peer = self.ctx.to_global(op.peer)
+        msg = (self.ctx.to_global(src) << 32) | (op.direction << 31) | k
+        o, nbytes = self.ctx.origin, tensor.numel() * tensor.element_size()
+        held = -1 if op.send else self.sched.held
+        rec.add("send" if op.send else "recv", self.iteration, self.ctx.rank, op.task, posted - o, end - o,
+                nbytes=nbytes, held=held, peer=peer, msg=msg)  # fmt: skip
+
+    def describe(self) -> dict[str, Any]:
+        """What this rank waits for, for a fault dump: the scheduler's view and the program step."""
+        out = super().describe()
+        step = self.program[self.pc] if self.pc < len(self.program) else None
+        out["send"] = "megatron"
+        now = "done" if step is None else str(step) if isinstance(step, Task) else call_name(step)
+        out["program_step"] = f"{self.pc} of {len(self.program)}: {now}"
+        return out
