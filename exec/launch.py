@@ -503,7 +503,11 @@ def failure_report(failures: dict[int, Any], faults: dict[int, dict[str, Any]], 
     hung: dict[int, str] = {}
     lost: set[int] = set()
     for fault in faults.values():
-        hung.update({int(r): how for r, how in fault.get("hung", {}).items()})
+        for r, how in fault.get("hung", {}).items():
+            # Ranks may disagree: one saw the rank stopped (hung), another only after the launcher killed
+            # it (gone). Whoever saw it hung saw it first, and its exit was the kill.
+            if hung.get(int(r)) != "hung":
+                hung[int(r)] = how
         lost.update(int(r) for r in fault.get("lost", []))
     own = {r for r, f in faults.items() if f.get("code") not in SECONDARY_EXITS}
     exits = {r for r, f in failures.items() if f.exitcode not in SECONDARY_EXITS}

@@ -212,6 +212,16 @@ def test_failure_report_names_a_hung_rank_whoever_exited_first() -> None:
     assert "ranks 0, 3 stopped after losing it" in text
 
 
+def test_failure_report_believes_the_rank_that_saw_the_stop() -> None:
+    """Rank 2 saw rank 0 stopped (hung); rank 1 only looked after the launcher had killed it (gone).
+    Whichever record comes last, rank 0 is named hung (it was, and its exit was the kill)."""
+    for order in ((1, 2), (2, 1)):
+        seen = {1: {"0": "gone"}, 2: {"0": "hung"}}
+        faults = {r: {"reason": "rank 0 ...", "code": 3, "hung": seen[r], "lost": [0]} for r in order}
+        text = failure_report({1: SimpleNamespace(exitcode=3)}, faults, "/dumps")
+        assert text.startswith("rrfp-run: job failed: rank 0 is hung (its heartbeat stopped"), (order, text)
+
+
 def test_failure_report_puts_a_crashed_rank_first_with_its_own_words() -> None:
     faults = {0: {"reason": "crashed: ValueError: x; traceback in /d/rank0.log", "code": 1}}
     faults[1] = {"reason": "lost rank 0: closed", "code": 3, "lost": [0]}
