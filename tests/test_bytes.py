@@ -16,13 +16,10 @@ from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_properties import (
-    DURATION_MODES,
-    LATENCY_MODES,
     build_hint,
     check_run,
-    durations,
+    draw_timing,
     hint_args,
-    latencies,
     running_peak,
 )
 
@@ -179,18 +176,21 @@ def byte_log_peak(hint: rrfp.Hint, act: np.ndarray, events: list[tuple[Task, flo
     return running_peak(changes)
 
 
+def draw_byte_budget(data: st.DataObject, hint: rrfp.Hint, act: np.ndarray) -> dict[int, int]:
+    """Each rank's byte budget: 1x to 4x the hint order's own byte peak for the sizes ``act``."""
+    factor = data.draw(st.sampled_from([1.0, 1.0, 1.3, 2.0, 4.0]), label="factor")
+    peaks = {r: sequence_peak(position_bytes(hint.plan.wiring(r), act)) for r in range(hint.spec.pp)}
+    return {r: math.floor(p * factor) for r, p in peaks.items()}
+
+
 @settings(max_examples=examples(600))
 @given(data=st.data(), args=hint_args())
 def test_byte_budgets_never_deadlock_or_overflow(data: st.DataObject, args: object) -> None:
     hint = build_hint(args)  # type: ignore[arg-type]
     act = data.draw(sizes(hint), label="sizes")
     policy = data.draw(st.sampled_from(rrfp.policy_names()), label="policy")
-    factor = data.draw(st.sampled_from([1.0, 1.0, 1.3, 2.0, 4.0]), label="factor")
-    peaks = {r: sequence_peak(position_bytes(hint.plan.wiring(r), act)) for r in range(hint.spec.pp)}
-    budget = {r: math.floor(p * factor) for r, p in peaks.items()}
-    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
-    dur = durations(data.draw(st.sampled_from(DURATION_MODES), label="durations"), seed)
-    lat = latencies(data.draw(st.sampled_from(LATENCY_MODES), label="latency"), seed)
+    budget = draw_byte_budget(data, hint, act)
+    dur, lat = draw_timing(data)
     run = rrfp.run_reference(hint, policy, dur, latency=lat, act=act, byte_budget=budget)
     check_run(hint, run, {r: 10**9 for r in budget}, dur, lat)  # complete, causal (slots unbounded here)
     for r, events in run.log.items():

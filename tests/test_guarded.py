@@ -24,14 +24,14 @@ import pytest
 from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_bytes import byte_log_peak, sizes
+from test_bytes import byte_log_peak, draw_byte_budget, sizes
 from test_properties import (
     DURATION_MODES,
-    LATENCY_MODES,
     HintArgs,
     budgets,
     build_hint,
     check_run,
+    draw_timing,
     durations,
     hint_args,
     latencies,
@@ -157,9 +157,7 @@ def test_guarded_completes_causally_within_budget_and_never_idles_a_runnable_hea
 ) -> None:
     hint = build_hint(args)
     budget = data.draw(budgets(hint), label="budget")
-    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
-    dur = durations(data.draw(st.sampled_from(DURATION_MODES), label="durations"), seed)
-    lat = latencies(data.draw(st.sampled_from(LATENCY_MODES), label="latency"), seed)
+    dur, lat = draw_timing(data)
     probe = Probe(random_guarded(data, dur, 0.5))
     run = rrfp.run_reference(hint, probe, dur, budget=budget, latency=lat)  # DeadlockError fails the test
     check_run(hint, run, budget, dur, lat)
@@ -170,12 +168,8 @@ def test_guarded_completes_causally_within_budget_and_never_idles_a_runnable_hea
 def test_guarded_keeps_byte_budgets(data: st.DataObject, args: HintArgs) -> None:
     hint = build_hint(args)
     act = data.draw(sizes(hint), label="sizes")
-    factor = data.draw(st.sampled_from([1.0, 1.0, 1.3, 2.0, 4.0]), label="factor")
-    peaks = {r: sequence_peak(position_bytes(hint.plan.wiring(r), act)) for r in range(hint.spec.pp)}
-    budget = {r: math.floor(p * factor) for r, p in peaks.items()}
-    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
-    dur = durations(data.draw(st.sampled_from(DURATION_MODES), label="durations"), seed)
-    lat = latencies(data.draw(st.sampled_from(LATENCY_MODES), label="latency"), seed)
+    budget = draw_byte_budget(data, hint, act)
+    dur, lat = draw_timing(data)
     probe = Probe(random_guarded(data, dur, 0.5))
     run = rrfp.run_reference(hint, probe, dur, latency=lat, act=act, byte_budget=budget)
     check_run(hint, run, {r: 10**9 for r in budget}, dur, lat)  # complete and causal

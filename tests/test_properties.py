@@ -155,6 +155,13 @@ DURATION_MODES = ("equal", "uniform", "integer", "stage", "heavy")
 LATENCY_MODES = ("zero", "const", "integer", "random")
 
 
+def draw_timing(data: st.DataObject) -> tuple[Duration, Latency]:
+    """A seed, then durations and message latencies of random modes from it."""
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    dur = durations(data.draw(st.sampled_from(DURATION_MODES), label="durations"), seed)
+    return dur, latencies(data.draw(st.sampled_from(LATENCY_MODES), label="latency"), seed)
+
+
 # -- checking a run ---------------------------------------------------------------------------
 def check_run(hint: rrfp.Hint, run: rrfp.Run, budget: dict[int, int], dur: Duration, lat: Latency) -> None:
     """Assert every invariant of one finished reference run (see the module docstring)."""
@@ -206,9 +213,7 @@ def test_every_run_is_complete_causal_and_within_budget(data: st.DataObject, arg
     hint = build_hint(args)
     policy = data.draw(st.sampled_from(rrfp.policy_names()), label="policy")
     budget = data.draw(budgets(hint), label="budget")
-    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
-    dur = durations(data.draw(st.sampled_from(DURATION_MODES), label="durations"), seed)
-    lat = latencies(data.draw(st.sampled_from(LATENCY_MODES), label="latency"), seed)
+    dur, lat = draw_timing(data)
     run = rrfp.run_reference(hint, policy, dur, budget=budget, latency=lat)  # DeadlockError fails the test
     event(f"{args.name} {hint.spec.placement} split={hint.spec.split}")  # --hypothesis-show-statistics
     check_run(hint, run, budget, dur, lat)
@@ -278,9 +283,7 @@ def test_rrfp_equals_fixed_exactly_when_fixed_never_idles_next_to_a_runnable_tas
 ) -> None:
     hint = build_hint(args)
     budget = data.draw(budgets(hint), label="budget")
-    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
-    dur = durations(data.draw(st.sampled_from(DURATION_MODES), label="durations"), seed)
-    lat = latencies(data.draw(st.sampled_from(LATENCY_MODES), label="latency"), seed)
+    dur, lat = draw_timing(data)
     fixed = rrfp.run_reference(hint, "fixed", dur, budget=budget, latency=lat).log
     ours = rrfp.run_reference(hint, "rrfp", dur, budget=budget, latency=lat).log
     diverges = first_divergence(hint, fixed, budget, lat)
