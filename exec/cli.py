@@ -145,7 +145,8 @@ def plan_config(o: dict[str, Any], given: Collection[str] = ()) -> tuple[RunConf
         check=o["check"], tolerance=o["tolerance"], deterministic=o["deterministic"], timeout=o["timeout"],
         dump_dir=o["dump_dir"], jitter=jitter, cv=cv, inject_ms=o["inject_ms"],
         synthetic=o["synthetic"], costs=o["costs"], workload=o["workload"], time_unit_ms=o["time_unit_ms"],
-        trace_out=o["trace_out"], json=o["json"], backend=o["backend"], threads=o["threads"], lr=o["lr"],
+        trace_out=o["trace_out"], decision_log=o["decision_log"], json=o["json"], backend=o["backend"],
+        threads=o["threads"], lr=o["lr"],
         start_method=o["start_method"], announce=o["announce"],
         progress=sys.stderr.isatty() if o.get("progress") is None else o["progress"],
         command=o.get("command", ""), tokens=tokens, send=o.get("send", "eager"),
@@ -268,6 +269,13 @@ _O = click.option
     default="auto",
     show_default=True,
     help="How backfill hears of starts: board (shared memory), all, backward, none; auto: board on one host.",
+)
+@_O(
+    "--decision-log",
+    default=None,
+    metavar="FILE",
+    help="Write every rrfp trial's scheduler decisions to FILE (JSON Lines, one event a line, every rank's, "
+    "written by rank 0 at the end; rrfp.dispatch.decisions.replay re-checks them).",
 )
 @_O("--synthetic", is_flag=True, help="No model: tasks sleep durations sampled as rrfp-sim does.")
 @_O("--costs", default="F=1,B=2", show_default=True, help="--synthetic: per-op mean costs (time units).")

@@ -187,6 +187,9 @@ class RunConfig:
     """--synthetic: milliseconds per cost unit."""
     trace_out: str | None = None
     """Merged trace path (.parquet, .csv or .json), written by rank 0."""
+    decision_log: str | None = None
+    """Every rrfp trial's scheduler events and decisions, JSON Lines, written by rank 0 at the end
+    (rrfp.exec.decision_log); None: nothing recorded."""
     json: bool = False
     """Print one JSON object instead of the table."""
     backend: str = "auto"
@@ -368,6 +371,7 @@ def check_options_used(cfg: RunConfig, given: Collection[str], joined: bool = Fa
         (("cv",), cfg.jitter == "none", "only applies with --jitter"),
         (("tolerance",), not cfg.check, "only applies with --check"),
         (("announce",), not backfill, "only applies to backfill trials"),
+        (("decision_log",), all(t.is_baseline for t in cfg.trials), "only applies to rrfp trials"),
         (("virtual_stages",), all(t.is_baseline for t in cfg.trials), "only applies to rrfp trials"),
         (("start_method",), joined, "only applies when rrfp-run starts the workers itself (not in torchrun)"),
         (("trials",), not cfg.explicit_trials, "names no trial"),

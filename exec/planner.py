@@ -292,7 +292,7 @@ def plan_run(
 
 
 MAX_TFLOPS = 1e6
-DRY_RUN_UNUSED = ("trace_out", "dump_dir", "start_method", "threads", "progress", "timeout")
+DRY_RUN_UNUSED = ("trace_out", "decision_log", "dump_dir", "start_method", "threads", "progress", "timeout")
 """Options a --dry-run has no use for: they shape workers, and none starts."""
 
 

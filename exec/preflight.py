@@ -129,6 +129,8 @@ def check_outputs(cfg: RunConfig, joined: bool = False) -> str:
     where a failure would lose every result)."""
     if cfg.trace_out is not None and (not joined or os.environ.get("RANK") == "0"):
         _check_trace_path(cfg.trace_out)
+    if cfg.decision_log is not None and (not joined or os.environ.get("RANK") == "0"):
+        _check_output_file(cfg.decision_log, "--decision-log")
     if cfg.dump_dir is not None:
         dump_dir = cfg.dump_dir
     elif joined:
@@ -150,9 +152,15 @@ def _check_trace_path(text: str) -> None:
         )
     if path.suffix.lower() == ".parquet" and importlib.util.find_spec("pyarrow") is None:
         raise ExecConfigError(f"--trace-out {text!r}: writing parquet needs pyarrow (or use .csv or .json)")
+    _check_output_file(text, "--trace-out")
+
+
+def _check_output_file(text: str, option: str) -> None:
+    """A file rank 0 writes at the end: not a directory, in a folder it can create files in."""
+    path = Path(text)
     if path.is_dir():
-        raise ExecConfigError(f"--trace-out {text!r} is a directory")
-    _writable_dir(str(path.parent), f"--trace-out {text!r}: its folder")
+        raise ExecConfigError(f"{option} {text!r} is a directory")
+    _writable_dir(str(path.parent), f"{option} {text!r}: its folder")
 
 
 def _writable_dir(text: str, what: str) -> None:

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
+from rrfp.dispatch.sizes import Sizes
 from rrfp.dispatch.tp import agree
 from rrfp.exec.board import StartBoard, board_tag
 from rrfp.exec.calibrate import CostMeter
@@ -120,9 +121,10 @@ class PipelineRuntime:
         self.memory: tuple[list[int], int] | None = None
         """Byte mode (token mode): this iteration's byte delta per position and the rank's byte budget,
         handed to the scheduler after its reset (the trial sets them when it begins an iteration)."""
-        self.sizes: tuple[list[int], list[int]] | None = None
-        """Token mode: (text tokens, images) per microbatch of this iteration, for the trace's compute
-        rows (the trial sets them when it begins an iteration); None elsewhere."""
+        self.sizes: Sizes | None = None
+        """Token mode: this iteration's microbatch sizes, for the scheduler's reset (its policy's
+        ``begin_iteration``) and the trace's compute rows (the trial sets them when it begins an
+        iteration); None elsewhere."""
         self._remote: dict[Task, list[tuple[int, Task]]] = {}
         self._tag = 0  # this iteration's tag on the start board
         self._slots: list[int] = []  # board slot per position of this rank's order
@@ -143,7 +145,7 @@ class PipelineRuntime:
     def run_iteration(self, iteration: int) -> LoopStats:
         """Run every task of this rank for ``iteration`` (the runner was begun by the caller)."""
         sched, self.iteration, self.stats = self.sched, iteration, LoopStats()
-        sched.reset()
+        sched.reset(self.sizes)
         if self.memory is not None:
             sched.use_bytes(*self.memory)
         self._tag = board_tag(self.trial, iteration)
@@ -275,7 +277,7 @@ class PipelineRuntime:
             o = self.ctx.origin
             sizes: dict[str, int] = {}
             if self.sizes is not None and task is not None and kind == "compute":
-                sizes = {"tokens": self.sizes[0][task.mb], "images": self.sizes[1][task.mb]}
+                sizes = {"tokens": self.sizes.tokens[task.mb], "images": self.sizes.images[task.mb]}
                 if self.memory is not None:
                     sizes["held_bytes"] = self.sched.held_bytes
             held = self.sched.held

@@ -33,6 +33,7 @@ from rrfp.exec.calibrate import ANNOUNCED_OPS, calibrate
 from rrfp.exec.check import digest, local_grads
 from rrfp.exec.config import RunConfig
 from rrfp.exec.data import run_batch
+from rrfp.exec.decision_log import RankDecisionLog
 from rrfp.exec.layers import TPContext
 from rrfp.exec.megatron import GroupComm, MegatronRuntime, align_messages, variable_shapes
 from rrfp.exec.memory import batch_act_bytes
@@ -94,6 +95,8 @@ class TrialOutcome:
     """Byte mode: most activation bytes held at once on this rank, over all iterations."""
     saved: list[tuple[int, int]] = field(default_factory=list)
     """Byte mode, real model: (measured, predicted) activation bytes of every forward of this rank."""
+    decisions: list[str] = field(default_factory=list)
+    """--decision-log: this rank's lines (JSON) for this trial, in recorded order."""
 
 
 class RrfpTrial:
@@ -115,6 +118,10 @@ class RrfpTrial:
         self.recorder = recorder(cfg, trial, topo.coords, budgets)
         loop = dataclasses.replace(ctx.loop, recorder=self.recorder)
         self.runtime = self._runtime(loop, index, injector)
+        self.decisions: RankDecisionLog | None = None
+        if cfg.decision_log is not None:  # records this scheduler and any that clock() swaps in
+            self.decisions = RankDecisionLog(topo.coords(), topo.rank, index, trial.label, self.runtime)
+            self.decisions.attach(self.sched)
         params = [p for m in self.stages.values() for p in m.parameters()]
         self.opt = torch.optim.SGD(params, lr=cfg.lr) if params else None
         self.out = TrialOutcome(topo.coords(), budget=self.sched.budget)
@@ -192,11 +199,14 @@ class RrfpTrial:
         info["announce"] = how
         self.out.calibration = info
         self.sched = RankScheduler(hint, self.sched.rank, policy, self.sched.budget)
+        if self.decisions is not None:
+            self.decisions.attach(self.sched)
         self.runtime.clock(self.sched)
 
     def outcome(self) -> TrialOutcome:
         out = self.out
         out.digest = digest(out.grads[0]) if out.grads else None
+        out.decisions = self.decisions.lines if self.decisions is not None else []
         out.trace = self.recorder.frame() if self.recorder is not None else None
         if out.trace is not None and isinstance(self.runtime, MegatronRuntime):  # every rank has a recorder
             out.trace = align_messages(out.trace, self.ctx.groups.ctrl)
@@ -209,14 +219,13 @@ class RrfpTrial:
             self.runner.begin(it)
             sample = self.runner.sample
             self._use_bytes(None if sample is None else sample.act_bytes)
-            if self.cfg.tokens is not None and sample is not None and sample.tokens is not None:
-                images = [0] * len(sample.tokens) if sample.images is None else sample.images.tolist()
-                self.runtime.sizes = (sample.tokens.tolist(), [int(x) for x in images])
+            if self.cfg.tokens is not None and sample is not None and sample.known is not None:
+                self.runtime.sizes = sample.known
             return
         ctx = self.ctx
         batch, sizes = run_batch(self.cfg, ctx.topo.dp_rank, it)
         if sizes is not None:
-            self.runtime.sizes = (sizes.tokens_per_microbatch.tolist(), sizes.images_per_microbatch.tolist())
+            self.runtime.sizes = self.cfg.tokens.known_sizes(sizes)
         if self.bytes is not None:
             act = batch_act_bytes(self.cfg.model, batch, self.sched.hint.spec.num_stages, self.cfg.tp)
             self._use_bytes(act)

@@ -31,6 +31,7 @@ from rrfp.exec import faults, liveness
 from rrfp.exec.board import BoardError, open_board
 from rrfp.exec.check import Reference, compare_run, reference
 from rrfp.exec.config import RunConfig, clocked_policy, switch_interval
+from rrfp.exec.decision_log import write_decision_log
 from rrfp.exec.report import announce, emit
 from rrfp.exec.results import ExecMeasures, exec_result
 from rrfp.exec.runtime import RankContext
@@ -157,7 +158,12 @@ class Worker:
         """Rank 0, once every rank has closed: check, print and write the results (None elsewhere)."""
         if gathered is None:
             return None
-        return emit(self.cfg, [self._result(*g) for g in gathered])
+        results = emit(self.cfg, [self._result(*g) for g in gathered])
+        if self.cfg.decision_log is not None:  # after the results, like the trace: a failure loses none
+            write_decision_log(
+                self.cfg.decision_log, (x for g in gathered for o in g[3] for x in o.decisions)
+            )
+        return results
 
     def _announce(self) -> None:
         """Rank 0 says what runs, once every rank is set up (so a watcher knows iterations follow)."""

@@ -64,6 +64,7 @@ from rrfp.study.trial import TrialId
 from rrfp.traces.trace import TraceRecorder
 from rrfp.workload import rng as rngs
 from rrfp.workload.model import IterationSample, Workload
+from rrfp.workload.tokens import TokenWorkload
 
 from .config import BASELINE_POLICY, ExperimentConfig
 from .megatron import variable_shapes
@@ -247,7 +248,11 @@ def run_policy(cfg: ExperimentConfig, hint: Hint, name: str) -> str | Policy:
     if not issubclass(kind, Backfill):
         return name
     latency = cfg.cluster.transfer_time(mean_msg_bytes(cfg.workload, hint.spec))
-    return kind(expected=expected_cost_model(cfg.workload, hint.spec), latency=latency)
+    spec, workload = hint.spec, cfg.workload
+    sized = None
+    if kind.sized_by_default and isinstance(workload, TokenWorkload):  # per microbatch, at its sizes
+        sized = workload.sized_costs(spec.pp, spec.num_stages, spec.microbatches)
+    return kind(expected=expected_cost_model(workload, spec), latency=latency, sized=sized)
 
 
 def expected_cost_model(workload: Workload, spec: PipelineSpec) -> CostModel:

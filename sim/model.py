@@ -165,9 +165,11 @@ class _Worker:
         self.env = env
         self.queue, self.eid = env.call_queue()
 
-    def reset(self) -> None:
-        for s in self.scheds:
-            s.reset()
+    def reset(self, sample: Sequence[IterationSample] | None = None) -> None:
+        """A new iteration; ``sample`` (per TP member): what each scheduler's policy learns in advance
+        (token mode: the microbatches' sizes, rrfp.dispatch.sizes)."""
+        for t, s in enumerate(self.scheds):
+            s.reset(None if sample is None else sample[t].known)
         if self.starts:
             self.starts[:] = [None] * len(self.starts)  # in place: consumers' sources hold this list
         self.busy = False
@@ -475,7 +477,7 @@ class ClusterModel:
         for d, row in enumerate(self.workers):
             tables = [np.stack([s.F, s.I + s.W, s.I, s.W]) for s in sample[d]]  # (Op.code, S, M) per member
             for w in row:
-                w.reset()
+                w.reset(sample[d])
                 self._load(w, sample[d], tables)
                 if self.byte_budget is not None:
                     self._use_bytes(w, sample[d])

@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 from weakref import WeakKeyDictionary
 
 from rrfp.dispatch.policies import Policy, register_policy
@@ -75,6 +75,7 @@ from rrfp.errors import UserError
 from rrfp.plan.task import Op, Task
 
 if TYPE_CHECKING:
+    from rrfp.dispatch.sizes import SizedCostModel, Sizes
     from rrfp.dispatch.view import SchedulerView
     from rrfp.plan.compiled import CompiledPlan
 
@@ -119,6 +120,10 @@ class Backfill(Policy):
 
     name = "backfill"
     needs_clock = True
+    sized_by_default: ClassVar[bool] = False
+    """Should an interpreter that knows each iteration's sizes price this policy's plan per microbatch
+    (``sized``)? Off: measured, it moves guarded by at most 0.006 and backfill by -0.08 to +0.05
+    (BENCHMARKS.md §9, benchmarks/sized_study.py)."""
 
     def __init__(
         self,
@@ -128,13 +133,17 @@ class Backfill(Policy):
         margin: float = 0.0,
         announce_delay: float = 0.0,
         announced_ops: frozenset[Op] | None = None,
+        sized: SizedCostModel | None = None,
     ) -> None:
         """``expected``: mean seconds per task (default :func:`unit_costs`); ``latency``: mean seconds a
         message takes (latency + bytes / bandwidth); ``window``: how many hint positions past the head a
         task may come from; ``margin``: moved tasks are costed at ``(1 + margin)`` x their mean;
         ``announce_delay``: seconds an announcement may take to arrive (0 in the simulator, where the
         driver announces at the producer's start); ``announced_ops``: the ops whose starts the driver
-        announces (None: all) -- an input produced by any other op may land any moment."""
+        announces (None: all) -- an input produced by any other op may land any moment; ``sized``: given
+        an iteration's :class:`~rrfp.dispatch.sizes.Sizes`, that iteration's expected seconds per task --
+        with it, an iteration reset with sizes is planned with them (per microbatch), else with
+        ``expected`` (class means)."""
         _check_seconds("latency", latency)
         _check_seconds("announce_delay", announce_delay)
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
@@ -151,6 +160,9 @@ class Backfill(Policy):
         ):
             raise BackfillError(f"announced_ops must be None or a frozenset of Op, got {announced_ops!r}")
         self.announced_ops = announced_ops
+        if sized is not None and not callable(sized):
+            raise BackfillError(f"sized must be None or a callable Sizes -> cost model, got {sized!r}")
+        self.sized = sized
         # Plans by compiled order and rank, shared by every scheduler of that rank (TP members, DP
         # replicas, a class hint and its reference); weak, so they go with the hint's plan.
         self._plans: WeakKeyDictionary[CompiledPlan, dict[int, _Plan]] = WeakKeyDictionary()
@@ -161,6 +173,13 @@ class Backfill(Policy):
         return {"window": self.window, "margin": self.margin}
 
     # -- Policy interface -------------------------------------------------------------------
+    def begin_iteration(self, s: SchedulerView, sizes: Sizes | None) -> None:
+        """With ``sized`` and sizes: this iteration's plan, priced per microbatch; otherwise the static
+        plan (built on first use)."""
+        if self.sized is None:
+            return
+        s.policy_state = None if sizes is None else self._build_plan(s, self.sized(sizes))
+
     def pick(self, s: SchedulerView) -> Task | None:
         head, plan = s.head, s.policy_state
         if type(plan) is _Plan and plan.owner is self and head < len(s.tasks):
@@ -297,24 +316,26 @@ class Backfill(Policy):
         s.policy_state = plan
         return plan
 
-    def _build_plan(self, s: SchedulerView) -> _Plan:
-        """The costs of ``s``'s positions and of their cross-rank producers (a task has at most one
-        cross-rank input); which outputs cross ranks comes from the compiled plan's wiring."""
+    def _build_plan(self, s: SchedulerView, model: CostModel | None = None) -> _Plan:
+        """The costs (``model``, default ``expected``) of ``s``'s positions and of their cross-rank
+        producers (a task has at most one cross-rank input); which outputs cross ranks comes from the
+        compiled plan's wiring."""
         compiled = s.hint.plan
         filler = compiled.wiring(s.rank).filler
         producers = compiled.sources(s.rank).task
-        cost = self._costs(s.tasks)
-        source_cost = iter(self._costs([t for t in producers if t is not None]))  # in position order
+        model = model or self.expected
+        cost = self._costs(s.tasks, model)
+        source_cost = iter(self._costs([t for t in producers if t is not None], model))  # position order
         arrive = [0.0 if t is None else next(source_cost) + self.latency for t in producers]
         if self.announced_ops is not None:  # unheard-of producers: their inputs may land any moment
             arrive = [a if t.op in self.announced_ops else 0.0 for a, t in zip(arrive, s.tasks, strict=True)]
         return _Plan(self, cost, filler, arrive)
 
-    def _costs(self, tasks: Sequence[Task]) -> list[float]:
+    def _costs(self, tasks: Sequence[Task], model: CostModel) -> list[float]:
         """``_cost`` of each task in turn; the common case (every value a float or int, all finite and
         >= 0) is checked in bulk, anything else task by task, so an error names the same task."""
         try:
-            values = list(map(self.expected, tasks))
+            values = list(map(model, tasks))
         except Exception:
             values = None  # let the task-by-task pass raise where it would have
         if values is not None and set(map(type, values)) <= {float, int}:
@@ -324,10 +345,10 @@ class Backfill(Policy):
             array = np.array(seconds, dtype=float)
             if bool(np.isfinite(array).all() and (array >= 0).all()):
                 return seconds
-        return [self._cost(t) for t in tasks]
+        return [self._cost(t, model) for t in tasks]
 
-    def _cost(self, task: Task) -> float:
-        value = self.expected(task)
+    def _cost(self, task: Task, model: CostModel) -> float:
+        value = model(task)
         try:
             seconds = float(value)
         except (TypeError, ValueError):

@@ -43,6 +43,7 @@ from rrfp.dispatch.policies import register_policy
 from rrfp.plan.task import Op
 
 if TYPE_CHECKING:
+    from rrfp.dispatch.sizes import SizedCostModel, Sizes
     from rrfp.dispatch.view import SchedulerView
     from rrfp.plan.task import Task
 
@@ -62,6 +63,9 @@ class _Guard:
     head_only: bool
     """No B, I or W of this rank is cheap enough to pass ahead of a ready critical head (whose room is
     the slack alone): such a head then runs without walking the timeline."""
+    rank_cost: list[float]
+    """The expected cost each position is ranked by among passing tasks: the class mean even when the
+    plan prices microbatches by size (ranking one rank's microbatches by size loses, BENCHMARKS §9)."""
 
 
 @register_policy
@@ -80,10 +84,11 @@ class Guarded(Backfill):
         announce_delay: float = 0.0,
         announced_ops: frozenset[Op] | None = None,
         slack: float = DEFAULT_SLACK,
+        sized: SizedCostModel | None = None,
     ) -> None:
         """Backfill's parameters (its cost model, message time, window, margin and announcements), and
         ``slack``: how many of this rank's mean forward costs a protected position may slip."""
-        super().__init__(expected, latency, window, margin, announce_delay, announced_ops)
+        super().__init__(expected, latency, window, margin, announce_delay, announced_ops, sized)
         if not (isinstance(slack, (int, float)) and math.isfinite(slack) and slack >= 0):
             raise BackfillError(f"slack must be a finite number >= 0 of mean forward costs, got {slack!r}")
         self.slack = float(slack)
@@ -92,6 +97,12 @@ class Guarded(Backfill):
         return {**super().knobs(), "slack": self.slack}
 
     # -- Policy interface -------------------------------------------------------------------
+    def begin_iteration(self, s: SchedulerView, sizes: Sizes | None) -> None:
+        """With ``sized`` and sizes: this iteration's plan and slack, priced per microbatch."""
+        if self.sized is None:
+            return
+        s.policy_state = None if sizes is None else self._guard(s, self._build_plan(s, self.sized(sizes)))
+
     def pick(self, s: SchedulerView) -> Task | None:
         head = s.head
         if head >= len(s.tasks):
@@ -157,18 +168,19 @@ class Guarded(Backfill):
         if head_ready:
             out.append(head)
         prio = s.prio
-        out.sort(key=lambda p: (cost[p], prio[p]))
+        rank = g.rank_cost
+        out.sort(key=lambda p: (rank[p], prio[p]))
         return out[:1] if first_only else out
 
     # -- per-scheduler state ----------------------------------------------------------------
-    def _guard(self, s: SchedulerView) -> _Guard:
-        """Backfill's plan of ``s``'s rank (shared by every scheduler of that rank) plus the slack in
-        seconds; kept on the scheduler (``policy_state``) for the hot path."""
-        plan = self._plan(s)
+    def _guard(self, s: SchedulerView, plan: _Plan | None = None) -> _Guard:
+        """Backfill's plan of ``s``'s rank (default: the static one, shared by every scheduler of that
+        rank) plus the slack in seconds; kept on the scheduler (``policy_state``) for the hot path."""
+        plan = plan or self._plan(s)
         forwards = [c for c, f in zip(plan.cost, s.is_forward, strict=True) if f]
         slack = self.slack * (sum(forwards) / len(forwards) if forwards else 0.0)
         backward = [c for c, f in zip(plan.cost, s.is_forward, strict=True) if not f]
         head_only = all(c * (1.0 + self.margin) > slack + _EPS for c in backward)
-        g = _Guard(self, plan, slack, head_only)
+        g = _Guard(self, plan, slack, head_only, self._plan(s).cost)
         s.policy_state = g
         return g

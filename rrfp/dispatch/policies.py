@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, ClassVar
 from rrfp.errors import UserError
 
 if TYPE_CHECKING:
+    from rrfp.dispatch.sizes import Sizes
     from rrfp.dispatch.view import SchedulerView
     from rrfp.plan.task import Task
 
@@ -29,6 +30,10 @@ class Policy:
     needs_clock: ClassVar[bool] = False
     """True if the policy reads the scheduler's optional timing hooks (``tick``/``announce``): drivers
     then call them; for the others they skip that work."""
+
+    def begin_iteration(self, s: SchedulerView, sizes: Sizes | None) -> None:
+        """An iteration starts on ``s`` (its ``reset``), with what is known of its microbatches; a policy
+        that plans per iteration does it here. Default: nothing."""
 
     def pick(self, s: SchedulerView) -> Task | None:
         raise NotImplementedError

@@ -10,6 +10,7 @@ through these calls only::
     task = sched.next()    # the policy's pick now, or None (idle until something changes)
     sched.start(task)      # the driver commits `task`
     sched.done             # every task of this rank has completed
+    sched.reset(sizes)     # the next iteration; sizes (optional): its microbatches' rrfp.dispatch.sizes.Sizes
 
 Same-instant rule: a driver applies every completion and arrival of one instant before it asks
 ``next()``, so results depend on the policy, never on event order.
@@ -36,6 +37,7 @@ from weakref import WeakKeyDictionary
 
 from rrfp.dispatch.policies import Policy, PolicyError, get_policy
 from rrfp.dispatch.segtree import MaxPrefixTree
+from rrfp.dispatch.sizes import Sizes
 from rrfp.errors import InternalError
 from rrfp.plan.budget import BudgetError, InfeasibleBudget, sequence_peak
 from rrfp.plan.compiled import RankWiring
@@ -87,8 +89,16 @@ class RankScheduler:
         """Byte mode (:meth:`use_bytes`): this iteration's activation budget in bytes; None: slots."""
         self.reset()
 
-    def reset(self) -> None:
-        """Start a new iteration: nothing delivered, started or completed."""
+    def reset(self, sizes: Sizes | None = None) -> None:
+        """Start a new iteration: nothing delivered, started or completed. ``sizes``: what is known of
+        this iteration's microbatches (rrfp.dispatch.sizes), handed to the policy's
+        :meth:`~rrfp.dispatch.policies.Policy.begin_iteration`; None: nothing."""
+        if sizes is not None and (
+            not isinstance(sizes, Sizes) or sizes.microbatches != self.hint.spec.microbatches
+        ):
+            raise SchedulerError(
+                f"rank {self.rank}: reset(sizes=) needs a Sizes of {self.hint.spec.microbatches} microbatches"
+            )
         n = len(self.tasks)
         wiring, ranking = self._wiring, self._ranking
         self._need = list(self._need0)
@@ -110,6 +120,8 @@ class RankScheduler:
         self._ready = bytearray(wiring.ready)  # 1 where ready and not started: what next_ready() finds
         self._ready_count = wiring.ready.count(1)
         self._ready_forwards = self._ready_forwards0
+        self.sizes = sizes
+        self.policy.begin_iteration(self, sizes)
 
     # -- events from the driver -----------------------------------------------------------
     def deliver(self, task: Task) -> None:

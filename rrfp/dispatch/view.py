@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from rrfp.dispatch.sizes import Sizes
     from rrfp.plan.hints import Hint
     from rrfp.plan.task import Task
 
@@ -34,6 +35,8 @@ class SchedulerView(Protocol):
     """The first position not yet started: what ``fixed`` waits for."""
     now: float | None
     """The driver's clock (s) at its latest ``tick``; None if it never ticks."""
+    sizes: Sizes | None
+    """What is known of this iteration's microbatches (``reset(sizes=...)``); None: nothing."""
     policy_state: object
     """Scratch space the policy owns (e.g. its static plan of this rank); the scheduler never reads it."""
 

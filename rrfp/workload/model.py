@@ -48,6 +48,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from rrfp.dispatch.sizes import Sizes
 from rrfp.errors import UserError
 from rrfp.plan.spec import PipelineSpec, SpecError
 from rrfp.plan.task import OPS, Op, Task
@@ -287,6 +288,9 @@ class IterationSample:
     """Token mode: activation bytes of each forward (one TP rank's share before dividing by tp), shape
     (num_stages, microbatches, 2): ``[..., 0]`` what F(s, m) holds, ``[..., 1]`` what W still needs
     after I (rrfp.workload.memory); None: memory counts in slots."""
+    known: Sizes | None = None
+    """Token mode: what the data loader knows of each microbatch when the iteration starts (handed to
+    every scheduler's ``reset``); None: nothing."""
     _lists: dict[Op, list[list[float]]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property

@@ -74,12 +74,14 @@ the same microbatches by calling :func:`batch_sizes` with the same (seed, replic
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from rrfp.dispatch.sizes import SizedCostModel, Sizes
+from rrfp.plan.task import Op, Task
 from rrfp.workload import rng as rngs
 from rrfp.workload.jitter import Distribution, JitterError, make_distribution
 from rrfp.workload.lengths import FirstFit, LengthsError, LengthsTable, draw_rows, lengths_table
@@ -519,13 +521,11 @@ class TokenWorkload:
         gens = rngs.split(rng, STREAM_COMPONENTS) if isinstance(rng, np.random.Generator) else rng
         sizes = self.draw(gens, microbatches)
         mom = self.moments(sizes)
-        loads = self.stage_flops(mom, num_stages)
         shape = (num_stages, microbatches)
         slow = _straggler(self.base, gens["straggler"], ranks, pp, microbatches)
-        per_flop = pp / self.normaliser(microbatches)  # = (S / v) / E[FLOPs]: seconds per FLOP per cost
         jit = self.base.distribution("compute")
-        work = {op: self.costs[op] * loads[op != "F"] for op in _OPS}
-        work["I"] = work["I"] + self.costs["F"] * self.recompute_flops(mom, num_stages)  # re-run forward
+        per_flop = pp / self.normaliser(microbatches)  # = (S / v) / E[FLOPs]: seconds per FLOP per cost
+        work = self._work(mom, num_stages)
         # F, then I, then W, each a full (S, M) draw: the order of WorkloadConfig's sample_iteration.
         arrays = {op: work[op] * (per_flop * slow) * jit.sample(gens["compute"], shape) for op in _OPS}
         comm = self.base.distribution("comm").sample(gens["comm"], (*shape, 2))
@@ -534,7 +534,44 @@ class TokenWorkload:
             images=sizes.images_per_microbatch.astype(np.float64), tokens=sizes.tokens_per_microbatch,
             msg_bytes=self.message_bytes(mom, num_stages),
             act_bytes=activation_bytes(self, mom, num_stages, MemoryModel(recompute=self.recompute)),
+            known=self.known_sizes(sizes, mom),
         )  # fmt: skip
+
+    def _work(self, mom: _Moments, num_stages: int) -> dict[str, np.ndarray]:
+        """Cost-weighted FLOPs of F, I and W per (stage, microbatch of ``mom``); I re-runs what the
+        recompute mode dropped of the forward."""
+        loads = self.stage_flops(mom, num_stages)
+        work = {op: self.costs[op] * loads[op != "F"] for op in _OPS}
+        work["I"] = work["I"] + self.costs["F"] * self.recompute_flops(mom, num_stages)
+        return work
+
+    def known_sizes(self, sizes: BatchSizes, mom: _Moments | None = None) -> Sizes:
+        """What the data loader knows of each microbatch: text tokens, images and the attention work
+        (sum over samples of their decoder length squared, image tokens included)."""
+        mom = mom or self.moments(sizes)
+        return Sizes.of(sizes.tokens_per_microbatch, sizes.images_per_microbatch, np.rint(mom.A2))
+
+    def sized_costs(self, pp: int, num_stages: int, microbatches: int) -> SizedCostModel:
+        """The simulated cluster's own cost model, priced per microbatch from its sizes: each task's
+        seconds before jitter and stragglers (expected values, never a realised duration)."""
+        p = float(self.image_tokens)
+        memo: dict[Sizes, dict[Op, list[list[float]]]] = {}
+
+        def model(sizes: Sizes) -> Callable[[Task], float]:
+            table = memo.get(sizes)
+            if table is None:
+                images = np.asarray(sizes.images, dtype=np.float64)
+                tokens = np.asarray(sizes.tokens, dtype=np.float64)
+                attention = np.asarray(sizes.attention, dtype=np.float64)
+                mom = _Moments(tokens + p * images, attention, p * images, images)
+                per_flop = pp / self.normaliser(microbatches)
+                work = {op: x * per_flop for op, x in self._work(mom, num_stages).items()}
+                work["B"] = work["I"] + work["W"]
+                memo.clear()  # one iteration at a time: every rank of it asks with the same sizes
+                table = memo[sizes] = {Op(op): work[op].tolist() for op in work}
+            return lambda task: table[task.op][task.stage][task.mb]
+
+        return model
 
     def mean_costs(self, pp: int, num_stages: int, microbatches: int) -> dict[str, np.ndarray]:
         """Expected duration per stage of F, I, W and B = I + W, shape (num_stages,) each; no stragglers

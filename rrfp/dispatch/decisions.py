@@ -1,0 +1,353 @@
+"""Decision logs: record what one rank's scheduler was told and what its policy picked, and replay it.
+
+A :class:`DecisionRecorder` attaches to one :class:`~rrfp.dispatch.scheduler.RankScheduler` instance by
+wrapping its driver calls on that instance (the class and every other scheduler are untouched, so a run
+without a log pays nothing). It hands its sink one plain event (JSON-ready: numbers, strings, lists) per
+call, in call order; a task is its position in the rank's order:
+
+* ``scheduler`` -- once per attach: the hint (:func:`hint_spec`, rebuilt by :func:`rebuild_hint`), the
+  pipeline rank (``pp_rank``), its slot budget, the rank's order, and the policy (:func:`policy_spec`:
+  its registered name and ``knobs()``; for backfill and the policies built on it the expected cost of
+  every position and of every position's cross-rank producer, the latency, announce delay and announced
+  ops);
+* ``reset`` (with ``sizes`` when given, as ``dataclasses.asdict``), ``bytes`` (``use_bytes``),
+  ``deliver``, ``complete``, ``start``, ``tick``, ``announce``, ``listen``;
+* ``next`` / ``ready`` -- every decision: the pick (a position or None; ``ready()``: the positions), the
+  ready positions (priority order), and ``pulls``: each value the ``listen()`` source returned during the
+  call, in order, so a replay serves the same announcements.
+
+:func:`replay` rebuilds a fresh scheduler and policy from the ``scheduler`` event (a stream may hold
+several: the executor swaps in a calibrated scheduler after its warm-up), applies every event in order and
+compares each logged decision with the fresh scheduler's own. Pure Python, no I/O: writing the events is
+the driver's business (``rrfp-run --decision-log``, rrfp.exec.decision_log).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from rrfp.dispatch.backfill import Backfill
+from rrfp.dispatch.policies import Policy, get_policy
+from rrfp.dispatch.scheduler import RankScheduler
+from rrfp.errors import UserError
+from rrfp.plan.hints import CLASS_HINTS, Hint
+from rrfp.plan.sources import make_hint
+from rrfp.plan.task import Op, Task
+
+Event = dict[str, Any]
+Sink = Callable[[Event], None]
+DECISIONS = ("next", "ready")
+"""The events that are decisions (replay compares them)."""
+
+
+class DecisionLogError(UserError):
+    """A decision log that cannot be replayed (an unknown event, a hint that no longer builds the same)."""
+
+
+# -- what the log says about the hint and the policy ---------------------------------------------
+def hint_spec(hint: Hint) -> Event:
+    """What rebuilds ``hint`` (:func:`rrfp.make_hint`'s arguments, the spec's fields filled in)."""
+    spec = hint.spec
+    return {
+        "name": hint.name,
+        "pp": spec.pp,
+        "microbatches": spec.microbatches,
+        "virtual_stages": spec.virtual_stages,
+        "placement": spec.placement,
+        "split": spec.split,
+    }
+
+
+def rebuild_hint(d: Mapping[str, Any]) -> Hint:
+    """The hint :func:`hint_spec` described; :class:`DecisionLogError` if it builds another spec."""
+    name, pp, m, v = d["name"], d["pp"], d["microbatches"], d["virtual_stages"]
+    if name in CLASS_HINTS:
+        hint = make_hint(name, pp, m, v, placement=d["placement"], split=d["split"])
+    else:
+        hint = make_hint(name, pp, m, v)
+    if hint_spec(hint) != dict(d):
+        raise DecisionLogError(f"hint {name!r} now builds {hint_spec(hint)}, the log has {dict(d)}")
+    return hint
+
+
+def policy_spec(policy: Policy, sched: RankScheduler) -> Event:
+    """The policy's registered name and knobs; for backfill and its kin, its cost model on this rank
+    (``sized``: it prices each iteration by its sizes, and every reset with sizes logs those costs)."""
+    knobs = getattr(policy, "knobs", None)
+    out: Event = {"name": policy.name, "knobs": dict(knobs()) if callable(knobs) else {}}
+    if isinstance(policy, Backfill):
+        ops = policy.announced_ops
+        out.update(
+            cost_lists(policy.expected, sched),
+            latency=policy.latency,
+            announce_delay=policy.announce_delay,
+            announced_ops=None if ops is None else sorted(op.value for op in ops),
+            sized=getattr(policy, "sized", None) is not None,
+        )
+    return out
+
+
+def cost_lists(model: Callable[[Task], float], sched: RankScheduler) -> Event:
+    """``model``'s seconds for every position of ``sched``'s order and for each position's cross-rank
+    producer (None where there is none): all a backfill-family policy asks its cost model."""
+    producers = sched.hint.plan.sources(sched.rank).task
+    return {
+        "costs": [float(model(t)) for t in sched.tasks],
+        "source_costs": [None if t is None else float(model(t)) for t in producers],
+    }
+
+
+def cost_table(
+    d: Mapping[str, Any], tasks: Sequence[Task], producers: Sequence[Task | None]
+) -> dict[Task, float]:
+    """:func:`cost_lists` back into task -> seconds."""
+    table = dict(zip(tasks, d["costs"], strict=True))
+    for t, c in zip(producers, d["source_costs"], strict=True):
+        if t is not None:
+            table[t] = c
+    return table
+
+
+def rebuild_policy(
+    d: Mapping[str, Any],
+    tasks: Sequence[Task],
+    producers: Sequence[Task | None],
+    sized: Callable[[Any], Callable[[Task], float]] | None = None,
+) -> Policy:
+    """A fresh policy of the logged kind; backfill's kin plan with the logged costs (by task) and, for
+    a sized policy, ``sized`` (the replay's: each reset's logged costs)."""
+    cls = type(get_policy(d["name"]))
+    if not issubclass(cls, Backfill):
+        return cls(**d["knobs"])
+    ops = d["announced_ops"]
+    extra = {"sized": sized} if d.get("sized") else {}
+    announced = None if ops is None else frozenset(Op(o) for o in ops)
+    return cls(
+        expected=cost_table(d, tasks, producers).__getitem__, latency=d["latency"],
+        announce_delay=d["announce_delay"], announced_ops=announced, **d["knobs"], **extra,
+    )  # fmt: skip
+
+
+# -- recording -------------------------------------------------------------------------------------
+class DecisionRecorder:
+    """Records one scheduler's driver calls and decisions into ``sink`` (one event dict per call)."""
+
+    def __init__(self, sink: Sink) -> None:
+        self.sink = sink
+        self.decisions = 0
+        """Decisions recorded so far (``next`` and ``ready`` calls)."""
+        self._pulls: list[list[Any]] = []
+
+    def attach(self, sched: RankScheduler) -> RankScheduler:
+        """Record ``sched`` from now on (its state now is taken as a fresh iteration's: attach it right
+        after it is made, before the driver's first reset). Returns it."""
+        self.sink({
+            "ev": "scheduler", "hint": hint_spec(sched.hint), "pp_rank": sched.rank, "budget": sched.budget,
+            "order": [str(t) for t in sched.tasks], "policy": policy_spec(sched.policy, sched),
+        })  # fmt: skip
+        index, emit = sched.index, self.sink
+        for name in ("deliver", "complete", "start"):
+            setattr(sched, name, self._task_call(getattr(sched, name), name, index))
+        reset, use_bytes, tick, announce = sched.reset, sched.use_bytes, sched.tick, sched.announce
+        listen, nxt, ready = sched.listen, sched.next, sched.ready
+
+        def rec_reset(*args: Any, **kwargs: Any) -> None:
+            sizes = kwargs.get("sizes", args[0] if args else None)
+            reset(*args, **kwargs)
+            emit({"ev": "reset"} if sizes is None else _sized_reset(sched, sizes))
+
+        def rec_use_bytes(deltas: Sequence[int], budget: int) -> None:
+            use_bytes(deltas, budget)
+            emit({"ev": "bytes", "deltas": [int(d) for d in deltas], "budget": int(budget)})
+
+        def rec_tick(now: float) -> None:
+            tick(now)
+            emit({"ev": "tick", "now": now})
+
+        def rec_announce(task: Task, since: float) -> None:
+            announce(task, since)
+            emit({"ev": "announce", "pos": index[task], "since": since})
+
+        def rec_listen(source: Callable[[int], float | None] | None) -> None:
+            listen(None if source is None else self._puller(source))
+            emit({"ev": "listen", "on": source is not None})
+
+        def rec_next() -> Task | None:
+            self._pulls = []
+            task = nxt()
+            self._decision("next", None if task is None else index[task], sched)
+            return task
+
+        def rec_ready() -> list[Task]:
+            self._pulls = []
+            tasks = ready()
+            self._decision("ready", [index[t] for t in tasks], sched)
+            return tasks
+
+        calls = {"reset": rec_reset, "use_bytes": rec_use_bytes, "tick": rec_tick, "announce": rec_announce,
+                 "listen": rec_listen, "next": rec_next, "ready": rec_ready}  # fmt: skip
+        for name, call in calls.items():  # on the instance: the class and other schedulers stay as they are
+            setattr(sched, name, call)
+        return sched
+
+    def _task_call(
+        self, call: Callable[[Task], None], name: str, index: Mapping[Task, int]
+    ) -> Callable[[Task], None]:
+        emit = self.sink
+
+        def recorded(task: Task) -> None:
+            call(task)
+            emit({"ev": name, "pos": index[task]})
+
+        return recorded
+
+    def _puller(self, source: Callable[[int], float | None]) -> Callable[[int], float | None]:
+        def pulled(pos: int) -> float | None:
+            value = source(pos)
+            self._pulls.append([pos, value])
+            return value
+
+        return pulled
+
+    def _decision(self, kind: str, pick: Any, sched: RankScheduler) -> None:
+        self.decisions += 1
+        self.sink({"ev": kind, "pick": pick, "ready": sched.ready_positions(), "pulls": self._pulls})
+        self._pulls = []
+
+
+def _sized_reset(sched: RankScheduler, sizes: Any) -> Event:
+    """A reset with sizes; a policy that prices iterations by their sizes adds this iteration's costs."""
+    ev: Event = {"ev": "reset", "sizes": dataclasses.asdict(sizes)}
+    sized = getattr(sched.policy, "sized", None)
+    if sized is not None:
+        ev.update(cost_lists(sized(sizes), sched))
+    return ev
+
+
+# -- replay ----------------------------------------------------------------------------------------
+class ReplayResult(NamedTuple):
+    matches: int
+    """Logged decisions the fresh scheduler made identically (pick and ready set)."""
+    total: int
+    """Logged decisions."""
+    first_mismatch: Event | None
+    """The first that differed: ``{"index", "event", "got"}`` (``got``: the fresh decision, or the
+    error that stopped the replay); None when every one matched."""
+
+
+class _Replayer:
+    def __init__(self) -> None:
+        self.sched: RankScheduler | None = None
+        self.pulls: list[list[Any]] = []
+        self.iteration_costs: dict[Task, float] = {}
+        """A sized policy's costs of the iteration being replayed (its latest reset's)."""
+
+    def serve(self, pos: int) -> float | None:
+        """The replay's listen() source: the value the logged call pulled for ``pos``, in order."""
+        for i, (p, value) in enumerate(self.pulls):
+            if p == pos:
+                del self.pulls[i]
+                return value
+        return None
+
+    def sized(self, _sizes: Any) -> Callable[[Task], float]:
+        """The replayed policy's ``sized``: the logged costs of the iteration being reset."""
+        return self.iteration_costs.__getitem__
+
+    def apply(self, ev: Mapping[str, Any]) -> Any:
+        """Apply one event; for a decision, return the fresh (pick, ready positions)."""
+        kind = ev["ev"]
+        if kind == "scheduler":
+            hint = rebuild_hint(ev["hint"])
+            rank = ev["pp_rank"]
+            if [str(t) for t in hint.orders[rank]] != list(ev["order"]):
+                raise DecisionLogError(f"hint {hint.name!r} rank {rank}: the order differs from the log's")
+            producers = hint.plan.sources(rank).task
+            policy = rebuild_policy(ev["policy"], hint.orders[rank], producers, self.sized)
+            self.sched = RankScheduler(hint, rank, policy, ev["budget"])
+            return None
+        s = self.sched
+        if s is None:
+            raise DecisionLogError(f"event {kind!r} before any 'scheduler' event")
+        if kind in DECISIONS:
+            self.pulls = [list(p) for p in ev["pulls"]]
+            if kind == "next":
+                task = s.next()
+                pick: Any = None if task is None else s.index[task]
+            else:
+                pick = [s.index[t] for t in s.ready()]
+            return pick, s.ready_positions()
+        if kind in ("deliver", "complete", "start"):
+            getattr(s, kind)(s.tasks[ev["pos"]])
+        elif kind == "tick":
+            s.tick(ev["now"])
+        elif kind == "announce":
+            s.announce(s.tasks[ev["pos"]], ev["since"])
+        elif kind == "listen":
+            s.listen(self.serve if ev["on"] else None)
+        elif kind == "reset":
+            if "costs" in ev:
+                self.iteration_costs = cost_table(ev, s.tasks, s.hint.plan.sources(s.rank).task)
+            _reset(s, ev.get("sizes"))
+        elif kind == "bytes":
+            s.use_bytes(ev["deltas"], ev["budget"])
+        else:
+            raise DecisionLogError(f"unknown decision-log event {kind!r}")
+        return None
+
+
+def _reset(s: RankScheduler, sizes: Mapping[str, Any] | None) -> None:
+    if sizes is None:
+        s.reset()
+        return
+    from rrfp.dispatch.sizes import Sizes  # only a log with sizes needs them
+
+    s.reset(sizes=Sizes(**{k: tuple(v) for k, v in sizes.items()}))  # type: ignore[call-arg]
+
+
+def replay(events: Iterable[Mapping[str, Any]]) -> ReplayResult:
+    """Feed one scheduler's logged events (one rank of one trial, in order) to a fresh scheduler and
+    policy built from the log; count the decisions it makes identically. An event the fresh scheduler
+    refuses (its state diverged) ends the replay: the remaining decisions count as mismatches."""
+    r = _Replayer()
+    matches = total = 0
+    first: Event | None = None
+    stopped = False
+    for i, ev in enumerate(events):
+        decision = ev["ev"] in DECISIONS
+        total += decision
+        if stopped:
+            continue
+        try:
+            got = r.apply(ev)
+        except DecisionLogError:
+            raise
+        except Exception as e:  # the fresh scheduler refused a logged call: its state diverged
+            stopped = True
+            first = first or {"index": i, "event": dict(ev), "got": f"{type(e).__name__}: {e}"}
+            continue
+        if not decision:
+            continue
+        if got == (ev["pick"], list(ev["ready"])):
+            matches += 1
+        elif first is None:
+            first = {"index": i, "event": dict(ev), "got": {"pick": got[0], "ready": got[1]}}
+    return ReplayResult(matches, total, first)
+
+
+def streams(
+    records: Iterable[Mapping[str, Any]], keys: Sequence[str] = ("trial", "rank")
+) -> dict[tuple, list[Event]]:
+    """A merged log's records split into one event stream per scheduler owner (by ``keys``: rrfp-run's
+    trial index and global rank), each in logged order."""
+    out: dict[tuple, list[Event]] = {}
+    for rec in records:
+        out.setdefault(tuple(rec[k] for k in keys), []).append(dict(rec))
+    return out
+
+
+def asked(events: Iterable[Mapping[str, Any]]) -> int:
+    """Logged decisions that had something ready (the policy was asked; an empty ready set is None)."""
+    return sum(1 for ev in events if ev["ev"] in DECISIONS and ev["ready"])
