@@ -131,8 +131,8 @@ class _Worker:
 
     __slots__ = (
         "agree_cost", "arrive", "blocked", "busy", "busy_time", "d", "dirty", "dispatch", "done_cb", "dur",
-        "eid", "env", "finish", "gids", "model", "plan", "pos", "queue", "r", "scheds", "started_at",
-        "starts", "tx",
+        "eid", "env", "finish", "gids", "model", "plan", "pos", "queue", "r", "running", "scheds",
+        "started_at", "starts", "tx",
     )  # fmt: skip
 
     def __init__(self, model: ClusterModel, r: int, d: int, scheds: list[RankScheduler]) -> None:
@@ -173,6 +173,7 @@ class _Worker:
         if self.starts:
             self.starts[:] = [None] * len(self.starts)  # in place: consumers' sources hold this list
         self.busy = False
+        self.running = -1  # position running now (clocked policies: what consumers read), -1: none
         self.blocked = 0  # rendezvous sends not yet delivered; megatron: operations of the current call
         self.dirty = False
         self.busy_time = 0.0
@@ -241,6 +242,7 @@ class _Worker:
         self.busy_time += d
         self.started_at = now + cost
         self.starts[pos] = self.started_at  # what consumers on other ranks read as this task's start
+        self.running = pos
         self.env.call_at(now + (cost + d), self.done_cb, pos)
 
     def dispatch_clocked(self) -> None:
@@ -260,6 +262,7 @@ class _Worker:
         self.busy_time += d
         self.started_at = now
         self.starts[pos] = now
+        self.running = pos
         heappush(self.queue, (now + d, NORMAL, next(self.eid), self.done_cb, pos))
 
     def on_done(self, pos: int) -> None:
@@ -315,8 +318,14 @@ class _Worker:
                 r = src_rank[pos]
                 return None if r < 0 else starts[r][src_pos[pos]]
 
+            def busy(pos: int) -> tuple[Task, float] | None:
+                w = replica[src_rank[pos]]
+                if not w.busy or w.running < 0:
+                    return None
+                return w.plan.order[w.running], w.started_at
+
             for s in self.scheds:
-                s.listen(source)
+                s.listen(source, busy)
 
     def on_arrive(self, event: Event) -> None:
         """A message for member ``t``'s ``task`` arrived. A busy (or blocked) stream needs no dispatch

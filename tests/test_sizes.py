@@ -8,7 +8,10 @@
   simulated cluster then gives it (and the check catches a model that ignores the attention term);
 * the broadcast costs no decision its sizes: on every hint, a rank other than the data loader's has
   nothing ready until a message arrives;
-* the simulator hands each iteration's sizes to every scheduler.
+* the simulator hands each iteration's sizes to every scheduler;
+* producers' running tasks (``listen(source, busy)``, ``producer_busy``): a ``use_busy`` policy expects
+  an unstarted producer no earlier than its rank's running task's expected end, the simulator publishes
+  what each rank really runs, and a decision log refuses a source it cannot replay.
 
     .venv/bin/pytest tests/test_sizes.py -q
 """
@@ -176,3 +179,60 @@ def test_the_simulator_hands_every_scheduler_its_iterations_sizes() -> None:
     model.run(samples)
     known = [samples[k][0][0].known for k in range(2)]
     assert known[0] != known[1] and seen.count(known[0]) == seen.count(known[1]) == 2  # 2 ranks x 1 each
+
+
+def test_an_unstarted_producer_starts_no_earlier_than_its_ranks_running_task_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    hint = rrfp.make_hint("1f1b", pp=2, microbatches=3)
+    s = RankScheduler(hint, 0, Backfill(latency=0.5))
+    assert s.producer_busy(s.index[Task.parse("0B0")]) is None  # nobody publishes
+    s.listen(lambda pos: None, lambda pos: (Task.parse("1F1"), 2.0))  # rank 1 runs 1F1 since t=2
+    for t in ("0F0", "0F1"):
+        s.start(Task.parse(t))
+        s.complete(Task.parse(t))
+    s.tick(2.5)
+    head = s.head
+    assert s.tasks[head] == Task.parse("0B0") and s.producer_busy(head) == (Task.parse("1F1"), 2.0)
+    plan = s.policy._plan(s)  # type: ignore[attr-defined]
+    # without: the producer 1B0 (2 s) may start now -> its gradient lands at 2.5 + 2 + 0.5
+    assert s.policy._head_slack(s, plan) == pytest.approx(2.5)  # type: ignore[attr-defined]
+    monkeypatch.setattr(Backfill, "use_busy", True)
+    # with: not before 1F1 ends at 2 + 1 -> 3 + 2 + 0.5 - 2.5
+    assert s.policy._head_slack(s, plan) == pytest.approx(3.0)  # type: ignore[attr-defined]
+
+
+def test_the_simulator_publishes_what_each_rank_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rrfp.sim.config import ExperimentConfig
+    from rrfp.sim.experiment import run_experiment
+
+    seen: list[tuple[RankScheduler, int, object, bool, float | None]] = []
+    real = RankScheduler.producer_busy
+
+    def spy(self: RankScheduler, pos: int) -> object:
+        out = real(self, pos)
+        seen.append((self, pos, out, self.started(pos), self.now))
+        return out
+
+    monkeypatch.setattr(Backfill, "use_busy", True)
+    monkeypatch.setattr(RankScheduler, "producer_busy", spy)
+    cfg = ExperimentConfig(
+        stages=4, microbatches=8, hints=("1f1b",), policies=("backfill",), seeds=1, memory_budget="2x"
+    )
+    run_experiment(cfg)
+    published = [row for row in seen if row[2] is not None]
+    assert published
+    for s, pos, (task, since), started, now in published:  # type: ignore[misc]
+        producer = s.hint.plan.sources(s.rank).task[pos]
+        assert producer is not None and task != producer and not started
+        assert s.hint.spec.rank_of(task.stage) == s.hint.spec.rank_of(producer.stage)
+        assert since <= now  # type: ignore[operator]
+
+
+def test_a_decision_log_refuses_a_busy_source() -> None:
+    from rrfp.dispatch.decisions import DecisionLogError, DecisionRecorder
+
+    s = RankScheduler(rrfp.make_hint("1f1b", pp=2, microbatches=3), 0, "backfill")
+    DecisionRecorder(lambda ev: None).attach(s)
+    with pytest.raises(DecisionLogError, match="busy"):
+        s.listen(lambda pos: None, lambda pos: None)

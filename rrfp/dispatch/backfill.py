@@ -120,10 +120,14 @@ class Backfill(Policy):
 
     name = "backfill"
     needs_clock = True
+    use_busy: ClassVar[bool] = False
+    """Plan an unstarted producer to start no earlier than the end its rank's running task is expected
+    at (``SchedulerView.producer_busy``; the simulator publishes it, rrfp-run does not). Off: measured,
+    it changes no decision of consequence (BENCHMARKS.md §9, benchmarks/foresight_study.py)."""
     sized_by_default: ClassVar[bool] = False
     """Should an interpreter that knows each iteration's sizes price this policy's plan per microbatch
     (``sized``)? Off: measured, it moves guarded by at most 0.006 and backfill by -0.08 to +0.05
-    (BENCHMARKS.md §9, benchmarks/sized_study.py)."""
+    (BENCHMARKS.md §9, benchmarks/foresight_study.py)."""
 
     def __init__(
         self,
@@ -259,8 +263,21 @@ class Backfill(Policy):
         if now is None or not s.awaiting(head):
             return 0.0
         since = s.since(head)
-        eta = (now - self.announce_delay if since is None else since) + plan.arrive[head]
+        if since is None:
+            since = self._unstarted(s, head, now - self.announce_delay)
+        eta = since + plan.arrive[head]
         return eta - now if eta > now else 0.0
+
+    def _unstarted(self, s: SchedulerView, pos: int, earliest: float) -> float:
+        """The earliest start of ``pos``'s cross-rank producer, not started yet: ``earliest``, or later
+        while its rank runs another task (``use_busy``: until that task's expected end)."""
+        if not self.use_busy:
+            return earliest
+        b = s.producer_busy(pos)
+        if b is None:
+            return earliest
+        end = b[1] + self.expected(b[0])
+        return end if end > earliest else earliest
 
     def _room(self, s: SchedulerView, plan: _Plan, candidates: list[int]) -> dict[int, float]:
         """For each candidate position j, the longest task (s) that may move from j to now.
@@ -287,7 +304,9 @@ class Backfill(Policy):
             eta = now
             if timed and awaiting(pos):
                 since = since_of(pos)
-                eta = (unannounced if since is None else since) + arrive[pos]
+                if since is None:
+                    since = self._unstarted(s, pos, unannounced)
+                eta = since + arrive[pos]
                 if eta < now:
                     eta = now
             begin = cursor if cursor > eta else eta

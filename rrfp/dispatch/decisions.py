@@ -170,7 +170,9 @@ class DecisionRecorder:
             announce(task, since)
             emit({"ev": "announce", "pos": index[task], "since": since})
 
-        def rec_listen(source: Callable[[int], float | None] | None) -> None:
+        def rec_listen(source: Callable[[int], float | None] | None, busy: Any = None) -> None:
+            if busy is not None:  # its pulls are not logged, so a replay could not serve them
+                raise DecisionLogError("a decision log cannot record listen(busy=...)")
             listen(None if source is None else self._puller(source))
             emit({"ev": "listen", "on": source is not None})
 

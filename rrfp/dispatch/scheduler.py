@@ -84,6 +84,7 @@ class RankScheduler:
         """Per-scheduler scratch space for the policy (e.g. its static plan of this rank)."""
         self._ready_forwards0 = sum(1 for r, f in zip(wiring.ready, self.is_forward, strict=True) if r and f)
         self._source: Callable[[int], float | None] | None = None  # listen(): pulled announcements
+        self._busy: Callable[[int], tuple[Task, float] | None] | None = None
         self.budget = _checked_budget(hint, rank, budget, wiring.peak)
         self.budget_bytes: int | None = None
         """Byte mode (:meth:`use_bytes`): this iteration's activation budget in bytes; None: slots."""
@@ -295,9 +296,21 @@ class RankScheduler:
         """Is a cross-rank input of the task at ``pos`` still to be delivered?"""
         return self._remote[pos] > 0
 
-    def listen(self, source: Callable[[int], float | None] | None) -> None:
-        """Optional: pull announcements from ``source(pos)`` (see the module docstring); None stops."""
+    def listen(
+        self,
+        source: Callable[[int], float | None] | None,
+        busy: Callable[[int], tuple[Task, float] | None] | None = None,
+    ) -> None:
+        """Optional: pull announcements from ``source(pos)`` (see the module docstring); None stops.
+        ``busy(pos)``: what the rank of ``pos``'s cross-rank producer is running now and since when (a
+        producer that has not started cannot start before it ends), or None."""
         self._source = source
+        self._busy = busy
+
+    def producer_busy(self, pos: int) -> tuple[Task, float] | None:
+        """While the producer of ``pos``'s cross-rank input has not started: the task its rank runs
+        now and its start, if the driver publishes it (``listen(..., busy)``); else None."""
+        return None if self._busy is None else self._busy(pos)
 
     def since(self, pos: int) -> float | None:
         """When the producer of ``pos``'s cross-rank input was announced to start; None if never."""

@@ -14,7 +14,7 @@ before any decision it could inform. The simulator hands them over at the iterat
 rrfp-run every rank draws the same sizes from the run's seed (rrfp.workload.tokens.batch_sizes), so
 none is sent.
 
-Measured (BENCHMARKS.md §9, benchmarks/sized_study.py): pricing the timeline per microbatch moves
+Measured (BENCHMARKS.md §9, benchmarks/foresight_study.py): pricing the timeline per microbatch moves
 ``guarded`` by at most 0.006, and ``backfill`` by -0.08 to +0.05, so neither CLI turns ``sized`` on
 (``Backfill.sized_by_default``); the interface is there for policies that gain from it.
 """

@@ -63,6 +63,11 @@ class SchedulerView(Protocol):
         """When the producer of ``pos``'s cross-rank input started (s); None if not heard of."""
         ...
 
+    def producer_busy(self, pos: int) -> tuple[Task, float] | None:
+        """While ``pos``'s cross-rank producer has not started: the task its rank runs now and since
+        when, if the driver publishes it; else None."""
+        ...
+
     def next_ready(self, lo: int, hi: int) -> int:
         """The first ready, unstarted position in ``[lo, hi)``, or -1."""
         ...
