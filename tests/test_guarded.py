@@ -260,19 +260,31 @@ def test_forward_first_runs_the_forward_that_backfill_holds_back() -> None:
     assert run(expected).order(1) != run("rrfp").order(1)
 
 
-def test_slack_lets_work_slip_a_protected_position() -> None:
+def test_filler_slack_lets_a_filler_slip_a_protected_position() -> None:
     """ZB-H1 pp=3 m=4 at 2x, odd microbatches 1.7x as long: on rank 2 at t=2, 2W0 (a filler) would delay
-    the forwards about to arrive; with no slack it waits, as backfill would; with 3 forwards' slack it
-    runs at once."""
+    the forwards about to arrive; with no filler slack it waits, as backfill would; with 3 forwards'
+    filler slack it runs at once. The slack of critical work does not move it."""
     hint = rrfp.make_hint("zb-h1", 3, 4)
     budget = rrfp.resolve_budget("2x", hint)
     dur = {t: (1.0 + 0.7 * (t.mb % 2)) for t in hint.spec.all_tasks()}
-    orders = {
-        slack: rrfp.run_reference(hint, Guarded(slack=slack), dur, budget=budget).order(2)
-        for slack in (0.0, 3.0)
-    }
-    assert orders[0.0][:4] == ["2F0", "2I0", "2F1", "2F2"]
-    assert orders[3.0][:4] == ["2F0", "2I0", "2W0", "2F1"]
+
+    def order(**kw: float) -> list[str]:
+        return rrfp.run_reference(hint, Guarded(**kw), dur, budget=budget).order(2)[:4]
+
+    assert order(filler_slack=0.0) == order(filler_slack=0.0, slack=3.0) == ["2F0", "2I0", "2F1", "2I1"]
+    assert order(filler_slack=3.0) == ["2F0", "2I0", "2W0", "2F1"]
+
+
+def test_a_critical_backward_no_costlier_than_the_forward_goes_first() -> None:
+    """Step 1a on the same pipeline, uniform costs: at 2x (spare memory) rank 2 runs 2I1 -- ready, of
+    higher hint priority than the next forward and no costlier -- before 2F2, as rrfp does; forward-first
+    alone (the first pass) ran 2F2 first."""
+    hint = rrfp.make_hint("zb-h1", 3, 4)
+    budget = rrfp.resolve_budget("2x", hint)
+    run = rrfp.run_reference(hint, Guarded(), lambda t: 1.0, budget=budget)
+    order = run.order(2)
+    assert order.index("2I1") < order.index("2F2")
+    assert run.order(2)[:4] == rrfp.run_reference(hint, "rrfp", lambda t: 1.0, budget=budget).order(2)[:4]
 
 
 def test_guarded_is_registered_and_validates_its_slack() -> None:
@@ -281,6 +293,8 @@ def test_guarded_is_registered_and_validates_its_slack() -> None:
     assert isinstance(policy, Guarded) and isinstance(policy, Backfill) and policy.needs_clock
     with pytest.raises(BackfillError, match="slack"):
         Guarded(slack=-1.0)
+    with pytest.raises(BackfillError, match="filler_slack"):
+        Guarded(filler_slack=math.inf)
     with pytest.raises(BackfillError, match="window"):
         Guarded(window=0)
 

@@ -1,5 +1,5 @@
 """``guarded``: forwards greedy within hint-safe admission; B, I and W ahead of the hint only when the
-expected timeline says they delay nothing protected by more than a small slack (issue 15, first pass).
+expected timeline says they delay nothing protected by more than a small slack (issue 15).
 
 Why: ``rrfp`` (greedy by hint priority) loses at equal memory because a middle rank starts a ready
 backward while a forward that downstream ranks wait for arrives moments later; ``backfill`` never loses
@@ -9,24 +9,36 @@ same rank (a forward still has every later stage's F and every stage's B ahead o
 priorities reduce to "forward first"; backward work keeps backfill's protection.
 
 The rule, at each decision of one rank (the scheduler's ``head`` is the first unstarted position of its
-order -- the reference order for a class hint):
+order -- the reference order for a class hint; a *critical* task has an output that crosses ranks, a
+*filler* none):
 
-1. forwards: the highest-priority ready forward if hint-safe admission allows it (as ``rrfp``); if it
-   does not, a ready head forward (always admissible: the rest of the hint order fits by invariant);
+1. the forward ``f``: the highest-priority ready forward if hint-safe admission allows it (as
+   ``rrfp``); if it does not, a ready head forward (always admissible: the rest of the hint order fits
+   by invariant). A ready head forward runs at once. Any other ``f`` runs unless
+   a. a ready critical B or I of higher hint priority is no costlier (shortest job between the two):
+      with spare memory (``headroom() > 0``) that task runs, as ``rrfp`` would run it; without, the
+      rule of step 2 picks, and ``f`` runs only if it finds nothing;
+   b. or, without spare memory, the head is a critical B or I awaiting an input expected ``w`` from now
+      and ``2 w + cost(head) <= cost(f)`` -- starting ``f`` would delay the head by more than waiting
+      for it delays ``f``: the rule of step 2 picks, or the rank waits for the head's input;
 2. otherwise the ready head (a B, I or W), plus every ready B, I or W within ``window`` positions of the
    head that passes backfill's expected-timeline check with each protected (non-filler) position
-   allowed to slip by ``slack`` mean forward costs of this rank (:meth:`Backfill._room` + slack);
-3. among those, shortest expected cost first, then the hint's priority.
+   allowed to slip by ``slack`` mean forward costs of this rank -- ``filler_slack`` for a filler
+   (:meth:`Backfill._room` + slack);
+3. among those, shortest expected cost first (the class mean), then the hint's priority.
 
-So it returns a task whenever the head is ready: a ready head forward is admissible, a ready head
-B/I/W passes by definition; it waits (returns None) only while the head waits for an input and nothing
-passes. Memory and deadlock: every forward passes hint-safe admission, so following the hint stays
-feasible from every state and backfill's argument (a rank idles only while its head waits for a
-cross-rank input) carries over. It reads only the view: expected costs, the clock and announcements;
-never realised durations, never a hint's or budget's name.
+So it returns a task whenever the head is ready: a ready head forward runs, a ready head B/I/W passes
+step 2 by definition, and step 1b applies only to a head that is not ready; it waits (returns None)
+only while the head waits for an input. Memory and deadlock: every forward passes hint-safe
+admission, so following the hint stays feasible from every state and backfill's argument (a rank
+idles only while its head waits for a cross-rank input) carries over. It reads only the view: expected
+costs, the clock, announcements and headroom; never realised durations, never a hint's or budget's
+name.
 
 Measured (BENCHMARKS.md §9): it is not a guarantee -- with exact costs a slipped position may delay
-another rank by up to ``slack``, and forward-first loses where forwards are the expensive op.
+another rank by up to ``slack``. Steps 1a, 1b and the filler slack (second pass) keep the zero-bubble
+orders' deliberate W placement and stop forward-first where forwards are the expensive op; their
+constants (``filler_slack`` 0.75, the factor 2 of step 1b) were chosen on the policy-study cells.
 
 Import it (the registry then knows ``guarded``) with ``import rrfp.dispatch.guarded`` (``import rrfp``
 does).
@@ -50,6 +62,13 @@ if TYPE_CHECKING:
 DEFAULT_SLACK = 0.5
 """Mean forward costs a protected position may slip (the issue's prototype: 0.5; 1.0 was catastrophic,
 0.817 on interleaved-1f1b)."""
+DEFAULT_FILLER_SLACK = 0.75
+"""Mean forward costs a filler may slip a protected position by (1.0 lost on zb-h1 at CV 0.1, 0.5 on
+zb-h2 at high CV; BENCHMARKS.md §9)."""
+WAIT_FACTOR = 2.0
+"""Step 1b: the forward yields to an awaited critical head when ``WAIT_FACTOR x wait + cost(head) <=
+cost(forward)``."""
+_RUN_F, _ELSE_WAIT, _ELSE_F = -1, -2, -3  # step 1's verdicts on f (>= 0: run that position instead)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +79,8 @@ class _Guard:
     plan: _Plan
     slack: float
     """Seconds a protected position may slip: ``slack`` x this rank's mean expected forward cost."""
+    filler_slack: float
+    """The same for a filler moved ahead of the hint: ``filler_slack`` x the mean forward cost."""
     head_only: bool
     """No B, I or W of this rank is cheap enough to pass ahead of a ready critical head (whose room is
     the slack alone): such a head then runs without walking the timeline."""
@@ -85,16 +106,21 @@ class Guarded(Backfill):
         announced_ops: frozenset[Op] | None = None,
         slack: float = DEFAULT_SLACK,
         sized: SizedCostModel | None = None,
+        filler_slack: float = DEFAULT_FILLER_SLACK,
     ) -> None:
         """Backfill's parameters (its cost model, message time, window, margin and announcements), and
         ``slack``: how many of this rank's mean forward costs a protected position may slip."""
         super().__init__(expected, latency, window, margin, announce_delay, announced_ops, sized)
-        if not (isinstance(slack, (int, float)) and math.isfinite(slack) and slack >= 0):
-            raise BackfillError(f"slack must be a finite number >= 0 of mean forward costs, got {slack!r}")
+        for name, value in (("slack", slack), ("filler_slack", filler_slack)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise BackfillError(
+                    f"{name} must be a finite number >= 0 of mean forward costs, got {value!r}"
+                )
         self.slack = float(slack)
+        self.filler_slack = float(filler_slack)
 
     def knobs(self) -> dict[str, Any]:
-        return {**super().knobs(), "slack": self.slack}
+        return {**super().knobs(), "slack": self.slack, "filler_slack": self.filler_slack}
 
     # -- Policy interface -------------------------------------------------------------------
     def begin_iteration(self, s: SchedulerView, sizes: Sizes | None) -> None:
@@ -108,19 +134,25 @@ class Guarded(Backfill):
         if head >= len(s.tasks):
             return None
         f = self._forward(s, head)
-        if f >= 0:
+        if f == head:
             return s.tasks[f]
         g = s.policy_state
         if type(g) is not _Guard or g.owner is not self:
             g = self._guard(s)
-        if g.head_only and s.is_ready(head) and not g.plan.filler[head]:
+        verdict = self._versus(s, g, head, f) if f >= 0 else _ELSE_WAIT
+        if verdict == _RUN_F:
+            return s.tasks[f]
+        if verdict >= 0:
+            return s.tasks[verdict]
+        if g.head_only and s.is_ready(head) and not g.plan.filler[head] and not s.is_forward[head]:
             return s.tasks[head]  # _others' answer without the walk (the common case)
         for pos in self._others(s, g, head, first_only=True):
             return s.tasks[pos]
-        return None
+        return s.tasks[f] if verdict == _ELSE_F else None
 
     def candidates(self, s: SchedulerView) -> list[Task]:
-        """What it would run now, best first (for TP agreement): the forward, then the passing others."""
+        """What it would run now, best first (for TP agreement): :meth:`pick`'s choice first, then the
+        other passing B, I and W, then a forward step 1 held back only for them."""
         head = s.head
         if head >= len(s.tasks):
             return []
@@ -128,8 +160,14 @@ class Guarded(Backfill):
         if type(g) is not _Guard or g.owner is not self:
             g = self._guard(s)
         f = self._forward(s, head)
-        out = [f] if f >= 0 else []
-        out += self._others(s, g, head, first_only=False)
+        verdict = _RUN_F if f == head else self._versus(s, g, head, f) if f >= 0 else _ELSE_WAIT
+        others = self._others(s, g, head, first_only=False)
+        if verdict == _RUN_F:
+            out = [f, *others]
+        elif verdict >= 0:
+            out = [verdict, *(p for p in others if p != verdict), f]
+        else:
+            out = others + ([f] if verdict == _ELSE_F else [])
         return [s.tasks[p] for p in out]
 
     # -- the rule ---------------------------------------------------------------------------
@@ -147,6 +185,38 @@ class Guarded(Backfill):
             return head
         return -1
 
+    def _versus(self, s: SchedulerView, g: _Guard, head: int, f: int) -> int:
+        """Step 1's verdict on the forward ``f`` (not the head): ``_RUN_F``, another position to run,
+        ``_ELSE_F`` (step 2's pick, else ``f``) or ``_ELSE_WAIT`` (step 2's pick, else wait)."""
+        plan, rank = g.plan, g.rank_cost
+        o = self._earlier_critical(s, plan, f)
+        if o >= 0 and rank[o] <= rank[f] + _EPS:  # 1a: the shorter job first
+            return o if s.headroom() > 0 else _ELSE_F
+        if (
+            not s.is_forward[head]
+            and not plan.filler[head]
+            and not s.is_ready(head)
+            and s.prio[head] < s.prio[f]
+            and s.headroom() <= 0
+        ):  # 1b: starting f would delay the awaited head more than waiting delays f
+            wait = self._head_slack(s, plan)
+            if WAIT_FACTOR * wait + plan.cost[head] <= plan.cost[f] + _EPS:
+                return _ELSE_WAIT
+        return _RUN_F
+
+    def _earlier_critical(self, s: SchedulerView, plan: _Plan, f: int) -> int:
+        """The highest-priority ready critical B or I within the window whose priority is above ``f``'s,
+        or -1."""
+        prio, is_forward, filler = s.prio, s.is_forward, plan.filler
+        best, bound = -1, prio[f]
+        end = min(len(s.tasks), s.head + self.window)
+        pos = s.next_ready(s.head, end)
+        while pos >= 0:
+            if not is_forward[pos] and not filler[pos] and prio[pos] < bound:
+                best, bound = pos, prio[pos]
+            pos = s.next_ready(pos + 1, end)
+        return best
+
     def _others(self, s: SchedulerView, g: _Guard, head: int, first_only: bool) -> list[int]:
         """The ready head (a B, I or W here) and the ready B, I, W in the window that pass the slackened
         timeline check, shortest expected cost first, then the hint's priority."""
@@ -157,14 +227,15 @@ class Guarded(Backfill):
         if not others:
             return [head] if head_ready else []
         scale = 1.0 + self.margin
+        slack = {False: g.slack + _EPS, True: g.filler_slack + _EPS}
         if not filler[head]:
             # A protected head bounds every room (it is the first protected position): when no
             # candidate fits into it, skip the walk.
-            bound = (0.0 if head_ready else self._head_slack(s, plan)) + g.slack + _EPS
-            if all(cost[p] * scale > bound for p in others):
+            bound = 0.0 if head_ready else self._head_slack(s, plan)
+            if all(cost[p] * scale > bound + slack[filler[p]] for p in others):
                 return [head] if head_ready else []
         room = self._room(s, plan, others)
-        out = [p for p in others if cost[p] * scale <= room[p] + g.slack + _EPS]
+        out = [p for p in others if cost[p] * scale <= room[p] + slack[filler[p]]]
         if head_ready:
             out.append(head)
         prio = s.prio
@@ -178,9 +249,13 @@ class Guarded(Backfill):
         rank) plus the slack in seconds; kept on the scheduler (``policy_state``) for the hot path."""
         plan = plan or self._plan(s)
         forwards = [c for c, f in zip(plan.cost, s.is_forward, strict=True) if f]
-        slack = self.slack * (sum(forwards) / len(forwards) if forwards else 0.0)
-        backward = [c for c, f in zip(plan.cost, s.is_forward, strict=True) if not f]
-        head_only = all(c * (1.0 + self.margin) > slack + _EPS for c in backward)
-        g = _Guard(self, plan, slack, head_only, self._plan(s).cost)
+        mean = sum(forwards) / len(forwards) if forwards else 0.0
+        slack, filler_slack = self.slack * mean, self.filler_slack * mean
+        head_only = all(
+            c * (1.0 + self.margin) > (filler_slack if filler else slack) + _EPS
+            for c, f, filler in zip(plan.cost, s.is_forward, plan.filler, strict=True)
+            if not f
+        )
+        g = _Guard(self, plan, slack, filler_slack, head_only, self._plan(s).cost)
         s.policy_state = g
         return g
