@@ -43,6 +43,7 @@ from rrfp.dispatch.backfill import Backfill, BackfillError
 from rrfp.dispatch.guarded import Guarded
 from rrfp.dispatch.policies import Policy, Rrfp
 from rrfp.dispatch.scheduler import RankScheduler
+from rrfp.dispatch.tp import agree
 from rrfp.plan.budget import position_bytes, sequence_peak
 from rrfp.plan.task import Op, Task
 
@@ -175,6 +176,68 @@ def test_guarded_keeps_byte_budgets(data: st.DataObject, args: HintArgs) -> None
     check_run(hint, run, {r: 10**9 for r in budget}, dur, lat)  # complete and causal
     for r, events in run.log.items():
         assert byte_log_peak(hint, act, events) <= budget[r]
+
+
+def agreed_steps(hint: rrfp.Hint, rank: int, policy: Policy, budget: int, tp: int, rng: random.Random) -> int:
+    """Rank ``rank``'s TP group driven to the end: each step either delivers a member its next
+    cross-rank input (members hear of them at different times) or commits the agreed pick on every
+    member. Asserts at every agreement: a head ready and admissible on every member yields a task, and
+    that task is ready on every member. Returns how many agreements it checked."""
+    draw = rng.randrange
+    members = [RankScheduler(hint, rank, policy, budget) for _ in range(tp)]
+    inbox = [[p for p in range(len(m.tasks)) if m.awaiting(p)] for m in members]
+    checked = 0
+    while not members[0].done:
+        lagging = [i for i, left in enumerate(inbox) if left]
+        if lagging and draw(len(lagging) + 1) < len(lagging):
+            i = lagging[draw(len(lagging))]
+            members[i].deliver(members[i].tasks[inbox[i].pop(0)])
+            continue
+        task = agree([m.ready() for m in members])
+        checked += 1
+        head = members[0].head
+        runnable = all(m.is_ready(head) and m.admissible(head) for m in members)
+        assert task is not None or not runnable, f"rank {rank}: the group idles a runnable head"
+        if task is None:
+            assert lagging, f"rank {rank}: nothing agreed and nothing left to deliver"
+            i = lagging[draw(len(lagging))]
+            members[i].deliver(members[i].tasks[inbox[i].pop(0)])
+            continue
+        for m in members:
+            assert m.is_ready(m.index[task])
+            m.start(task)
+            m.complete(task)
+    return checked
+
+
+@settings(max_examples=examples(300))
+@given(data=st.data(), args=hint_args())
+def test_under_tp_the_agreed_pick_never_idles_a_runnable_head(data: st.DataObject, args: HintArgs) -> None:
+    """Issue 15: under TP the head rule applies to the agreed pick (rrfp.dispatch.tp.agree over every
+    member's candidates), whatever order the members hear of their inputs in."""
+    hint = build_hint(args)
+    budget = data.draw(budgets(hint), label="budget")
+    rank = data.draw(st.integers(0, hint.spec.pp - 1), label="rank")
+    tp = data.draw(st.integers(2, 4), label="tp")
+    rng = random.Random(data.draw(st.integers(0, 2**32 - 1), label="seed"))
+    policy = random_guarded(data, lambda t: 1.0 + (t.mb % 3), 0.5)
+    assert agreed_steps(hint, rank, policy, budget[rank], tp, rng) >= 1
+
+
+def test_the_tp_head_rule_check_catches_a_group_that_idles() -> None:
+    """The check fails when agreement defers although every member could run the head: a guarded
+    whose candidates leave the ready head out."""
+
+    class NoHead(Guarded):
+        def candidates(self, s):  # type: ignore[no-untyped-def]
+            return [t for t in super().candidates(s) if t != s.tasks[s.head]]
+
+        def pick(self, s):  # type: ignore[no-untyped-def]
+            return next(iter(self.candidates(s)), None)
+
+    hint = rrfp.make_hint("1f1b", 2, 4)
+    with pytest.raises(AssertionError, match="idles a runnable head"):
+        agreed_steps(hint, 0, NoHead(), rrfp.resolve_budget("1x", hint)[0], 2, random.Random(0))
 
 
 def test_the_head_rule_check_catches_a_policy_that_idles_a_runnable_head() -> None:

@@ -152,7 +152,8 @@ class Guarded(Backfill):
 
     def candidates(self, s: SchedulerView) -> list[Task]:
         """What it would run now, best first (for TP agreement): :meth:`pick`'s choice first, then the
-        other passing B, I and W, then a forward step 1 held back only for them."""
+        other passing B, I and W, then a forward step 1 held back only for them, and last a ready head
+        forward -- so a TP group whose members' forwards differ still agrees on the head."""
         head = s.head
         if head >= len(s.tasks):
             return []
@@ -168,6 +169,8 @@ class Guarded(Backfill):
             out = [verdict, *(p for p in others if p != verdict), f]
         else:
             out = others + ([f] if verdict == _ELSE_F else [])
+        if head not in out and s.is_forward[head] and s.is_ready(head) and s.admissible(head):
+            out.append(head)  # members whose f differ still agree on the head (issue 15's rule under TP)
         return [s.tasks[p] for p in out]
 
     # -- the rule ---------------------------------------------------------------------------
