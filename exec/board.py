@@ -13,6 +13,11 @@ Layout: one int64 slot per (pipeline replica, task code) -- code as in rrfp.plan
 sees half of it); ``tag`` names the (trial, iteration) the start belongs to, so a slot left from an
 earlier iteration reads as "not started". 40 bits of microseconds last 12 days.
 
+For policies that also plan with what a producer's rank is busy with (``Backfill.use_busy``), each
+pipeline rank has one more slot after the task codes: ``(code + 1) << 40 | microseconds`` of the task
+it runs now, 0 while it runs nothing (written at each start and end: one store each, so a reader sees
+a code with its own start). A rank clears it after its last task, so it never outlives an iteration.
+
 Lifetime: rank 0 creates the file, every rank maps it, and rank 0 unlinks it once all have mapped it (a
 barrier), so nothing is left in ``/dev/shm`` whatever happens to the job later.
 """
@@ -74,6 +79,22 @@ class StartBoard:
         if value >> _US_BITS != tag:
             return None
         return self.epoch + (value & _US_MASK) / 1e6
+
+    def post_running(self, slot: int, code: int, start: float) -> None:
+        """The rank of ``slot`` started the task of ``code`` at ``start`` (time.monotonic())."""
+        us = min(max(0, int((start - self.epoch) * 1e6)), _US_MASK)
+        self.slots[slot] = ((code + 1) << _US_BITS) | us
+
+    def post_idle(self, slot: int) -> None:
+        """The rank of ``slot`` runs nothing now."""
+        self.slots[slot] = 0
+
+    def running(self, slot: int) -> tuple[int, float] | None:
+        """(code, start) of the task the rank of ``slot`` runs now, or None: nothing."""
+        value = int(self.slots[slot])
+        if value == 0:
+            return None
+        return (value >> _US_BITS) - 1, self.epoch + (value & _US_MASK) / 1e6
 
     def close(self) -> None:
         self.slots = np.zeros(0, dtype=np.int64)  # drop the view first: mmap refuses to close under one

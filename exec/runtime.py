@@ -102,6 +102,8 @@ class RankContext:
     """Shared-memory start times (every rank on one host); None: announce by message."""
     board_base: int = 0
     """This pipeline replica's first slot on the board."""
+    board_running: int = -1
+    """This pipeline replica's first "running now" slot (one per pipeline rank; -1: no board)."""
 
 
 class PipelineRuntime:
@@ -127,6 +129,7 @@ class PipelineRuntime:
         iteration); None elsewhere."""
         self._remote: dict[Task, list[tuple[int, Task]]] = {}
         self._tag = 0  # this iteration's tag on the start board
+        self._busy: BusyBoard | None = None  # policies that read what producers' ranks run now
         self._slots: list[int] = []  # board slot per position of this rank's order
         self._sources: list[int] = []  # board slot of each position's cross-rank producer (-1: none)
         if ctx.board is not None:
@@ -140,6 +143,8 @@ class PipelineRuntime:
             raise SchedulerError(f"rank {self.sched.rank}: clock() needs a scheduler of this hint and rank")
         self.sched, self.clocked = sched, True
         self._remote = {}  # who hears of a start depends on the policy's announced ops
+        if getattr(sched.policy, "use_busy", False) and self.ctx.board is not None:
+            self._busy = BusyBoard(sched, self.ctx.board, self.ctx.board_running, self.ctx.pp_rank)
 
     # -- one iteration --------------------------------------------------------------------------
     def run_iteration(self, iteration: int) -> LoopStats:
@@ -150,7 +155,7 @@ class PipelineRuntime:
             sched.use_bytes(*self.memory)
         self._tag = board_tag(self.trial, iteration)
         if self.clocked and self.ctx.board is not None:
-            sched.listen(self._board_since)
+            sched.listen(self._board_since, None if self._busy is None else self._busy.busy)
         self.injector.begin(iteration, self.spec.num_stages, self.spec.microbatches)
         t0 = time.monotonic()
         for arrival in self.ctx.early.pop((self.trial, iteration), []):
@@ -177,10 +182,14 @@ class PipelineRuntime:
         sched.start(task)
         if self.clocked:
             self._announce(task, start)
+        if self._busy is not None:
+            self._busy.post(task, start)
         outputs = runner.run(task)
         self.injector.sleep(task)
         end = time.monotonic()
         sched.complete(task)
+        if self._busy is not None:
+            self._busy.idle()
         self.meter.task(task, end - start)
         self.stats.tasks += 1
         self.stats.compute += end - start
@@ -359,3 +368,35 @@ def board_slots(sched: RankScheduler, base: int) -> tuple[list[int], list[int]]:
     plan = sched.hint.plan
     producers = plan.sources(sched.rank).code
     return (base + plan.codes[sched.rank]).tolist(), [-1 if c < 0 else base + c for c in producers]
+
+
+class BusyBoard:
+    """What each pipeline rank runs now, on the start board (rrfp.exec.board): this rank posts its
+    task at each start and clears it at each end; ``busy`` is the scheduler's source for
+    ``listen(..., busy)`` (``Backfill.use_busy``)."""
+
+    def __init__(self, sched: RankScheduler, board: StartBoard, first: int, pp_rank: int) -> None:
+        plan = sched.hint.plan
+        self.board, self.first, self.slot = board, first, first + pp_rank
+        self.codes: list[int] = plan.codes[sched.rank].tolist()
+        self.index = sched.index
+        sources = plan.sources(sched.rank)
+        self.src_rank, self.src_task = sources.rank, sources.task
+        self.tasks = plan.tasks_by_code  # code -> Task (None: no such task)
+
+    def post(self, task: Task, start: float) -> None:
+        self.board.post_running(self.slot, self.codes[self.index[task]], start)
+
+    def idle(self) -> None:
+        self.board.post_idle(self.slot)
+
+    def busy(self, pos: int) -> tuple[Task, float] | None:
+        """The task the rank of ``pos``'s cross-rank producer runs now and its start; None: nothing,
+        or the producer itself."""
+        r = self.src_rank[pos]
+        running = None if r < 0 else self.board.running(self.first + r)
+        if running is None:
+            return None
+        code = running[0]
+        task = self.tasks[code] if 0 <= code < len(self.tasks) else None
+        return None if task is None or task == self.src_task[pos] else (task, running[1])

@@ -113,11 +113,13 @@ class Worker:
         if self.transport is not None:
             self.transport.offset = self.offset  # times on the wire are on rank 0's clock
         self.announce = resolve_announce(cfg, one_host)
-        self.board, self.board_base = None, 0
+        self.board, self.board_base, self.board_running = None, 0, -1
         if self.announce == "board":
-            slots = board_slots_per_pipeline(cfg)
+            codes = board_slots_per_pipeline(cfg)
+            slots = codes + cfg.pp  # the task codes, then one "running now" slot per pipeline rank
             self.board = open_board(self.groups.ctrl, slots * cfg.tp * cfg.dp)
             self.board_base = slots * (self.topo.dp_rank * cfg.tp + self.topo.tp_rank)
+            self.board_running = self.board_base + codes
 
     def run(self) -> list[Gathered] | None:
         """Every trial, interleaved iteration by iteration (or one after another); every rank's
@@ -176,7 +178,7 @@ class Worker:
         t = self.topo
         loop = RankContext(
             t.rank, t.pp_rank, t.global_rank, self.transport, self.groups.tp_ctrl, self.cfg.timeout,
-            origin=origin, board=self.board, board_base=self.board_base,
+            origin=origin, board=self.board, board_base=self.board_base, board_running=self.board_running,
         )  # fmt: skip
         return TrialContext(self.cfg, t, self.groups, self.device, loop, self.announce)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import rrfp
+from rrfp.dispatch.backfill import Backfill
 from rrfp.exec.board import BoardError, StartBoard, board_tag, shared_dir
 from rrfp.exec.runtime import PipelineRuntime, RankContext, board_slots
 from rrfp.exec.synthetic import Injector, SyntheticRunner
@@ -124,6 +125,54 @@ def test_clocked_runtime_posts_its_starts_and_reads_its_producers(tmp_path) -> N
     board.close()
 
 
+def test_a_running_slot_holds_the_task_with_its_start_and_clears() -> None:
+    board = StartBoard(shared_dir() / f"rrfp-test-busy-{id(object())}", 4, epoch=100.0, create=True)
+    try:
+        assert board.running(3) is None
+        board.post_running(3, 0, 101.5)  # code 0 is a task too: the slot keeps code + 1
+        assert board.running(3) == (0, pytest.approx(101.5))
+        board.post_running(3, 12345, 102.25)
+        assert board.running(3) == (12345, pytest.approx(102.25))
+        board.post_idle(3)
+        assert board.running(3) is None
+    finally:
+        board.close()
+        for p in shared_dir().glob("rrfp-test-busy-*"):
+            p.unlink()
+
+
+def test_a_busy_runtime_posts_what_it_runs_and_reads_its_producers_rank(tmp_path) -> None:
+    """Issue 15's producers' running tasks in rrfp-run: rank 0 (played here) is running 0F2 since t=7 on
+    the board; rank 1's ``use_busy`` scheduler sees it as the rank of its inputs' producer, while the
+    rank runs nothing it sees None, and rank 1's own running slot is clear after its iteration."""
+    hint = rrfp.make_hint("1f1b", 2, 3)
+    codes = 3 * 2 * 3
+    board = StartBoard(tmp_path / "board", codes + 2, epoch=0.0, create=True)
+    ctx = RankContext(1, 1, lambda p: p, _Transport(), timeout=5, board=board, board_running=codes)  # type: ignore[arg-type]
+
+    class Busy(Backfill):
+        use_busy = True
+
+    sched = rrfp.RankScheduler(hint, 1, Busy())
+    runtime = PipelineRuntime(
+        ctx, rrfp.RankScheduler(hint, 1, "rrfp"), None, 0, Injector("none", 0.0, 0.0, 0, 0)
+    )  # type: ignore[arg-type]
+    runtime.clock(sched)
+    assert runtime._busy is not None
+    sched.listen(lambda pos: None, runtime._busy.busy)
+    f1 = sched.index[Task(1, Op.F, 1)]  # its producer is 0F1
+    assert sched.producer_busy(f1) is None  # rank 0 runs nothing
+    board.post_running(codes + 0, task_codes(hint.spec, [Task(0, Op.F, 2)])[0], 7.0)
+    assert sched.producer_busy(f1) == (Task(0, Op.F, 2), pytest.approx(7.0))
+    board.post_running(codes + 0, task_codes(hint.spec, [Task(0, Op.F, 1)])[0], 8.0)
+    assert sched.producer_busy(f1) is None  # the producer itself runs: since() says so
+    runtime._busy.post(sched.tasks[0], 9.0)
+    assert board.running(codes + 1) == (task_codes(hint.spec, [sched.tasks[0]])[0], pytest.approx(9.0))
+    runtime._busy.idle()
+    assert board.running(codes + 1) is None
+    board.close()
+
+
 def _cfg(announce: str, policy: str = "backfill", pp: int = 4) -> SimpleNamespace:
     trial = SimpleNamespace(policy=policy, is_baseline=False)
     return SimpleNamespace(announce=announce, trials=[trial], pp=pp)
@@ -136,3 +185,45 @@ def test_announce_auto_takes_the_board_on_one_host_for_backfill_only() -> None:
     assert resolve_announce(_cfg("none"), one_host=True) == "none"  # type: ignore[arg-type]
     with pytest.raises(BoardError, match="one host"):
         resolve_announce(_cfg("board"), one_host=False)  # type: ignore[arg-type]
+
+
+BUSY_POLICY = """
+import os
+from rrfp.dispatch.backfill import Backfill
+from rrfp.dispatch.policies import register_policy
+
+
+@register_policy
+class BackfillBusy(Backfill):
+    name = "backfill-busy"
+    use_busy = True
+
+    def _unstarted(self, s, pos, earliest):
+        b = s.producer_busy(pos)
+        if b is not None:
+            with open(os.environ["RRFP_TEST_BUSY_LOG"], "a") as f:
+                f.write(f"{s.rank} {s.tasks[pos]} {b[0]}\\n")
+        return super()._unstarted(s, pos, earliest)
+"""
+
+
+def test_rrfp_run_publishes_running_tasks_to_a_busy_policy(tmp_path, monkeypatch) -> None:
+    """A real 3-rank job on the board with a ``use_busy`` policy (registered through sitecustomize in
+    every process): consumers read their producers' ranks' running tasks, each a task of that rank."""
+    from execkit import BIN, run_job
+
+    (tmp_path / "sitecustomize.py").write_text(BUSY_POLICY)
+    log = tmp_path / "busy.log"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("RRFP_TEST_BUSY_LOG", str(log))
+    res = run_job([
+        str(BIN / "rrfp-run"), "--gpus", "3", "--synthetic", "-m", "8", "--iterations", "3",
+        "--trials", "fixed/1f1b,backfill-busy/1f1b@2x", "--announce", "board",
+    ], timeout=150)  # fmt: skip
+    assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}"
+    rows = [line.split() for line in log.read_text().splitlines()]
+    assert rows
+    for rank, consumer, running in rows:
+        consumer_task, running_task = Task.parse(consumer), Task.parse(running)
+        producer_stage = consumer_task.stage - 1 if consumer_task.op is Op.F else consumer_task.stage + 1
+        assert running_task.stage == producer_stage != int(rank), rows  # pp 3: one stage per rank

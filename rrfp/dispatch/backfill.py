@@ -122,11 +122,11 @@ class Backfill(Policy):
     needs_clock = True
     use_busy: ClassVar[bool] = False
     """Plan an unstarted producer to start no earlier than the end its rank's running task is expected
-    at (``SchedulerView.producer_busy``; the simulator publishes it, rrfp-run does not). Off: measured,
-    it changes no decision of consequence (BENCHMARKS.md §9, benchmarks/foresight_study.py)."""
+    at (``SchedulerView.producer_busy``; the simulator publishes it, and rrfp-run on its start board).
+    Off: measured, it changes no decision of consequence (BENCHMARKS.md §9, foresight_study.py)."""
     sized_by_default: ClassVar[bool] = False
     """Should an interpreter that knows each iteration's sizes price this policy's plan per microbatch
-    (``sized``)? Off: measured, it moves guarded by at most 0.006 and backfill by -0.08 to +0.05
+    (``sized``)? Off: measured, it moves guarded by at most 0.010 and backfill by -0.08 to +0.05
     (BENCHMARKS.md §9, benchmarks/foresight_study.py)."""
 
     def __init__(

@@ -15,7 +15,7 @@ rrfp-run every rank draws the same sizes from the run's seed (rrfp.workload.toke
 none is sent.
 
 Measured (BENCHMARKS.md §9, benchmarks/foresight_study.py): pricing the timeline per microbatch moves
-``guarded`` by at most 0.006, and ``backfill`` by -0.08 to +0.05, so neither CLI turns ``sized`` on
+``guarded`` by at most 0.010, and ``backfill`` by -0.08 to +0.05, so neither CLI turns ``sized`` on
 (``Backfill.sized_by_default``); the interface is there for policies that gain from it.
 """
 
