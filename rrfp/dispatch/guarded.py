@@ -14,13 +14,15 @@ order -- the reference order for a class hint; a *critical* task has an output t
 
 1. the forward ``f``: the highest-priority ready forward if hint-safe admission allows it (as
    ``rrfp``); if it does not, a ready head forward (always admissible: the rest of the hint order fits
-   by invariant). A ready head forward runs at once. Any other ``f`` runs unless
-   a. a ready critical B or I of higher hint priority is no costlier (shortest job between the two):
-      with spare memory (``headroom() > 0``) that task runs, as ``rrfp`` would run it; without, the
+   by invariant). A ready head forward runs at once. Otherwise, when the head is a critical B or I:
+   a. on a rank that holds one stage, a *filler* forward (the last stage's: it feeds no other rank)
+      yields to a ready head (with interleaved stages it cost 0.011 on interleaved-1f1b, so not there);
+   b. without spare memory (``headroom() <= 0``) a ready head runs first, and for an awaited one ``f``
+      must pass backfill's expected-timeline check with ``slack`` (else the rank waits for the head);
+   and in any case
+   c. ``f`` does not jump a ready critical B or I of higher hint priority that is no costlier (shortest
+      job between the two): with spare memory that task runs, as ``rrfp`` would run it; without, the
       rule of step 2 picks, and ``f`` runs only if it finds nothing;
-   b. or, without spare memory, the head is a critical B or I awaiting an input expected ``w`` from now
-      and ``2 w + cost(head) <= cost(f)`` -- starting ``f`` would delay the head by more than waiting
-      for it delays ``f``: the rule of step 2 picks, or the rank waits for the head's input;
 2. otherwise the ready head (a B, I or W), plus every ready B, I or W within ``window`` positions of the
    head that passes backfill's expected-timeline check with each protected (non-filler) position
    allowed to slip by ``slack`` mean forward costs of this rank -- ``filler_slack`` for a filler
@@ -28,7 +30,7 @@ order -- the reference order for a class hint; a *critical* task has an output t
 3. among those, shortest expected cost first (the class mean), then the hint's priority.
 
 So it returns a task whenever the head is ready: a ready head forward runs, a ready head B/I/W passes
-step 2 by definition, and step 1b applies only to a head that is not ready; it waits (returns None)
+step 2 by definition, and step 1b waits only for a head that is not ready; it waits (returns None)
 only while the head waits for an input. Memory and deadlock: every forward passes hint-safe
 admission, so following the hint stays feasible from every state and backfill's argument (a rank
 idles only while its head waits for a cross-rank input) carries over. It reads only the view: expected
@@ -36,9 +38,10 @@ costs, the clock, announcements and headroom; never realised durations, never a 
 name.
 
 Measured (BENCHMARKS.md §9): it is not a guarantee -- with exact costs a slipped position may delay
-another rank by up to ``slack``. Steps 1a, 1b and the filler slack (second pass) keep the zero-bubble
-orders' deliberate W placement and stop forward-first where forwards are the expensive op; their
-constants (``filler_slack`` 0.75, the factor 2 of step 1b) were chosen on the policy-study cells.
+another rank by up to ``slack``. Steps 1a-1c and the filler slack (second pass) keep the zero-bubble
+orders' deliberate W placement, stop forward-first where forwards are the expensive op, and keep a
+rank with no spare memory from delaying the backward its downstream ranks wait for; their constants
+(``filler_slack`` 0.75) and conditions were chosen on the policy-study cells.
 
 Import it (the registry then knows ``guarded``) with ``import rrfp.dispatch.guarded`` (``import rrfp``
 does).
@@ -65,9 +68,6 @@ DEFAULT_SLACK = 0.5
 DEFAULT_FILLER_SLACK = 0.75
 """Mean forward costs a filler may slip a protected position by (1.0 lost on zb-h1 at CV 0.1, 0.5 on
 zb-h2 at high CV; BENCHMARKS.md §9)."""
-WAIT_FACTOR = 2.0
-"""Step 1b: the forward yields to an awaited critical head when ``WAIT_FACTOR x wait + cost(head) <=
-cost(forward)``."""
 _RUN_F, _ELSE_WAIT, _ELSE_F = -1, -2, -3  # step 1's verdicts on f (>= 0: run that position instead)
 
 
@@ -81,6 +81,8 @@ class _Guard:
     """Seconds a protected position may slip: ``slack`` x this rank's mean expected forward cost."""
     filler_slack: float
     """The same for a filler moved ahead of the hint: ``filler_slack`` x the mean forward cost."""
+    one_stage: bool
+    """The rank holds one stage (no interleaving): where step 1a applies."""
     head_only: bool
     """No B, I or W of this rank is cheap enough to pass ahead of a ready critical head (whose room is
     the slack alone): such a head then runs without walking the timeline."""
@@ -191,20 +193,21 @@ class Guarded(Backfill):
     def _versus(self, s: SchedulerView, g: _Guard, head: int, f: int) -> int:
         """Step 1's verdict on the forward ``f`` (not the head): ``_RUN_F``, another position to run,
         ``_ELSE_F`` (step 2's pick, else ``f``) or ``_ELSE_WAIT`` (step 2's pick, else wait)."""
-        plan, rank = g.plan, g.rank_cost
-        o = self._earlier_critical(s, plan, f)
-        if o >= 0 and rank[o] <= rank[f] + _EPS:  # 1a: the shorter job first
-            return o if s.headroom() > 0 else _ELSE_F
-        if (
-            not s.is_forward[head]
-            and not plan.filler[head]
-            and not s.is_ready(head)
-            and s.prio[head] < s.prio[f]
-            and s.headroom() <= 0
-        ):  # 1b: starting f would delay the awaited head more than waiting delays f
-            wait = self._head_slack(s, plan)
-            if WAIT_FACTOR * wait + plan.cost[head] <= plan.cost[f] + _EPS:
+        plan = g.plan
+        critical_head = not s.is_forward[head] and not plan.filler[head]
+        if critical_head and g.one_stage and s.is_ready(head) and plan.filler[f]:
+            return head  # 1a: a forward that feeds no other rank never delays one that does
+        if critical_head and s.headroom() <= 0:  # 1b: no spare memory, a critical head
+            if s.is_ready(head):
+                return _ELSE_F  # step 2 runs the head
+            if f - head >= self.window:
                 return _ELSE_WAIT
+            room = self._room(s, plan, [f])[f]
+            return _RUN_F if plan.cost[f] * (1.0 + self.margin) <= room + g.slack + _EPS else _ELSE_WAIT
+        rank = g.rank_cost
+        o = self._earlier_critical(s, plan, f)
+        if o >= 0 and rank[o] <= rank[f] + _EPS:  # 1c: the shorter job first
+            return o if s.headroom() > 0 else _ELSE_F
         return _RUN_F
 
     def _earlier_critical(self, s: SchedulerView, plan: _Plan, f: int) -> int:
@@ -259,6 +262,7 @@ class Guarded(Backfill):
             for c, f, filler in zip(plan.cost, s.is_forward, plan.filler, strict=True)
             if not f
         )
-        g = _Guard(self, plan, slack, filler_slack, head_only, self._plan(s).cost)
+        one_stage = len({t.stage for t in s.tasks}) == 1
+        g = _Guard(self, plan, slack, filler_slack, one_stage, head_only, self._plan(s).cost)
         s.policy_state = g
         return g
