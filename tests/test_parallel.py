@@ -9,6 +9,8 @@ import os
 import signal
 import subprocess
 import sys
+from concurrent.futures import Executor, Future
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import pytest
@@ -179,3 +181,57 @@ def test_a_job_whose_worker_is_killed_is_retried(tmp_path: Path) -> None:
 def test_a_job_whose_worker_dies_twice_is_named() -> None:
     with pytest.raises(JobFailed, match="job 1"):
         dict(run_jobs(die_always, [(f"job {v}", (v,)) for v in range(2)], 2))
+
+
+class _SharedDeath(Executor):
+    """An executor on which a fatal job takes every job submitted with it down (as queued jobs go with
+    a broken process pool or a killed Dask worker): the jobs submitted since the last ``resolve`` form
+    a round, and every future of a round holding the fatal job fails as a dead worker."""
+
+    died_errors = (BrokenProcessPool,)
+
+    def __init__(self, fatal: int, rounds: list[list[int]]) -> None:
+        self.fatal, self.rounds, self.pending = fatal, rounds, []
+
+    def submit(self, fn, *args):  # type: ignore[no-untyped-def, override]
+        future: Future = Future()
+        self.pending.append((future, args[0]))
+        return future
+
+    def resolve(self) -> None:
+        values = [v for _, v in self.pending]
+        self.rounds.append(values)
+        for future, value in self.pending:
+            if self.fatal in values:
+                future.set_exception(BrokenProcessPool("a worker died"))
+            else:
+                future.set_result(value)
+        self.pending = []
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.pending = []
+
+
+def test_a_retry_runs_alone_so_only_the_job_that_kills_its_worker_is_named(monkeypatch) -> None:
+    """Jobs 0-3 together: job 1 kills the worker and takes the others' futures with it. The retry runs
+    each alone, so job 0 finishes and job 1 -- not job 0, the first of the failed -- is named. (Retried
+    together, as before, job 0 was named.)"""
+    import rrfp.study.execution as execution
+
+    rounds: list[list[int]] = []
+    pools: list[_SharedDeath] = []
+
+    def make(workers: int) -> _SharedDeath:
+        pools.append(_SharedDeath(1, rounds))
+        return pools[-1]
+
+    def completed(futures):  # type: ignore[no-untyped-def]
+        pools[-1].resolve()
+        return list(futures)
+
+    monkeypatch.setattr(execution, "_as_completed", completed)
+    seen: dict[int, int] = {}
+    with pytest.raises(JobFailed, match="job 1"):
+        for i, value in run_jobs(die_always, [(f"job {v}", (v,)) for v in range(4)], 2, make_executor=make):
+            seen[i] = value
+    assert seen == {0: 0} and rounds == [[0, 1, 2, 3], [0], [1]]

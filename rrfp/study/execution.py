@@ -119,10 +119,10 @@ def run_jobs(
     make_executor: Callable[[int], Executor] = executor_for,
 ) -> Iterator[tuple[int, T]]:
     """Run ``fn(*args)`` for each (name, args) of ``jobs``; yield (index, result) as each finishes
-    (any order: callers combine by index). A job whose worker died is retried once on a fresh pool;
-    twice is :class:`JobFailed` naming it (on Dask: a ``KilledWorker``, which the scheduler raises after
-    its own ``allowed-failures`` retries). On Ctrl-C (or any error) the pool is stopped, its queued
-    jobs cancelled, and the exception propagates."""
+    (any order: callers combine by index). A job whose worker died is retried once on a fresh pool,
+    alone; twice is :class:`JobFailed` naming it (on Dask: a ``KilledWorker``, which the scheduler
+    raises after its own ``allowed-failures`` retries). On Ctrl-C (or any error) the pool is stopped,
+    its queued jobs cancelled, and the exception propagates."""
     todo = dict(enumerate(jobs))
     died: dict[int, int] = {}
     while todo:
@@ -132,24 +132,41 @@ def run_jobs(
                 yield i, fn(*args)
                 del todo[i]
             return
-        died_errors = getattr(pool, "died_errors", (BrokenProcessPool,))
+        # A retry runs its jobs one at a time: a worker that dies then took only its own job with it
+        # (a death also fails the jobs queued behind it -- on Dask as a KilledWorker), so a second
+        # death names the job that really kills its worker.
+        batches = [[i] for i in todo] if died else [list(todo)]
         try:
-            futures = {pool.submit(fn, *args): i for i, (_, args) in todo.items()}
-            for future in _as_completed(futures):
-                i = futures[future]
-                try:
-                    result = future.result()
-                except died_errors:
-                    died[i] = died.get(i, 0) + 1
-                    if died[i] > 1:
-                        raise JobFailed(f"{todo[i][0]}: its worker process died twice") from None
-                    continue
-                except CancelledError:  # not by us (we cancel only on the way out): a lost Dask scheduler
-                    raise JobFailed(f"{todo[i][0]}: cancelled by its executor (scheduler lost?)") from None
-                del todo[i]
-                yield i, result
+            for batch in batches:
+                yield from _run_batch(pool, fn, todo, batch, died)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _run_batch(
+    pool: Executor,
+    fn: Callable[..., T],
+    todo: dict[int, tuple[str, tuple[Any, ...]]],
+    batch: list[int],
+    died: dict[int, int],
+) -> Iterator[tuple[int, T]]:
+    """Submit ``batch`` of ``todo`` to ``pool`` and yield its results; a job whose worker died stays in
+    ``todo`` with its count in ``died`` (twice: :class:`JobFailed`)."""
+    died_errors = getattr(pool, "died_errors", (BrokenProcessPool,))
+    futures = {pool.submit(fn, *todo[i][1]): i for i in batch}
+    for future in _as_completed(futures):
+        i = futures[future]
+        try:
+            result = future.result()
+        except died_errors:
+            died[i] = died.get(i, 0) + 1
+            if died[i] > 1:
+                raise JobFailed(f"{todo[i][0]}: its worker process died twice") from None
+            continue
+        except CancelledError:  # not by us (we cancel only on the way out): a lost Dask scheduler
+            raise JobFailed(f"{todo[i][0]}: cancelled by its executor (scheduler lost?)") from None
+        del todo[i]
+        yield i, result
 
 
 def _as_completed(futures: dict[Future[Any], int]) -> Iterator[Future[Any]]:
