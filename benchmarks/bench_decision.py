@@ -159,26 +159,22 @@ class Pipeline:
         """Tick (clocked policies), next(), and start() what it returns, each span timed."""
         s = self.scheds[rank]
         clock = time.perf_counter_ns
+        t0 = clock()
         if self.clocked:
-            t0 = clock()
             s.tick(now)
-            t1 = clock()
-            task = s.next()
-            if task is not None:
-                s.start(task)
-            t2 = clock()
-            out["tick"].append(t1 - t0)
-            out["decision"].append(t2 - t0)
-            if task is not None:
-                self.starts[rank][s.index[task]] = now  # what consumers' sources read
-        else:
-            t1 = clock()
-            task = s.next()
-            if task is not None:
-                s.start(task)
-            t2 = clock()
-            out["decision"].append(t2 - t1)
+        t1 = clock()
+        task = s.next()
+        if task is not None:
+            s.start(task)
+        t2 = clock()
         out["idle" if task is None else "dispatch"].append(t2 - t1)
+        if not self.clocked:
+            out["decision"].append(t2 - t1)
+            return task
+        out["tick"].append(t1 - t0)
+        out["decision"].append(t2 - t0)
+        if task is not None:
+            self.starts[rank][s.index[task]] = now  # what consumers' sources read
         return task
 
     def run_iteration(self, sizes: Sizes | None, dur: Callable[[Task], float], out: Samples) -> None:
