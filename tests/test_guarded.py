@@ -339,7 +339,7 @@ def test_filler_slack_lets_a_filler_slip_a_protected_position() -> None:
 
 
 def test_a_critical_backward_no_costlier_than_the_forward_goes_first() -> None:
-    """Step 1a on the same pipeline, uniform costs: at 2x (spare memory) rank 2 runs 2I1 -- ready, of
+    """Step 1c on the same pipeline, uniform costs: at 2x (spare memory) rank 2 runs 2I1 -- ready, of
     higher hint priority than the next forward and no costlier -- before 2F2, as rrfp does; forward-first
     alone (the first pass) ran 2F2 first."""
     hint = rrfp.make_hint("zb-h1", 3, 4)
