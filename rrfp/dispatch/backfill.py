@@ -298,6 +298,7 @@ class Backfill(Policy):
         cost, filler, arrive = plan.cost, plan.filler, plan.arrive
         started, awaiting, since_of = s.started, s.awaiting, s.since  # bound once: this is the hot loop
         unannounced = now - self.announce_delay  # the earliest start of a producer not yet heard of
+        busy = self.use_busy  # the default skips the call per unannounced input
         for pos in range(s.head, max(candidates) + 1):
             if started(pos):
                 continue
@@ -305,7 +306,7 @@ class Backfill(Policy):
             if timed and awaiting(pos):
                 since = since_of(pos)
                 if since is None:
-                    since = self._unstarted(s, pos, unannounced)
+                    since = self._unstarted(s, pos, unannounced) if busy else unannounced
                 eta = since + arrive[pos]
                 if eta < now:
                     eta = now

@@ -197,7 +197,8 @@ class Guarded(Backfill):
         critical_head = not s.is_forward[head] and not plan.filler[head]
         if critical_head and g.one_stage and s.is_ready(head) and plan.filler[f]:
             return head  # 1a: a forward that feeds no other rank never delays one that does
-        if critical_head and s.headroom() <= 0:  # 1b: no spare memory, a critical head
+        spare = s.headroom() > 0
+        if critical_head and not spare:  # 1b: no spare memory, a critical head
             if s.is_ready(head):
                 return _ELSE_F  # step 2 runs the head
             if f - head >= self.window:
@@ -207,7 +208,7 @@ class Guarded(Backfill):
         rank = g.rank_cost
         o = self._earlier_critical(s, plan, f)
         if o >= 0 and rank[o] <= rank[f] + _EPS:  # 1c: the shorter job first
-            return o if s.headroom() > 0 else _ELSE_F
+            return o if spare else _ELSE_F
         return _RUN_F
 
     def _earlier_critical(self, s: SchedulerView, plan: _Plan, f: int) -> int:
