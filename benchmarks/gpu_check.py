@@ -1,14 +1,14 @@
 """The one-process parts of benchmarks/gpu_check.sh (CUDA only; the script skips them without a GPU).
 
-``events``: the CUDA-event receive completion (rrfp.exec.cuda_recv) in one process over a loopback
+``events``: the CUDA-event receive completion (rrfp.exec.comm.cuda_recv) in one process over a loopback
 transport: each channel's "wire" is a list of tensors the test sent, and a posted receive copies the next
 one on the channel's receive stream and records an event -- so the polled inbox runs on real streams and
 events without NCCL. Channel A's receive stream first sleeps on the GPU (``torch.cuda._sleep``), so its
 message, sent first, completes after channel B's: the inbox must hand out B's first.
 
 ``bytes``: the byte model against the CUDA allocator: one middle stage's forward on the GPU, its predicted
-activation bytes (rrfp.exec.memory.predicted_bytes) against what autograd saved (SavedBytes), the growth
-of ``torch.cuda.memory_allocated`` the forward left behind (less its output), and the peak growth
+activation bytes (rrfp.exec.models.memory.predicted_bytes) against what autograd saved (SavedBytes), the
+growth of ``torch.cuda.memory_allocated`` the forward left behind (less its output), and the peak growth
 (``torch.cuda.max_memory_allocated``, transient buffers included). Passes when the held growth is within
 :data:`BYTES_TOLERANCE` of the prediction.
 
@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
+from rrfp.exec.comm.cuda_recv import PolledChannel, PolledInbox
+from rrfp.exec.comm.transport import HEADER_LEN, KIND_CLOSE, Arrival, encode_announce, encode_header
 from rrfp.exec.config import ModelConfig
-from rrfp.exec.cuda_recv import PolledChannel, PolledInbox
-from rrfp.exec.data import Microbatch
-from rrfp.exec.memory import SavedBytes, predicted_bytes
-from rrfp.exec.model import build_stage
-from rrfp.exec.transport import HEADER_LEN, KIND_CLOSE, Arrival, encode_announce, encode_header
+from rrfp.exec.models.data import Microbatch
+from rrfp.exec.models.memory import SavedBytes, predicted_bytes
+from rrfp.exec.models.model import build_stage
 from rrfp.plan.task import Op, Task
 
 BYTES_TOLERANCE = 0.05

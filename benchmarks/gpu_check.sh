@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What a GPU machine allows within 8 minutes (issue 17). Without CUDA: "skipped: no GPU", exit 0.
 #
-#   1 GPU:   rrfp-run --check at pp 1 on CUDA; the CUDA-event receive completion (exec/cuda_recv.py) in one
+#   1 GPU:   rrfp-run --check at pp 1 on CUDA; the CUDA-event receive completion (exec/comm/cuda_recv.py) in one
 #            process over a loopback transport; the byte model against torch.cuda.max_memory_allocated
 #            (benchmarks/gpu_check.py events|bytes)
 #   >= 2:    also NCCL P2P --check at pp 2 (event receives, then RRFP_CUDA_RECV=thread) and the torch

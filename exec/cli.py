@@ -42,7 +42,7 @@ from rrfp.exec.config import (
     parse_trial,
     split_list,
 )
-from rrfp.exec.launch import (
+from rrfp.exec.jobs.launch import (
     adopt_slurm,
     env_world_size,
     in_launcher_env,
@@ -50,7 +50,7 @@ from rrfp.exec.launch import (
     launch_local,
     too_many_ranks,
 )
-from rrfp.exec.planner import (
+from rrfp.exec.jobs.planner import (
     DEFAULT_DEVICE_TFLOPS,
     DEFAULT_MAX_LOCAL_RANKS,
     DRY_RUN_SCHEMA,
@@ -63,8 +63,8 @@ from rrfp.exec.planner import (
     local_devices,
     plan_run,
 )
+from rrfp.exec.models.tokens import DEFAULT_SEQ_LEN, longest_microbatch, run_workload
 from rrfp.exec.preflight import check_outputs, preflight
-from rrfp.exec.tokens import DEFAULT_SEQ_LEN, longest_microbatch, run_workload
 from rrfp.study.options import (
     ARGV_KEY,
     TOKEN_SHARED,
@@ -119,7 +119,7 @@ def build_config(o: dict[str, Any], given: Collection[str] = ()) -> RunConfig:
 
 
 def plan_config(o: dict[str, Any], given: Collection[str] = ()) -> tuple[RunConfig, Plan]:
-    """:func:`build_config` and the layout the planner chose for it (rrfp.exec.planner): explicit
+    """:func:`build_config` and the layout the planner chose for it (rrfp.exec.jobs.planner): explicit
     --pp/--tp/--dp/--layers win; it fills what is missing for the workers on nodes of --gpus-per-node."""
     world = _world(o["gpus"], o["stages"], o["tp"], o["dp"])
     plan = _plan(o, given, world)
@@ -133,7 +133,7 @@ def plan_config(o: dict[str, Any], given: Collection[str] = ()) -> tuple[RunConf
     jitter = o["jitter"] if jittered else "none"
     cv = o["cv"] if jitter != "none" else 0.0
     microbatches = o["microbatches"]
-    tokens = run_workload(o, given, jitter, cv)  # --lengths: token mode (rrfp.exec.tokens), else None
+    tokens = run_workload(o, given, jitter, cv)  # --lengths: token mode (rrfp.exec.models.tokens), else None
     model = _model(o, tokens, microbatches)
     cfg = RunConfig(
         world=world, pp=pp, tp=o["tp"], dp=o["dp"], model=model, microbatches=microbatches,
@@ -171,7 +171,7 @@ def _plan(o: dict[str, Any], given: Collection[str], world: int) -> Plan:
 
 def _backend(o: dict[str, Any], world: int) -> str:
     """--backend; ``auto`` is gloo for a --synthetic run with more ranks than this host has GPUs (sleeping
-    ranks need no device), else decided per worker (rrfp.exec.topology.pick_backend)."""
+    ranks need no device), else decided per worker (rrfp.exec.comm.topology.pick_backend)."""
     if o["backend"] == "auto" and o["synthetic"] and not in_launcher_env():
         devices = local_devices("auto")
         return "gloo" if 0 < devices < world else "auto"
@@ -180,7 +180,7 @@ def _backend(o: dict[str, Any], world: int) -> str:
 
 def _model(o: dict[str, Any], tokens: Any, microbatches: int) -> ModelConfig:
     """The model's sizes; in token mode its kind follows the encoder, and (with a model) its positions
-    cover the run's longest microbatch, drawn here before any worker starts (rrfp.exec.tokens)."""
+    cover the run's longest microbatch, drawn here before any worker starts (rrfp.exec.models.tokens)."""
     kind, positions = o["model"], None
     if tokens is not None:
         kind = "multimodal" if tokens.multimodal else "gpt"
@@ -301,7 +301,8 @@ def main(**options: Any) -> None:
     given = _given(ctx, options)
     options["command"] = command_line(ctx, PROG)
     try:
-        adopt_slurm()  # under srun: SLURM's variables become torch's, and this task joins (exec/launch.py)
+        adopt_slurm()  # under srun: SLURM's variables become torch's, and this task joins
+        # (exec/jobs/launch.py)
         check_plan_options(options, given, joined=in_launcher_env())
         cfg, plan = plan_config(options, given)
         preflight(cfg)

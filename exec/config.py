@@ -26,15 +26,15 @@ BACKENDS = ("auto", "gloo", "nccl")
 ANNOUNCE = ("auto", "board", "all", "backward", "none")
 """--announce: how backfill hears that a producer on another rank started. ``board``: every start is
 written to a shared-memory board that consumers read when they need to (one host only, no messages,
-rrfp.exec.board). ``all``, ``backward``, ``none``: a header-only message per start of every task, of
+rrfp.exec.comm.board). ``all``, ``backward``, ``none``: a header-only message per start of every task, of
 backward (B/I) tasks only, or of none -- an input whose producer is not announced counts as arriving any
 moment (the cautious no-clock reading). Messages cost: on an oversubscribed CPU more than they gain
 (BENCHMARKS.md section 3). ``auto``: ``board`` when every rank is on one host, else ``all``."""
 START_METHODS = ("fork", "spawn", "forkserver")
 SENDS = ("eager", "megatron")
 """--send: how a fixed trial's messages go -- rrfp's transport (``eager``: a send never blocks compute) or
-Megatron-core's blocking 1F1B P2P (``megatron``, rrfp.exec.megatron). rrfp-sim's ``rendezvous`` is a model
-of the steady-state coupling only, not a send rrfp-run makes."""
+Megatron-core's blocking 1F1B P2P (``megatron``, rrfp.exec.loop.megatron). rrfp-sim's ``rendezvous`` is a
+model of the steady-state coupling only, not a send rrfp-run makes."""
 TORCH_BASELINE_PREFIX = TORCH_PREFIX
 """``--baseline torch:<Schedule>``: the same prefix every tool writes a torch baseline's label with."""
 
@@ -94,8 +94,8 @@ class ModelConfig:
     max_images: int = 4
     """multimodal: most images per microbatch (the count per microbatch is drawn in 0..max_images)."""
     positions: int | None = None
-    """Token mode: decoder positions -- the longest microbatch's tokens, set by rrfp-run (exec/tokens.py);
-    None: ``seq_len`` (+ ``max_images`` x patches per image for multimodal)."""
+    """Token mode: decoder positions -- the longest microbatch's tokens, set by rrfp-run
+    (exec/models/tokens.py); None: ``seq_len`` (+ ``max_images`` x patches per image for multimodal)."""
 
     def __post_init__(self) -> None:
         if self.kind not in MODELS:
@@ -189,7 +189,7 @@ class RunConfig:
     """Merged trace path (.parquet, .csv or .json), written by rank 0."""
     decision_log: str | None = None
     """Every rrfp trial's scheduler events and decisions, JSON Lines, written by rank 0 at the end
-    (rrfp.exec.decision_log); None: nothing recorded."""
+    (rrfp.exec.loop.decision_log); None: nothing recorded."""
     json: bool = False
     """Print one JSON object instead of the table."""
     backend: str = "auto"
@@ -202,17 +202,17 @@ class RunConfig:
     """backfill: how starts are announced -- auto, board, all, backward (B/I only) or none (see ANNOUNCE)."""
     start_method: str | None = None
     """How the local launcher starts workers; None: forkserver with a CPU-only torch (see
-    rrfp.exec.launch.default_start_method), spawn with a CUDA build."""
+    rrfp.exec.jobs.launch.default_start_method), spawn with a CUDA build."""
     progress: bool = False
     """Rank 0 shows a progress bar on the console (the CLI decides: --progress, or a terminal)."""
     command: str = ""
     """The command line that started the run, as the ``--json`` config records it."""
     tokens: TokenWorkload | None = None
-    """Token mode (``--lengths``, exec/tokens.py): the samples of every microbatch, as rrfp-sim draws
+    """Token mode (``--lengths``, exec/models/tokens.py): the samples of every microbatch, as rrfp-sim draws
     them; None: exec/data.make_batch's synthetic shapes."""
     send: str = "eager"
     """A fixed trial's sends (SENDS): ``megatron`` runs fixed on the 1f1b order as Megatron-core's
-    blocking P2P calls (rrfp.exec.megatron); other policies always use rrfp's transport."""
+    blocking P2P calls (rrfp.exec.loop.megatron); other policies always use rrfp's transport."""
 
     def __post_init__(self) -> None:
         _positive("world", self.world, maximum=MAX_WORKERS)
@@ -392,7 +392,7 @@ def split_list(text: str | None) -> tuple[str, ...]:
 
 def switch_interval() -> float:
     """The workers' GIL switch interval in seconds: ``RRFP_SWITCH_MS`` milliseconds, default 0.5
-    (CPython's 5 ms would hold a received message back for up to 5 ms; see exec/worker.py)."""
+    (CPython's 5 ms would hold a received message back for up to 5 ms; see exec/jobs/worker.py)."""
     text = os.environ.get("RRFP_SWITCH_MS", "0.5")
     try:
         ms = float(text)

@@ -5,7 +5,7 @@ died), that gets SIGTERM or SIGINT (torch's launcher terminates the survivors on
 passes on the signal it got), or whose launcher is gone writes ``rank<N>.json`` into the dump directory
 -- what it was waiting for: ready set, pending inputs, held activations -- prints one line naming the
 rank it lost, and leaves with ``os._exit`` so no thread or process-group teardown can block the exit.
-Who is hung is the heartbeats' business (rrfp.exec.liveness), which :func:`attach` plugs in here.
+Who is hung is the heartbeats' business (rrfp.exec.comm.liveness), which :func:`attach` plugs in here.
 
 Output: :func:`install` sends the rank's stderr -- Python's and C++'s: torch's warnings, tracebacks --
 to ``rank<N>.log`` in the dump directory, and keeps the console for whole lines that start with
@@ -70,7 +70,7 @@ class _Watch:
     log: Path | None = None  # where stderr goes, once install() redirected it
     dump_error: str | None = None  # why the dump could not be written
     parent: int | None = None  # the parent pid at install (a change: the launcher is gone)
-    live: Any = None  # the rank's rrfp.exec.liveness.Liveness, once attached
+    live: Any = None  # the rank's rrfp.exec.comm.liveness.Liveness, once attached
 
 
 _watch = _Watch()
@@ -131,7 +131,7 @@ def drop_log() -> None:
 
 
 def attach(live: Any) -> None:
-    """Report faults through ``live`` (an rrfp.exec.liveness.Liveness: the job's store), or stop."""
+    """Report faults through ``live`` (an rrfp.exec.comm.liveness.Liveness: the job's store), or stop."""
     _watch.live = live
 
 
@@ -320,7 +320,7 @@ def launcher_gone() -> bool:
 
 
 def _hung_ranks() -> dict[int, str]:
-    """Who stopped beating (rrfp.exec.liveness; takes a few seconds), {} without heartbeats."""
+    """Who stopped beating (rrfp.exec.comm.liveness; takes a few seconds), {} without heartbeats."""
     if _watch.live is None:
         return {}
     try:

@@ -17,8 +17,8 @@ from pathlib import Path
 from rrfp.dispatch.policies import get_policy
 from rrfp.exec.config import ExecConfigError, RunConfig, switch_interval
 from rrfp.exec.faults import default_dump_dir
-from rrfp.exec.megatron import check_send
-from rrfp.exec.model import partition
+from rrfp.exec.loop.megatron import check_send
+from rrfp.exec.models.model import partition
 from rrfp.plan.budget import ByteBudget, InfeasibleBudget, parse_byte_item, position_bytes, resolve_budget
 from rrfp.plan.hints import Hint
 from rrfp.plan.sources import PipelineSize, make_hint
@@ -73,12 +73,12 @@ def preflight(cfg: RunConfig) -> None:
 
 def check_byte_budget(cfg: RunConfig, hint: Hint, budget: ByteBudget) -> None:
     """A budget of fixed bytes that the hint's own order cannot keep in some iteration is refused here,
-    naming the iteration and rank (the sizes are known before any worker starts: rrfp.exec.data). A
+    naming the iteration and rank (the sizes are known before any worker starts: rrfp.exec.models.data). A
     factor always fits; ``--synthetic`` ranks check their own sampled sizes as they run."""
     if budget.per_rank is None or cfg.synthetic:
         return
-    from rrfp.exec.data import run_batch  # torch: only for a byte budget of the real model
-    from rrfp.exec.memory import batch_act_bytes
+    from rrfp.exec.models.data import run_batch  # torch: only for a byte budget of the real model
+    from rrfp.exec.models.memory import batch_act_bytes
 
     for it in range(cfg.warmup + cfg.iterations):
         for replica in range(cfg.dp):

@@ -32,8 +32,8 @@ from typing import Any
 
 from rrfp.errors import RunFailure
 from rrfp.exec.config import RunConfig
+from rrfp.exec.models.tokens import describe as token_text
 from rrfp.exec.results import measures, median_time, without_trace
-from rrfp.exec.tokens import describe as token_text
 from rrfp.plan.budget import format_bytes
 from rrfp.study.compare import (
     Comparison,
@@ -250,7 +250,7 @@ def _byte_peaks(peaks: tuple[int, ...]) -> str:
 
 
 def memory_line(label: str, check: Any) -> str:
-    """One line: what the forwards really kept against the byte formula (exec/memory.py)."""
+    """One line: what the forwards really kept against the byte formula (exec/models/memory.py)."""
     return (
         f"activation bytes ({label}, {check['forwards']} forwards): "
         f"measured {format_bytes(check['measured_bytes'])}, "

@@ -1,7 +1,7 @@
 """What one rrfp-run trial measured: a :class:`rrfp.study.result.TrialResult` (source ``exec``) whose
 ``extra`` holds the executor's own measurements as one :class:`ExecMeasures` under :data:`EXTRA_KEY`.
 
-Rank 0 of the workers builds one result per trial (rrfp.exec.worker), rrfp.exec.report renders them
+Rank 0 of the workers builds one result per trial (rrfp.exec.jobs.worker), rrfp.exec.report renders them
 (the table, ``--json``) and the launcher reads them back for its exit code. The common fields are the
 ones every tool fills alike: replication 0 (a launch is one replication), the measured iterations'
 times in seconds (warm-up excluded), the peak activation slots and the budget per pipeline rank
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 from rrfp.study.result import TrialResult
 from rrfp.study.trial import TrialId
 
-if TYPE_CHECKING:  # rrfp.exec.check imports torch; the type is only named here
-    from rrfp.exec.check import CheckResult
+if TYPE_CHECKING:  # rrfp.exec.models.check imports torch; the type is only named here
+    from rrfp.exec.models.check import CheckResult
 
 SOURCE = "exec"
 EXTRA_KEY = "exec"
@@ -52,7 +52,7 @@ class ExecMeasures:
     """Byte mode (token mode): most activation bytes per pipeline rank; empty otherwise."""
     memory_check: Mapping[str, Any] | None = None
     """Byte mode, real model: what each forward kept (saved-tensor hooks) against the formula's
-    prediction (rrfp.exec.memory): ``forwards``, ``measured_bytes``, ``predicted_bytes`` (sums) and
+    prediction (rrfp.exec.models.memory): ``forwards``, ``measured_bytes``, ``predicted_bytes`` (sums) and
     ``max_rel_error``; None otherwise."""
     trace: tuple[Any, ...] = ()
     """Every rank's trace frame (``--trace-out``), on rank 0's clock; dropped once written

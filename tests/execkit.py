@@ -1,6 +1,6 @@
 """Helpers for tests that start rrfp-run jobs: every job runs in its own session with a hard timeout;
 afterwards no process of that session may be left, and every shared-memory object a worker reported
-mapping (``shared memory:`` in its log, rrfp.exec.liveness) must be gone -- those names exactly, never
+mapping (``shared memory:`` in its log, rrfp.exec.comm.liveness) must be gone -- those names exactly, never
 "/dev/shm is empty" (the machine's /dev/shm is shared)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rrfp.exec.liveness import SHM_REPORT
+from rrfp.exec.comm.liveness import SHM_REPORT
 
 BIN = Path(sys.executable).parent
 JOB_TIMEOUT = 180

@@ -36,6 +36,21 @@ SIBLINGS = {("rrfp.exec", "rrfp.sim")}
 ALLOWED = {("rrfp.exec.cli", "rrfp.sim")}
 """...except by these (importing module, imported package) edges, and only lazily (inside a function):
 rrfp-run's CLI may load the simulator for --dry-run estimates."""
+EXEC_ROOMS = (
+    ("rrfp.exec.config", "rrfp.exec.faults"),
+    ("rrfp.exec.models",),
+    ("rrfp.exec.comm",),
+    ("rrfp.exec.loop",),
+    ("rrfp.exec.results", "rrfp.exec.report"),
+    ("rrfp.exec.jobs",),
+    ("rrfp.exec.preflight", "rrfp.exec.cli", "rrfp.exec.__main__", "rrfp.exec"),
+)
+"""The rooms of ``exec/`` in import order (docs/design.md §2): each imports only the rooms before it
+(and itself). The package ``rrfp.exec`` itself belongs to the last room."""
+PLAIN_ARGUMENTS = ("rrfp.exec.comm", "rrfp.exec.loop")
+"""Rooms that take plain arguments -- never a RunConfig -- so a library API can build on them..."""
+RUN_CONFIG_USERS = frozenset({"rrfp.exec.loop.trials", "rrfp.exec.loop.megatron", "rrfp.exec.loop.baseline"})
+"""...except these modules, the CLI's trial runner and its baselines (rebuilt on the library API later)."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +164,33 @@ def violations(all_edges: list[Edge] | None = None) -> list[str]:
     return bad
 
 
+def room_of(module: str) -> int | None:
+    """Index of the exec room ``module`` belongs to; None outside ``rrfp.exec``."""
+    best: tuple[int, int] | None = None
+    for i, room in enumerate(EXEC_ROOMS):
+        for prefix in room:
+            if module == prefix or (prefix != "rrfp.exec" and module.startswith(prefix + ".")):
+                if best is None or len(prefix) > best[1]:
+                    best = (i, len(prefix))
+    return None if best is None else best[0]
+
+
+def room_violations(all_edges: list[Edge] | None = None) -> list[str]:
+    """Edges inside ``rrfp.exec`` against the room order, and imports of the run configuration from a
+    room that takes plain arguments."""
+    bad = []
+    for e in edges() if all_edges is None else all_edges:
+        src, dst = room_of(e.source), room_of(e.target)
+        if src is None or dst is None:
+            continue
+        if dst > src:
+            bad.append(f"{e.source}:{e.line} imports {e.target}: a later room of exec/")
+        plain = any(e.source.startswith(p + ".") for p in PLAIN_ARGUMENTS)
+        if plain and e.target == "rrfp.exec.config" and e.source not in RUN_CONFIG_USERS:
+            bad.append(f"{e.source}:{e.line} imports rrfp.exec.config: this room takes plain arguments")
+    return bad
+
+
 def _allowed(e: Edge) -> bool:
     return any(e.source == s and (e.target == t or e.target.startswith(t + ".")) for s, t in ALLOWED)
 
@@ -197,4 +239,5 @@ if __name__ == "__main__":
         names = sorted(m for m in modules() if layer_of(m) == LAYERS.index(layer))
         print(f"{layer}: {len(names)} modules")
     print("violations:", *violations(found) or ["none"], sep="\n  ")
+    print("exec rooms:", *room_violations(found) or ["none"], sep="\n  ")
     print("cycles:", *[" <-> ".join(c) for c in cycles(found)] or ["none"], sep="\n  ")

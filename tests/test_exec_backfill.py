@@ -14,10 +14,7 @@ import torch
 from test_exec_jobs import rrfp_run
 
 import rrfp
-from rrfp.exec.calibrate import CalibrationError, CostMeter, cost_table
-from rrfp.exec.runtime import PipelineRuntime, RankContext
-from rrfp.exec.synthetic import Injector, SyntheticRunner
-from rrfp.exec.transport import (
+from rrfp.exec.comm.transport import (
     KIND_ANNOUNCE,
     Announce,
     Arrival,
@@ -26,6 +23,9 @@ from rrfp.exec.transport import (
     encode_announce,
     encode_header,
 )
+from rrfp.exec.loop.calibrate import CalibrationError, CostMeter, cost_table
+from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
+from rrfp.exec.models.synthetic import Injector, SyntheticRunner
 from rrfp.plan.task import Op, Task
 from rrfp.workload.model import WorkloadConfig
 
@@ -177,7 +177,7 @@ def test_calibrated_backfill_runs_clocked_on_gloo(tmp_path, announce: str) -> No
     shared-memory board (auto, one host) or in announcement messages (all) -- under heavy jitter;
     gradients check, costs are the measured ones, no task starts before its inputs were computed (the
     merged trace shares one clock on one host), and no board file is left behind."""
-    from rrfp.exec.board import shared_dir
+    from rrfp.exec.comm.board import shared_dir
     from rrfp.traces.trace import read_trace
 
     boards = set(shared_dir().glob("rrfp-board-*"))

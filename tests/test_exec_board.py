@@ -10,11 +10,11 @@ import torch
 
 import rrfp
 from rrfp.dispatch.backfill import Backfill
-from rrfp.exec.board import BoardError, StartBoard, board_tag, shared_dir
-from rrfp.exec.runtime import PipelineRuntime, RankContext, board_slots
-from rrfp.exec.synthetic import Injector, SyntheticRunner
-from rrfp.exec.transport import Arrival
-from rrfp.exec.worker import resolve_announce
+from rrfp.exec.comm.board import BoardError, StartBoard, board_tag, shared_dir
+from rrfp.exec.comm.transport import Arrival
+from rrfp.exec.jobs.worker import resolve_announce
+from rrfp.exec.loop.runtime import PipelineRuntime, RankContext, board_slots
+from rrfp.exec.models.synthetic import Injector, SyntheticRunner
 from rrfp.plan.compiled import task_codes
 from rrfp.plan.task import Op, Task
 from rrfp.workload.model import WorkloadConfig

@@ -12,8 +12,8 @@ from test_token_cli import one_line_error
 
 from rrfp.exec import cli as run_cli
 from rrfp.exec.cli import build_config
-from rrfp.exec.data import run_batch
-from rrfp.exec.memory import batch_act_bytes
+from rrfp.exec.models.data import run_batch
+from rrfp.exec.models.memory import batch_act_bytes
 from rrfp.plan.budget import position_bytes, sequence_peak
 from rrfp.plan.sources import make_hint
 
@@ -73,7 +73,7 @@ def test_byte_budget_refusals_before_any_worker(budget: str, says: str) -> None:
 
 def test_tensor_parallel_forwards_keep_what_the_formula_predicts() -> None:
     """Megatron TP without sequence parallelism: LayerNorm inputs and outputs stay whole, the rest is
-    split (exec/memory.py); ignoring tp would predict ~50% too much here."""
+    split (exec/models/memory.py); ignoring tp would predict ~50% too much here."""
     args = [
         "--gpus",
         "4",

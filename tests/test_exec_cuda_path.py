@@ -1,4 +1,4 @@
-"""The CUDA path's receive completion (rrfp.exec.cuda_recv), on CPU with fake events: no GPU needed.
+"""The CUDA path's receive completion (rrfp.exec.comm.cuda_recv), on CPU with fake events: no GPU needed.
 
 A fake posted receive is complete when the test says so (what a CUDA event's query() reports), and a
 header's values are what the test writes into it: so the tests set the order in which receives complete
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rrfp.exec.cuda_recv import PolledChannel, PolledInbox
-from rrfp.exec.transport import (
+from rrfp.exec.comm.cuda_recv import PolledChannel, PolledInbox
+from rrfp.exec.comm.transport import (
     HEADER_LEN,
     KIND_CLOSE,
     Announce,

@@ -19,14 +19,14 @@ import torch
 from click.testing import CliRunner
 
 from rrfp.exec import faults
-from rrfp.exec.check import CheckError, compare, compare_run, local_grads, reference
 from rrfp.exec.cli import main
 from rrfp.exec.config import MAX_TASKS, ModelConfig, RunConfig
-from rrfp.exec.data import make_batch
-from rrfp.exec.model import build_stage
+from rrfp.exec.loop.trials import TrialOutcome, keep_grads
+from rrfp.exec.models.check import CheckError, compare, compare_run, local_grads, reference
+from rrfp.exec.models.data import make_batch
+from rrfp.exec.models.model import build_stage
 from rrfp.exec.preflight import preflight
 from rrfp.exec.report import announce
-from rrfp.exec.trials import TrialOutcome, keep_grads
 
 SMALL = ModelConfig(layers=3, hidden=32, heads=2, seq_len=8, vocab=16)
 
@@ -234,7 +234,8 @@ def test_deterministic_alone_keeps_the_first_iterations_gradients_only() -> None
 _HUNG_PEER = """
 import sys, time, datetime
 import torch.distributed as dist
-from rrfp.exec import faults, liveness
+from rrfp.exec import faults
+from rrfp.exec.comm import liveness
 server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 faults.install(0, sys.argv[1], log=False)
 live = liveness.Liveness.connect(("127.0.0.1", server.port), "job/", 0, 2, 1.0)
@@ -335,7 +336,7 @@ def test_heartbeat_thread_is_the_only_one_beating() -> None:
     """Nothing per task: a rank's heartbeat count grows by about one a second, from one thread."""
     import torch.distributed as dist
 
-    from rrfp.exec import liveness
+    from rrfp.exec.comm import liveness
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     live = liveness.Liveness(dist.PrefixStore("t/", server), 0, 1, 5.0, None)

@@ -18,7 +18,7 @@ from pathlib import Path
 from execkit import BIN, assert_no_leftovers, assert_shared_memory_gone, run_job, wait_for_rank
 
 from rrfp.exec.config import ModelConfig
-from rrfp.exec.data import make_batch
+from rrfp.exec.models.data import make_batch
 
 HINTS = "1f1b,interleaved-1f1b,zb-h1,bfw,zbv"
 

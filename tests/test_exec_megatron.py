@@ -1,4 +1,4 @@
-"""rrfp-run ``--send megatron``: fixed 1f1b runs Megatron-core's blocking P2P calls (exec/megatron.py).
+"""rrfp-run ``--send megatron``: fixed 1f1b runs Megatron-core's blocking P2P calls (exec/loop/megatron.py).
 
 In-process: the runtime's call sequence per rank is the simulator's Megatron program (rrfp.sim.megatron),
 handshakes come exactly where they should, every wait is declared to the heartbeat thread, and bad
@@ -32,9 +32,9 @@ from execkit import (
 from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.errors import InternalError
 from rrfp.exec import megatron as meg
-from rrfp.exec.megatron import P2P, Call, MegatronRuntime, megatron_program
-from rrfp.exec.runtime import RankContext
-from rrfp.exec.synthetic import Injector
+from rrfp.exec.loop.megatron import P2P, Call, MegatronRuntime, megatron_program
+from rrfp.exec.loop.runtime import RankContext
+from rrfp.exec.models.synthetic import Injector
 from rrfp.plan.sources import make_hint
 from rrfp.plan.task import Op, Task
 from rrfp.sim import megatron as sim_meg

@@ -1,4 +1,4 @@
-"""What rrfp-run's forward really keeps vs what exec/memory.py predicts (issue 13: the byte model
+"""What rrfp-run's forward really keeps vs what exec/models/memory.py predicts (issue 13: the byte model
 checked against reality on the CPU model)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from rrfp.exec.config import ModelConfig
-from rrfp.exec.data import Microbatch
-from rrfp.exec.memory import TOLERANCE, SavedBytes, block_bytes, predicted_bytes
-from rrfp.exec.model import build_stage
+from rrfp.exec.models.data import Microbatch
+from rrfp.exec.models.memory import TOLERANCE, SavedBytes, block_bytes, predicted_bytes
+from rrfp.exec.models.model import build_stage
 
 
 def measured(cfg: ModelConfig, stage: int, num_stages: int, rows: int, tokens: int) -> int:

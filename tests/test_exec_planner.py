@@ -13,8 +13,8 @@ from test_token_cli import one_line_error
 
 from rrfp.exec.cli import main, plan_config
 from rrfp.exec.config import ExecConfigError, ModelConfig
-from rrfp.exec.launch import pinned_args, too_many_ranks
-from rrfp.exec.planner import (
+from rrfp.exec.jobs.launch import pinned_args, too_many_ranks
+from rrfp.exec.jobs.planner import (
     Request,
     memory_fn,
     model_workload,

@@ -19,9 +19,9 @@ from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rrfp.exec.check import CheckResult
 from rrfp.exec.config import RunConfig
-from rrfp.exec.launch import EXIT_FAIL, EXIT_OK, exit_code
+from rrfp.exec.jobs.launch import EXIT_FAIL, EXIT_OK, exit_code
+from rrfp.exec.models.check import CheckResult
 from rrfp.exec.report import as_json, as_row, compact_json, table
 from rrfp.exec.results import ExecMeasures, exec_result, measures, without_trace
 from rrfp.study.result import TrialResult
@@ -80,8 +80,8 @@ def test_trace_frames_are_dropped_and_a_failed_check_fails_the_launch() -> None:
 
 
 def test_the_trial_context_is_frozen() -> None:
-    from rrfp.exec.runtime import RankContext
-    from rrfp.exec.trials import TrialContext
+    from rrfp.exec.loop.runtime import RankContext
+    from rrfp.exec.loop.trials import TrialContext
 
     loop = RankContext(0, 0, lambda p: p, None, origin=2.0)
     ctx = TrialContext(RunConfig(world=1, pp=1), None, None, None, loop, "all")  # type: ignore[arg-type]

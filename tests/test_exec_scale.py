@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from execkit import BIN, assert_no_leftovers, run_job
 
-from rrfp.exec.launch import GROUP_RANKS, adopt_slurm, first_host, group_sizes
+from rrfp.exec.jobs.launch import GROUP_RANKS, adopt_slurm, first_host, group_sizes
 
 SLURM_JOB_S = 150
 TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -107,7 +107,7 @@ def test_group_sizes_split_only_what_the_fork_server_cannot_take() -> None:
 
 
 GROUPED = """import sys
-import rrfp.exec.launch as launch
+import rrfp.exec.jobs.launch as launch
 launch.FORKSERVER_MAX_RANKS = launch.GROUP_RANKS = 2
 from rrfp.exec.cli import main
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""rrfp-run's token-mode data (exec/data.py make_token_batch): for one seed it builds microbatches of
+"""rrfp-run's token-mode data (exec/models/data.py make_token_batch): for one seed it builds microbatches of
 exactly the sizes rrfp-sim simulates (rrfp.workload.tokens.batch_sizes), deterministically."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rrfp.exec.config import ModelConfig
-from rrfp.exec.data import TokenBatchError, make_token_batch
+from rrfp.exec.models.data import TokenBatchError, make_token_batch
 from rrfp.plan.sources import make_hint
 from rrfp.sim.config import ExperimentConfig
 from rrfp.sim.experiment import draw_samples

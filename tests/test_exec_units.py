@@ -17,17 +17,17 @@ import pytest
 import torch
 
 import rrfp
-from rrfp.exec.check import compare, reference
+from rrfp.exec.comm.transport import ChannelFailure, TransportError, decode_header, encode_header
 from rrfp.exec.config import ModelConfig, RunConfig
-from rrfp.exec.data import make_batch
 from rrfp.exec.faults import LostPeerError, WaitTimeoutError
-from rrfp.exec.launch import failure_report
-from rrfp.exec.layers import ColumnParallelLinear, RowParallelLinear, TPContext, WeightStash
-from rrfp.exec.model import build_stage, partition, unit_generator
-from rrfp.exec.runtime import PipelineRuntime, RankContext
-from rrfp.exec.stage import StageRunner
-from rrfp.exec.synthetic import Injector, SyntheticRunner
-from rrfp.exec.transport import ChannelFailure, TransportError, decode_header, encode_header
+from rrfp.exec.jobs.launch import failure_report
+from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
+from rrfp.exec.models.check import compare, reference
+from rrfp.exec.models.data import make_batch
+from rrfp.exec.models.layers import ColumnParallelLinear, RowParallelLinear, TPContext, WeightStash
+from rrfp.exec.models.model import build_stage, partition, unit_generator
+from rrfp.exec.models.stage import StageRunner
+from rrfp.exec.models.synthetic import Injector, SyntheticRunner
 from rrfp.plan.task import Op, Task
 from rrfp.workload import rng as rngs
 from rrfp.workload.model import WorkloadConfig, sample_iteration

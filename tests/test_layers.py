@@ -12,7 +12,19 @@ import subprocess
 import sys
 
 import pytest
-from layering import ALLOWED, LAYERS, Edge, cycles, edges, layer_of, modules, violations
+from layering import (
+    ALLOWED,
+    EXEC_ROOMS,
+    LAYERS,
+    Edge,
+    cycles,
+    edges,
+    layer_of,
+    modules,
+    room_of,
+    room_violations,
+    violations,
+)
 
 
 def test_every_module_belongs_to_a_layer() -> None:
@@ -24,6 +36,27 @@ def test_every_module_belongs_to_a_layer() -> None:
 
 def test_each_layer_imports_only_the_layers_before_it() -> None:
     assert violations() == []
+
+
+def test_exec_rooms_import_only_the_rooms_before_them() -> None:
+    assert room_violations() == []
+    homeless = sorted(m for m in modules() if m.startswith("rrfp.exec") and room_of(m) is None)
+    assert not homeless, f"exec modules outside every room: {homeless}"
+    assert len(EXEC_ROOMS) == 7
+
+
+@pytest.mark.parametrize(
+    ("planted", "complaint"),
+    [
+        (Edge("rrfp.exec.comm.transport", "rrfp.exec.loop.runtime", 1, True), "a later room"),
+        (Edge("rrfp.exec.models.model", "rrfp.exec.jobs.worker", 1, False), "a later room"),
+        (Edge("rrfp.exec.comm.board", "rrfp.exec.config", 1, False), "plain arguments"),
+        (Edge("rrfp.exec.loop.runtime", "rrfp.exec.config", 1, True), "plain arguments"),
+    ],
+)
+def test_the_room_check_fails_on_a_planted_violation(planted: Edge, complaint: str) -> None:
+    bad = room_violations([planted])
+    assert len(bad) == 1 and complaint in bad[0]
 
 
 def test_no_import_cycle_even_inside_functions() -> None:
@@ -50,7 +83,7 @@ def test_the_graph_sees_lazy_and_relative_imports() -> None:
         (Edge("rrfp.plan.hints", "rrfp.dispatch.scheduler", 1, True), "a later layer"),
         (Edge("rrfp.sim.model", "rrfp", 1, False), "top-level package"),
         (Edge("rrfp.traces.trace", "rrfp.exec.cli", 1, False), "a later layer"),
-        (Edge("rrfp.exec.trials", "rrfp.sim.model", 1, True), "interpreters stay apart"),
+        (Edge("rrfp.exec.loop.trials", "rrfp.sim.model", 1, True), "interpreters stay apart"),
         (Edge("rrfp.exec.cli", "rrfp.sim.model", 1, False), "interpreters stay apart"),
     ],
 )

@@ -36,7 +36,7 @@ def test_wheel_installs_all_three_packages(tmp_path: Path) -> None:
     )
     (wheel,) = wheels.glob("rrfp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("rrfp/dispatch/scheduler.py", "rrfp/sim/model.py", "rrfp/exec/runtime.py"):
+    for module in ("rrfp/dispatch/scheduler.py", "rrfp/sim/model.py", "rrfp/exec/loop/runtime.py", "rrfp/exec/comm/transport.py"):
         assert module in names, module
     target = tmp_path / "site"
     subprocess.run(

@@ -17,7 +17,7 @@ from execkit import BIN, run_job
 
 from rrfp.exec import cli as run_cli
 from rrfp.exec.cli import build_config
-from rrfp.exec.data import run_batch
+from rrfp.exec.models.data import run_batch
 from rrfp.exec.report import config_dict as run_config_dict
 from rrfp.plan.sources import make_hint
 from rrfp.sim import cli as sim_cli

@@ -19,7 +19,7 @@ call, in call order; a task is its position in the rank's order:
 :func:`replay` rebuilds a fresh scheduler and policy from the ``scheduler`` event (a stream may hold
 several: the executor swaps in a calibrated scheduler after its warm-up), applies every event in order and
 compares each logged decision with the fresh scheduler's own. Pure Python, no I/O: writing the events is
-the driver's business (``rrfp-run --decision-log``, rrfp.exec.decision_log).
+the driver's business (``rrfp-run --decision-log``, rrfp.exec.loop.decision_log).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ a message-driven driver may call ``sched.tick(now)`` before ``next()`` (its cloc
 one that does neither loses nothing but that information. Instead of pushing announcements, a driver
 may ``sched.listen(source)``: ``source(pos)`` returns the start of the producer of ``pos``'s cross-rank
 input, or None while it has not started, and is asked only when a policy wants to know (the executor
-reads a same-host shared-memory board this way, rrfp.exec.board).
+reads a same-host shared-memory board this way, rrfp.exec.comm.board).
 
 Ready tasks sit in two heaps keyed by priority (forwards, everything else) with lazy invalidation.
 Only forwards take memory, so only forwards can be refused by hint-safe admission (see segtree.py).

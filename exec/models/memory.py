@@ -9,7 +9,7 @@ rrfp.workload.memory uses for rrfp-sim), applied to this model's layer instead o
 elements of the model's dtype, per token of a microbatch:
 
 =========================  ======================  ===============================================
-what autograd keeps        Korthikanti (Megatron)  rrfp-run's block (exec/model.py)
+what autograd keeps        Korthikanti (Megatron)  rrfp-run's block (exec/models/model.py)
 =========================  ======================  ===============================================
 LayerNorm inputs           2 h                     2 h, plus mean and rstd: 4 floats
 q, k, v inputs, q, k, v    4 h                     4 h (one LN output, then q, k, v)
@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from rrfp.exec.config import ModelConfig
-from rrfp.exec.data import Microbatch
-from rrfp.exec.model import partition
+from rrfp.exec.models.data import Microbatch
+from rrfp.exec.models.model import partition
 
 FLOAT_BYTES = 4
 """LayerNorm statistics and logsumexp are kept in fp32."""

@@ -128,7 +128,8 @@ def calibrate(
     """Every rank's meter merged (a collective on ``group``); a Backfill like ``template`` planning with
     the measured means plus the mean loop overhead (the same on every rank), and those costs in
     milliseconds for the result row. ``announced_ops``: the ops whose starts the runtime announces (None:
-    all); ``board``: starts are read off the shared-memory board, which has no delay (rrfp.exec.board)."""
+    all); ``board``: starts are read off the shared-memory board, which has no delay
+    (rrfp.exec.comm.board)."""
     world = dist.get_world_size(group)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, meter.plain(), group=group)

@@ -24,8 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from rrfp.exec.config import ExecConfigError, ModelConfig
-from rrfp.exec.data import Microbatch
-from rrfp.exec.layers import (
+from rrfp.exec.models.data import Microbatch
+from rrfp.exec.models.layers import (
     INIT_STD,
     ColumnParallelLinear,
     DeferredLinear,

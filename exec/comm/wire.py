@@ -1,6 +1,7 @@
 """The pipeline transport's wire format: the int64 header of every message, what a receive yields
 (:class:`Arrival`, :class:`Announce`, :class:`ChannelFailure`) and a send's trace record -- shared by the
-gloo receiver threads (rrfp.exec.transport) and the CUDA path's polled receives (rrfp.exec.cuda_recv)."""
+gloo receiver threads (rrfp.exec.comm.transport) and the CUDA path's polled receives
+(rrfp.exec.comm.cuda_recv)."""
 
 from __future__ import annotations
 

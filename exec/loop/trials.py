@@ -4,14 +4,14 @@ A trial owns its stages (built from the run's seed, so every trial starts from i
 scheduler, runner, optimizer and trace recorder. :meth:`RrfpTrial.step` runs one iteration after a
 barrier and records its time; the worker calls ``step`` for every trial in turn (interleaved, so
 background load hits all trials alike) or trial after trial. torch's baselines
-(:mod:`rrfp.exec.baseline`) offer the same two methods.
+(:mod:`rrfp.exec.loop.baseline`) offer the same two methods.
 
 A trial sees its rank through a :class:`TrialContext` the worker builds once (config, topology, groups,
 device, the loop's surroundings, the decided --announce); it is frozen, so no trial changes what the
 next one sees.
 
 ``backfill`` runs in two phases: untimed until the warm-up has measured the costs, then clocked with a
-calibrated policy (rrfp.exec.calibrate). The clocked phase gets a scheduler of its own, built on the
+calibrated policy (rrfp.exec.loop.calibrate). The clocked phase gets a scheduler of its own, built on the
 same hint, rank and budget; the scheduler's policy is never swapped under it.
 """
 
@@ -28,20 +28,21 @@ import torch.distributed as dist
 from rrfp.dispatch.backfill import Backfill
 from rrfp.dispatch.policies import get_policy
 from rrfp.dispatch.scheduler import RankScheduler
-from rrfp.exec import faults, liveness
-from rrfp.exec.calibrate import ANNOUNCED_OPS, calibrate
-from rrfp.exec.check import digest, local_grads
+from rrfp.exec import faults
+from rrfp.exec.comm import liveness
+from rrfp.exec.comm.topology import Groups, Topology
 from rrfp.exec.config import RunConfig
-from rrfp.exec.data import run_batch
-from rrfp.exec.decision_log import RankDecisionLog
-from rrfp.exec.layers import TPContext
-from rrfp.exec.megatron import GroupComm, MegatronRuntime, align_messages, variable_shapes
-from rrfp.exec.memory import batch_act_bytes
-from rrfp.exec.model import Stage, build_stage
-from rrfp.exec.runtime import PipelineRuntime, RankContext
-from rrfp.exec.stage import StageRunner
-from rrfp.exec.synthetic import Injector, SyntheticRunner
-from rrfp.exec.topology import Groups, Topology
+from rrfp.exec.loop.calibrate import ANNOUNCED_OPS, calibrate
+from rrfp.exec.loop.decision_log import RankDecisionLog
+from rrfp.exec.loop.megatron import GroupComm, MegatronRuntime, align_messages, variable_shapes
+from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
+from rrfp.exec.models.check import digest, local_grads
+from rrfp.exec.models.data import run_batch
+from rrfp.exec.models.layers import TPContext
+from rrfp.exec.models.memory import batch_act_bytes
+from rrfp.exec.models.model import Stage, build_stage
+from rrfp.exec.models.stage import StageRunner
+from rrfp.exec.models.synthetic import Injector, SyntheticRunner
 from rrfp.plan.budget import ByteBudget, parse_byte_item, position_bytes, resolve_budget
 from rrfp.plan.sources import make_hint
 from rrfp.study.trial import TrialId
@@ -63,7 +64,7 @@ class TrialContext:
     mailbox for messages that arrive early, shared by every trial); a trial copies it with its own
     trace recorder."""
     announce: str
-    """--announce with ``auto`` decided (rrfp.exec.worker.resolve_announce)."""
+    """--announce with ``auto`` decided (rrfp.exec.jobs.worker.resolve_announce)."""
 
     @property
     def origin(self) -> float:
@@ -85,7 +86,7 @@ class TrialOutcome:
     budget: int | None = None
     """Activation slots this rank may hold (None: a torch baseline, which rrfp does not schedule)."""
     grads: list[list[Any]] | None = None
-    """--check: this rank's gradients of every iteration (rrfp.exec.check.local_grads, one list per
+    """--check: this rank's gradients of every iteration (rrfp.exec.models.check.local_grads, one list per
     iteration); --deterministic alone: the first iteration's only (its digest is all that is used)."""
     digest: str | None = None
     trace: Any = None
@@ -129,7 +130,7 @@ class RrfpTrial:
 
     def _runtime(self, loop: RankContext, index: int, injector: Injector) -> PipelineRuntime:
         """rrfp's loop over the transport; with ``--send megatron`` a fixed trial runs Megatron-core's
-        blocking P2P calls on the pipeline group instead (rrfp.exec.megatron; the preflight checked that
+        blocking P2P calls on the pipeline group instead (rrfp.exec.loop.megatron; the preflight checked that
         it runs the 1f1b order)."""
         if self.cfg.send != "megatron" or self.trial.policy != "fixed":
             return PipelineRuntime(loop, self.sched, self.runner, index, injector)

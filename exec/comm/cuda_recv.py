@@ -1,12 +1,12 @@
 """The CUDA path's receives: posted receives polled by the runtime loop, no thread blocked in NCCL.
 
-On gloo a posted ``irecv`` cannot be polled, so rrfp.exec.transport keeps a receiver thread per inbound
+On gloo a posted ``irecv`` cannot be polled, so rrfp.exec.comm.transport keeps a receiver thread per inbound
 channel. NCCL can be polled: each inbound channel keeps one receive posted on a private *receive stream*
 and records a CUDA event on that stream after it (a header's event also covers its copy into pinned host
 memory, so reading the header never synchronises). The runtime loop's inbox calls -- ``empty()``,
 ``get_nowait()``, ``get(timeout)``, exactly what it calls on the gloo path's queue -- query those events
 (:class:`PolledInbox`); a completed header posts that message's payload receive (its dtype and shape
-from the header), a completed payload becomes an :class:`~rrfp.exec.transport.Arrival` and posts the next
+from the header), a completed payload becomes an :class:`~rrfp.exec.comm.transport.Arrival` and posts the next
 header. Arrivals come in completion order across channels (a slow message never holds back one posted
 after it on another channel), in order within one. Every wait stays bounded by the caller's timeout.
 
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 
-from rrfp.exec.wire import (
+from rrfp.exec.comm.wire import (
     HEADER_LEN,
     KIND_ANNOUNCE,
     KIND_CLOSE,

@@ -4,7 +4,7 @@ and workers that leave when their launcher is gone (docs/design.md §5).
 One daemon thread per worker (``rrfp-heartbeat``) wakes every :data:`BEAT_S` seconds and
 
 * adds 1 to the rank's counter ``hb/<rank>`` in the job's store -- the launcher's own store for a local
-  launch (rrfp.exec.launch), the torchrun agent's inside torchrun;
+  launch (rrfp.exec.jobs.launch), the torchrun agent's inside torchrun;
 * leaves (dump, one line, exit) when the launcher is gone: the store lives in the launcher and stops
   answering, or this process was re-parented (the parent-death signal of rrfp.exec.faults is the fast
   path of the same thing);

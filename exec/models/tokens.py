@@ -16,7 +16,7 @@ the same sizes microbatch by microbatch (tests/test_token_cli.py compares their 
   not apply (the images come from the lengths or ``--images-*``). The executor's encoder sits on stage 0
   and is trained: ``--encoder separate`` and ``--freeze-encoder`` are refused with the model (they apply
   with ``--synthetic``), and torch's ``--baseline`` schedules, which need one shape, are refused.
-* **--synthetic**: each task sleeps what ``TokenWorkload.sample`` draws for it (rrfp.exec.synthetic),
+* **--synthetic**: each task sleeps what ``TokenWorkload.sample`` draws for it (rrfp.exec.models.synthetic),
   the costs of the mean microbatch being ``--costs`` x ``--time-unit-ms``.
 """
 

@@ -63,7 +63,7 @@ class Injector:
 
 
 class SyntheticRunner:
-    """Stands in for :class:`~rrfp.exec.stage.StageRunner`: tasks sleep their sampled durations."""
+    """Stands in for :class:`~rrfp.exec.models.stage.StageRunner`: tasks sleep their sampled durations."""
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
 """Same-host announcements: task start times on a shared-memory board instead of messages.
 
 ``backfill`` plans with the start time of each producer whose output it awaits (rrfp.dispatch.backfill). Over
-the network that is an announcement message per task start (exec/transport.py), and on an oversubscribed
+the network that is an announcement message per task start (exec/comm/transport.py), and on an oversubscribed
 CPU those messages cost more than they gain (BENCHMARKS.md §3: 16 ranks on 2 cores lost 6-8% to them).
 When every rank runs on one host there is a cheaper medium: a file in ``/dev/shm`` that every rank maps.
 A rank writes a task's start into the task's slot as it starts it (one 8-byte store); a consumer reads

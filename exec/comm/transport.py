@@ -24,7 +24,7 @@ force either. With NCCL, posting is an enqueue on
 the NCCL stream, so the compute thread posts it.
 
 With NCCL no thread blocks in a receive: each inbound channel keeps one receive posted on its own CUDA
-stream and the runtime loop's inbox calls poll the CUDA events recorded after them (rrfp.exec.cuda_recv,
+stream and the runtime loop's inbox calls poll the CUDA events recorded after them (rrfp.exec.comm.cuda_recv,
 :func:`cuda_receive`; not yet run on a GPU), so a pending receive never makes the compute stream wait,
 and a payload is fully written before the runtime sees it. ``RRFP_CUDA_RECV=thread`` keeps receiver
 threads (on their own streams) instead.
@@ -52,8 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rrfp.exec.faults import LostPeerError
-from rrfp.exec.wire import (  # the wire format, re-exported: transport users import it from here
+from rrfp.exec.comm.wire import (  # the wire format, re-exported: transport users import it from here
     HEADER_BYTES,
     HEADER_LEN,
     KIND_ANNOUNCE,
@@ -74,6 +73,7 @@ from rrfp.exec.wire import (  # the wire format, re-exported: transport users im
     read_payload,
     receive_buffer,
 )
+from rrfp.exec.faults import LostPeerError
 from rrfp.plan.task import Task
 
 
@@ -113,7 +113,7 @@ class Transport:
         if self._outbox is not None:
             self._sender = threading.Thread(target=self._send_loop, name="rrfp-send", daemon=True)
             self._sender.start()
-        self._polled: Any = None  # CUDA: the polled inbox (rrfp.exec.cuda_recv), no receiver threads
+        self._polled: Any = None  # CUDA: the polled inbox (rrfp.exec.comm.cuda_recv), no receiver threads
         if device.type == "cuda" and cuda_receive() == "event":
             self._polled = self.inbox = _polled_inbox(channels, me, to_global, device, inbound, self)
         endpoints = [] if self._polled is not None else inbound.values()
@@ -128,7 +128,7 @@ class Transport:
     def send(self, dst: int, trial: int, iteration: int, task: Task, tensor: torch.Tensor) -> None:
         """Post ``tensor`` as the input of ``task`` on pipeline rank ``dst`` (never waits for the peer)."""
         peer, group, group_peer = self._out[dst]
-        # Few torch calls: each costs ~10 us right after a compute task (pack_message in rrfp.exec.wire).
+        # Few torch calls: each costs ~10 us right after a compute task (pack_message in rrfp.exec.comm.wire).
         payload = tensor.detach()
         msg = (self.me_global << 32) | next(self._ids)
         start = time.monotonic()
@@ -313,7 +313,7 @@ def send_thread() -> bool:
 
 def cuda_receive() -> str:
     """How CUDA receives complete: ``event`` (the default: posted receives polled through CUDA events by
-    the runtime loop, rrfp.exec.cuda_recv) or ``thread`` (a receiver thread blocked in NCCL per channel,
+    the runtime loop, rrfp.exec.comm.cuda_recv) or ``thread`` (a receiver thread blocked in NCCL per channel,
     as on gloo); ``RRFP_CUDA_RECV`` picks one. Neither has run on a GPU yet (README)."""
     text = os.environ.get("RRFP_CUDA_RECV", "event").strip().lower()
     if text not in ("event", "thread"):
@@ -325,7 +325,7 @@ def _polled_inbox(
     channels: dict[tuple[int, int], Any], me: int, to_global: Any, device: torch.device,
     inbound: dict[int, tuple[int, Any, int]], transport: Transport,
 ) -> Any:  # fmt: skip
-    from rrfp.exec.cuda_recv import NcclPoster, PolledChannel, PolledInbox, warm_channels
+    from rrfp.exec.comm.cuda_recv import NcclPoster, PolledChannel, PolledInbox, warm_channels
 
     warm_channels(channels, me, to_global, device)  # before any receive is posted (see there)
     polled = [

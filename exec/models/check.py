@@ -24,8 +24,8 @@ import torch
 
 from rrfp.errors import InternalError
 from rrfp.exec.config import RunConfig
-from rrfp.exec.data import run_batch
-from rrfp.exec.model import build_stage
+from rrfp.exec.models.data import run_batch
+from rrfp.exec.models.model import build_stage
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any
 
 from rrfp.errors import UserError
 from rrfp.exec.config import ExecConfigError, ModelConfig, RunConfig
-from rrfp.exec.tokens import DEFAULT_SEQ_LEN
+from rrfp.exec.models.tokens import DEFAULT_SEQ_LEN
 from rrfp.plan.budget import format_bytes, parse_bytes
 from rrfp.plan.spec import MAX_DEGREE
 from rrfp.workload.lengths import LengthsTable

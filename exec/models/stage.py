@@ -8,7 +8,7 @@ peers (or from a local stage) wait in ``inputs`` keyed by the consumer task.
 * ``F``: run the stage; keep (input, output) until the backward.
 * ``B``: ``autograd.grad`` w.r.t. the stage input and every parameter at once.
 * ``I``: ``autograd.grad`` w.r.t. the stage input and the cheap parameters (norms, embeddings,
-  biases) while a :class:`~rrfp.exec.layers.WeightStash` records each linear's (x, grad_y).
+  biases) while a :class:`~rrfp.exec.models.layers.WeightStash` records each linear's (x, grad_y).
 * ``W``: replay the stash into weight-matrix gradients.
 
 Gradients never go through ``.grad`` during the iteration: each task's per-microbatch gradients are
@@ -24,10 +24,10 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from rrfp.exec.data import Microbatch
-from rrfp.exec.layers import WeightStash
-from rrfp.exec.memory import SavedBytes
-from rrfp.exec.model import Stage
+from rrfp.exec.models.data import Microbatch
+from rrfp.exec.models.layers import WeightStash
+from rrfp.exec.models.memory import SavedBytes
+from rrfp.exec.models.model import Stage
 from rrfp.plan.task import Op, Task
 
 Grads = dict[nn.Parameter, torch.Tensor]
@@ -82,7 +82,8 @@ class StageRunner:
     def __init__(
         self, stages: dict[int, Stage], num_stages: int, deterministic: bool = False, measure: bool = False
     ) -> None:
-        """``measure``: count the bytes each forward's autograd keeps (rrfp.exec.memory.SavedBytes) into
+        """``measure``: count the bytes each forward's autograd keeps
+        (rrfp.exec.models.memory.SavedBytes) into
         :attr:`saved`, (stage, microbatch, bytes) per forward of the iteration."""
         self.stages = stages
         self._counters = {s: SavedBytes(m) for s, m in stages.items()} if measure else None

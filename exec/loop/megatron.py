@@ -1,7 +1,7 @@
 """``--send megatron``: a fixed trial runs Megatron-core's non-interleaved 1F1B P2P, call by call.
 
-The paper's baseline is Megatron-based fixed-order 1F1B. rrfp's own transport (:mod:`rrfp.exec.transport`)
-is gentler: sends never block compute, and inputs arrive in any order through receiver threads. Under
+The paper's baseline is Megatron-based fixed-order 1F1B. rrfp's own transport
+(:mod:`rrfp.exec.comm.transport`) is gentler: sends never block compute, and inputs arrive in any order through receiver threads. Under
 ``--send megatron`` a ``fixed`` trial on the 1f1b order (or a class hint whose reference order is 1f1b)
 bypasses that transport and runs the P2P calls of Megatron-core's
 ``forward_backward_pipelining_without_interleaving`` itself, with real blocking calls on the trial's
@@ -22,10 +22,10 @@ separate blocking calls, the steady state as batched exchanges, ``warmup = min(p
   channel still carries its shape once (Megatron computes it from its config; this runtime does not know
   the model's), and every later send is checked against it.
 * **Not the rrfp transport.** The tensors never touch the transport's header+payload receiver threads:
-  the calls run on the pipeline group (``Groups.pp``, rrfp.exec.topology), which those threads never
+  the calls run on the pipeline group (``Groups.pp``, rrfp.exec.comm.topology), which those threads never
   receive on -- only torch's baselines use it, inside their own steps -- so a blocking receive here can
   neither steal a channel's message nor deadlock against a receiver thread.
-* **Faults.** Every wait is declared to the heartbeat thread (:func:`rrfp.exec.liveness.waiting`), which
+* **Faults.** Every wait is declared to the heartbeat thread (:func:`rrfp.exec.comm.liveness.waiting`), which
   ends it after ``--timeout`` with the usual one-line fault; a peer whose connection closes is a
   :class:`~rrfp.exec.faults.LostPeerError` naming it.
 
@@ -48,11 +48,11 @@ import torch.distributed as dist
 
 from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.errors import InternalError
-from rrfp.exec import liveness
+from rrfp.exec.comm import liveness
 from rrfp.exec.config import ExecConfigError, RunConfig
 from rrfp.exec.faults import PEER_ERRORS, LostPeerError, one_line
-from rrfp.exec.runtime import LoopStats, PipelineRuntime, RankContext, Runner
-from rrfp.exec.synthetic import Injector
+from rrfp.exec.loop.runtime import LoopStats, PipelineRuntime, RankContext, Runner
+from rrfp.exec.models.synthetic import Injector
 from rrfp.plan.hints import Hint
 from rrfp.plan.sources import make_hint
 from rrfp.plan.task import Op, Task

@@ -10,9 +10,9 @@ One iteration::
         start -> [announce] -> compute (+ injected sleep) -> complete -> post sends / hand over locally
     wait for the sends; write gradients
 
-Clocked policies (``backfill``, once :mod:`rrfp.exec.calibrate` has measured the costs): the loop ticks
+Clocked policies (``backfill``, once :mod:`rrfp.exec.loop.calibrate` has measured the costs): the loop ticks
 the scheduler's clock before each pick and tells consumers on other ranks when each task starts. With a
-start board (every rank on one host, rrfp.exec.board) it writes the start into shared memory and the
+start board (every rank on one host, rrfp.exec.comm.board) it writes the start into shared memory and the
 scheduler reads producers' starts from there when its policy asks (``sched.listen``); otherwise it
 sends a header-only announcement ahead of the payload and hands received ones to ``sched.announce``.
 
@@ -38,11 +38,11 @@ import torch.distributed as dist
 from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
 from rrfp.dispatch.sizes import Sizes
 from rrfp.dispatch.tp import agree
-from rrfp.exec.board import StartBoard, board_tag
-from rrfp.exec.calibrate import CostMeter
+from rrfp.exec.comm.board import StartBoard, board_tag
+from rrfp.exec.comm.transport import Announce, Arrival, ChannelFailure, Transport
 from rrfp.exec.faults import LostPeerError, WaitTimeoutError
-from rrfp.exec.synthetic import Injector
-from rrfp.exec.transport import Announce, Arrival, ChannelFailure, Transport
+from rrfp.exec.loop.calibrate import CostMeter
+from rrfp.exec.models.synthetic import Injector
 from rrfp.plan.task import Task
 from rrfp.traces.trace import TraceRecorder
 
@@ -371,7 +371,7 @@ def board_slots(sched: RankScheduler, base: int) -> tuple[list[int], list[int]]:
 
 
 class BusyBoard:
-    """What each pipeline rank runs now, on the start board (rrfp.exec.board): this rank posts its
+    """What each pipeline rank runs now, on the start board (rrfp.exec.comm.board): this rank posts its
     task at each start and clears it at each end; ``busy`` is the scheduler's source for
     ``listen(..., busy)`` (``Backfill.use_busy``)."""
 

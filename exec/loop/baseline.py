@@ -21,11 +21,12 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 from torch.nn import functional as F
 
-from rrfp.exec import faults, liveness
-from rrfp.exec.data import Microbatch, make_batch
-from rrfp.exec.model import Stage, build_stage
-from rrfp.exec.synthetic import Injector
-from rrfp.exec.trials import TrialContext, TrialOutcome, keep_grads
+from rrfp.exec import faults
+from rrfp.exec.comm import liveness
+from rrfp.exec.loop.trials import TrialContext, TrialOutcome, keep_grads
+from rrfp.exec.models.data import Microbatch, make_batch
+from rrfp.exec.models.model import Stage, build_stage
+from rrfp.exec.models.synthetic import Injector
 from rrfp.plan.task import Op
 from rrfp.plan.torch_schedules import V_SHAPED
 from rrfp.study.trial import TrialId

@@ -30,10 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from rrfp.errors import RunFailure
+from rrfp.exec.comm.liveness import STORE_TIMEOUT_S
 from rrfp.exec.config import ExecConfigError, RunConfig
 from rrfp.exec.faults import FAULT_EXIT, SIGINT_EXIT, SIGTERM_EXIT
-from rrfp.exec.liveness import STORE_TIMEOUT_S
-from rrfp.exec.planner import DEFAULT_PORT, Plan
+from rrfp.exec.jobs.planner import DEFAULT_PORT, Plan
 from rrfp.exec.results import check_failed
 from rrfp.study.result import TrialResult
 
@@ -140,7 +140,7 @@ def env_world_size() -> int:
 
 def join(cfg: RunConfig, dump_dir: str) -> int:
     """Run this process as one worker of an existing job; non-zero on rank 0 if a check failed."""
-    from rrfp.exec.worker import worker_main  # lazy: imports torch
+    from rrfp.exec.jobs.worker import worker_main  # lazy: imports torch
 
     results = worker_main(cfg, dump_dir)
     return exit_code(results)
@@ -195,7 +195,7 @@ def _launch_one(cfg: RunConfig, dump_dir: str, store: JobStore, run_id: str) -> 
     """All workers under one torch agent in this process (its standalone rendezvous); rank -> result."""
     from torch.distributed.launcher.api import elastic_launch
 
-    from rrfp.exec.worker import worker_main
+    from rrfp.exec.jobs.worker import worker_main
 
     config = _launch_config(cfg, run_id)
     if config.start_method == "forkserver":
@@ -208,7 +208,7 @@ def _preload_fork_server() -> None:
 
     # The fork server is a fresh single-threaded process: it imports torch and the worker once,
     # then forks each worker from that clean state (fast like fork, safe like spawn).
-    multiprocessing.set_forkserver_preload(["torch", "rrfp.exec.worker"])
+    multiprocessing.set_forkserver_preload(["torch", "rrfp.exec.jobs.worker"])
 
 
 LAUNCHER_LOG = "launcher.log"
@@ -326,7 +326,7 @@ class LaunchGroups:
     "node" of a multi-node torchrun job). Each agent reports ("ok", rank -> result), ("failed", rank ->
     exit code) or ("signal", number) on a pipe. A signal here goes on to the agents, which stop their
     workers as torch's agent does; an agent that dies without a word (killed) stops the job. The agents
-    die with this launcher (PR_SET_PDEATHSIG), and their workers with its store (rrfp.exec.liveness)."""
+    die with this launcher (PR_SET_PDEATHSIG), and their workers with its store (rrfp.exec.comm.liveness)."""
 
     def __init__(self, cfg: RunConfig, dump_dir: str, store: JobStore, run_id: str, sizes: list[int]) -> None:
         self.cfg, self.dump_dir, self.store, self.run_id, self.sizes = cfg, dump_dir, store, run_id, sizes
@@ -448,8 +448,8 @@ def _group_main(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    from rrfp.exec.wire import one_line
-    from rrfp.exec.worker import worker_main
+    from rrfp.exec.comm.wire import one_line
+    from rrfp.exec.jobs.worker import worker_main
 
     _die_with_parent()
     for sig in (signal.SIGINT, signal.SIGTERM):  # torch's own handler, also before its agent installs it
@@ -498,7 +498,7 @@ def failure_report(failures: dict[int, Any], faults: dict[int, dict[str, Any]], 
     worker torch's agent saw fail first (``failures``: a survivor that noticed the fault exits with
     FAULT_EXIT, one it stopped with 128 + the signal; anything else -- killed, crashed -- is a primary
     failure), and the fault records the workers left in the launcher's store (``faults``: rank ->
-    reason, exit code, the ranks it found hung, the ranks it lost; rrfp.exec.liveness).
+    reason, exit code, the ranks it found hung, the ranks it lost; rrfp.exec.comm.liveness).
     """
     hung: dict[int, str] = {}
     lost: set[int] = set()
@@ -553,7 +553,7 @@ def _how(failure: Any) -> str:
 
 
 class JobStore:
-    """The launcher's c10d store: the workers' heartbeats and fault records (rrfp.exec.liveness) and the
+    """The launcher's c10d store: the workers' heartbeats and fault records (rrfp.exec.comm.liveness) and the
     reason of a stop signal; a thread kills the ranks the workers found hung (a stopped process never
     acts on torch's SIGTERM: the agent would wait its shutdown timeout for nothing). It lives in this
     process, so when the launcher dies the store goes with it and the workers notice within a beat."""
@@ -618,7 +618,7 @@ class JobStore:
 
 def kill_rank(rank: int, where: str) -> bool:
     """SIGKILL worker ``rank`` registered as ``host:pid`` -- only if it is on this host and that pid
-    still is that rank (its process name; rrfp.exec.worker.name_process)."""
+    still is that rank (its process name; rrfp.exec.jobs.worker.name_process)."""
     host, _, pid_text = where.rpartition(":")
     if host != socket.gethostname() or not pid_text.isdigit():
         return False

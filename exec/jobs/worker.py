@@ -27,18 +27,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rrfp.exec import faults, liveness
-from rrfp.exec.board import BoardError, open_board
-from rrfp.exec.check import Reference, compare_run, reference
+from rrfp.exec import faults
+from rrfp.exec.comm import liveness
+from rrfp.exec.comm.board import BoardError, open_board
+from rrfp.exec.comm.topology import CTRL_MIN_TIMEOUT_S, Topology, build_groups, pick_backend, pick_device
+from rrfp.exec.comm.topology import topology_from_env as _topology_from_env
+from rrfp.exec.comm.transport import Transport
 from rrfp.exec.config import RunConfig, clocked_policy, switch_interval
-from rrfp.exec.decision_log import write_decision_log
+from rrfp.exec.loop.decision_log import write_decision_log
+from rrfp.exec.loop.runtime import RankContext
+from rrfp.exec.loop.trials import RrfpTrial, TrialContext, TrialOutcome
+from rrfp.exec.models.check import Reference, compare_run, reference
 from rrfp.exec.report import announce, emit
 from rrfp.exec.results import ExecMeasures, exec_result
-from rrfp.exec.runtime import RankContext
-from rrfp.exec.topology import CTRL_MIN_TIMEOUT_S, Topology, build_groups, pick_backend, pick_device
-from rrfp.exec.topology import topology_from_env as _topology_from_env
-from rrfp.exec.transport import Transport
-from rrfp.exec.trials import RrfpTrial, TrialContext, TrialOutcome
 from rrfp.plan.sources import make_hint
 from rrfp.study.result import TrialResult
 from rrfp.study.trial import TrialId
@@ -48,7 +49,7 @@ def worker_main(cfg: RunConfig, dump_dir: str, store: JobStore | None = None) ->
     """Entry point of every worker. Returns one result per trial on rank 0, None elsewhere.
 
     ``store``: (host, port, key prefix) of the launcher's store for heartbeats and fault records
-    (rrfp.exec.liveness); None inside torchrun, which has its own (MASTER_ADDR:MASTER_PORT). Rank 0
+    (rrfp.exec.comm.liveness); None inside torchrun, which has its own (MASTER_ADDR:MASTER_PORT). Rank 0
     checks and prints the results only after every rank has closed: nobody waits on its local work."""
     try:
         worker = Worker(cfg, dump_dir, store)
@@ -185,7 +186,7 @@ class Worker:
     @staticmethod
     def _make(ctx: TrialContext, index: int, trial: TrialId) -> Any:
         if trial.is_baseline:
-            from rrfp.exec.baseline import BaselineTrial  # lazy: imports torch.distributed.pipelining
+            from rrfp.exec.loop.baseline import BaselineTrial  # lazy: imports torch.distributed.pipelining
 
             return BaselineTrial(ctx, index, trial)
         return RrfpTrial(ctx, index, trial)
@@ -255,7 +256,7 @@ class Worker:
 
 
 JobStore = tuple[str, int, str]
-"""(host, port, key prefix) of the store heartbeats and fault records go to (rrfp.exec.liveness)."""
+"""(host, port, key prefix) of the store heartbeats and fault records go to (rrfp.exec.comm.liveness)."""
 Gathered = tuple[TrialId, list[float], list[float], list[TrialOutcome]]
 """One trial on rank 0: (trial, slowest rank's time per iteration, loss per iteration, every outcome)."""
 

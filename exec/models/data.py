@@ -65,7 +65,7 @@ def make_batch(
 def run_batch(cfg: RunConfig, replica: int, iteration: int) -> tuple[list[Microbatch], BatchSizes | None]:
     """The microbatches DP replica ``replica`` runs in ``iteration`` (every rank of it, and the --check
     reference, build the same), and in token mode their sizes: ``batch_sizes`` at replication 0 with
-    the replica as rrfp-sim's DP index, so they are the samples rrfp-sim simulates (exec/tokens.py)."""
+    the replica as rrfp-sim's DP index, so they are the samples rrfp-sim simulates (exec/models/tokens.py)."""
     if cfg.tokens is None:
         return make_batch(cfg.model, cfg.seed, replica, iteration, cfg.microbatches), None
     sizes = batch_sizes(cfg.tokens, cfg.seed, 0, iteration, cfg.microbatches, dp=replica)
@@ -87,7 +87,7 @@ def make_token_batch(
     rrfp-sim charges for it. The model's attention spans the whole row (it has no document mask), so
     its attention FLOPs are those of one T-token sequence, not the per-sample sum rrfp-sim assumes.
     rrfp-run sizes the model's positions to the run's longest microbatch before any worker starts
-    (rrfp.exec.tokens), so :class:`TokenBatchError` is a guard there, not an outcome.
+    (rrfp.exec.models.tokens), so :class:`TokenBatchError` is a guard there, not an outcome.
     """
     np_rng = rngs.stream(seed, replica, "data/tokens", iteration)
     gen = torch.Generator().manual_seed(int(np_rng.integers(0, 2**62)))

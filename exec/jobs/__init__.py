@@ -1,0 +1,2 @@
+"""Jobs: the planner (ranks onto nodes and memory), the local launcher and torchrun/SLURM joining, and
+the worker process's entry point."""
