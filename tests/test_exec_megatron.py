@@ -31,7 +31,7 @@ from execkit import (
 
 from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.errors import InternalError
-from rrfp.exec import megatron as meg
+from rrfp.exec.loop import megatron as meg
 from rrfp.exec.loop.megatron import P2P, Call, MegatronRuntime, megatron_program
 from rrfp.exec.loop.runtime import RankContext
 from rrfp.exec.models.synthetic import Injector
