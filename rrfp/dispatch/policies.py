@@ -45,6 +45,11 @@ class Policy:
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
+DEFAULT_POLICY = "rrfp"
+"""The readiness policy used where none is named: both CLIs' default ``--policy fixed,<this>`` and
+``rrfp.exec.ScheduleReadiness(policy=...)``. One constant, so the default changes in one place (issue 25
+chooses it by measurement)."""
+
 
 def register_policy(cls: type[Policy]) -> type[Policy]:
     """Class decorator: make ``cls`` available by ``cls.name``."""

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rrfp.dispatch.policies import DEFAULT_POLICY
 from rrfp.errors import RunFailure, UserError
 from rrfp.plan.budget import parse_bytes
 
@@ -98,7 +99,7 @@ SHARED: tuple[SharedOption, ...] = (
                  "Stages per rank [the hint's own: 2 for interleaved-1f1b and zbv, else 1].", "N >= 1"),
     SharedOption("hints", ("--hint",), None, "list", "1f1b,bf",
                  "Comma list of hints: {hints}, torch:<Name>, or a torch CSV path.", "NAME[,...]"),
-    SharedOption("policies", ("--policy",), None, "list", "fixed,rrfp",
+    SharedOption("policies", ("--policy",), None, "list", f"fixed,{DEFAULT_POLICY}",
                  "Comma list of policies: {policies}.", "NAME[,...]"),
     SharedOption("memory_budget", ("--memory-budget",), None, "list", "1x",
                  "Comma list of activation budgets per rank: Nx = N times the hint's own peak (1x, 1.5x, "
