@@ -26,6 +26,7 @@ import click
 
 from rrfp.errors import UserError
 from rrfp.study.execution import EXECUTION_OPTIONS
+from rrfp.study.options import split_list
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -50,7 +51,7 @@ def parse_grid(entries: Sequence[str], command: click.Command, ctx: click.Contex
         name = key.strip().lstrip("-").replace("-", "_")
         if name == "pp":
             name = "stages"
-        values = [v.strip() for v in raw.split(",") if v.strip()]
+        values = list(split_list(raw))
         if not eq or not values:
             raise SweepError(f"--grid {entry!r} must look like KEY=V1,V2,...")
         flag = params.get(name) is not None and params[name].is_flag and not params[name].secondary_opts
@@ -110,7 +111,7 @@ def run_sweep(
     # Planned here: a CSV hint's file is read on the client, once per point, not by a worker (which
     # may run elsewhere, in another directory); planning errors come out before any point runs.
     jobs = [(cell_name(points[i][0]), (*points[i], plan_runs(points[i][1]))) for i in todo]
-    seconds = sum(estimate_seconds(cfg, len(cfg.hints) * len(cfg.policies)) for _, cfg in points)
+    seconds = sum(estimate_seconds(cfg, len(cfg.study.hints) * len(cfg.study.policies)) for _, cfg in points)
     n = resolve_workers(workers, max(1, len(jobs)), seconds)
     enabled = sys.stderr.isatty() if progress is None else progress
     try:

@@ -210,6 +210,17 @@ def version() -> str:
         return "0+unknown"
 
 
+# -- comma lists -------------------------------------------------------------------------------------
+def split_list(text: str | Iterable[str] | None) -> tuple[str, ...]:
+    """``"a, b,c"`` -> ("a", "b", "c"): the one reading of a comma-list option in both CLIs (--hint,
+    --policy, --memory-budget, --trials, --baseline, a --grid's values). Each item is stripped and blank
+    items are dropped; a sequence is taken item by item the same way; None or ``""`` is ()."""
+    if not text:
+        return ()
+    items = text.split(",") if isinstance(text, str) else text
+    return tuple(item.strip() for item in items if item.strip())
+
+
 # -- the memory-budget grammar -----------------------------------------------------------------------
 _BUDGET_ITEM = re.compile(r"^(\d+(\.\d+)?x|\d+|\d+(\.\d+)?\s*[a-z]+|device)$", re.IGNORECASE)
 
@@ -219,8 +230,7 @@ def parse_budgets(text: str | Iterable[str]) -> tuple[str, ...]:
     factor of the hint's own peak), a whole number of activation slots, or in byte mode bytes
     (``40GiB``) or ``device`` (rrfp.sim.memory). Whether a factor is at least
     1x, or a count covers the hint's peak, depends on the hint (rrfp.plan.budget.resolve_budget)."""
-    items = text.split(",") if isinstance(text, str) else list(text)
-    out = tuple(str(i).strip() for i in items if str(i).strip())
+    out = split_list(text if isinstance(text, str) else [str(i) for i in text])
     if not out:
         raise OptionError("--memory-budget needs at least one budget, e.g. 1x or 1x,2x")
     for item in out:
