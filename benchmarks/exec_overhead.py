@@ -167,7 +167,7 @@ def prediction(trace: Path) -> dict[str, tuple[float, float, float]]:
     """The simulator's paired speedup (mean, CI) of rrfp/1f1b@2x and rrfp/bfw@2x over the fixed run,
     replaying the fixed trial's trace (its default, runtime, timing)."""
     rep = load_replay(trace, run="fixed/1f1b")
-    result = run_replay(rep, hints=("1f1b", "bfw"), policies=("rrfp",), budgets=("2x",))
+    result = run_replay(rep, hints=("1f1b", "bfw"), policies=("rrfp",), memory_budget=("2x",))
     out = {}
     for r in result.runs[1:]:
         assert r.speedup is not None

@@ -71,7 +71,7 @@ def cross(src: Path, src_run: str | None, dst: Path, dst_run: str | None, what: 
     policy, rest = what.split("/")
     hint, budget = rest.split("@")
     rep = load_replay(src, run=src_run)
-    result = run_replay(rep, hints=(hint,), policies=(policy,), budgets=(budget,))
+    result = run_replay(rep, hints=(hint,), policies=(policy,), memory_budget=(budget,))
     predicted = next(r.predicted for r in result.runs if r.key.policy == policy and r.key.hint == hint)
     measured = load_replay(dst, run=dst_run).measured_mean
     cmd = (f"rrfp-sim --replay {src}" + (f" --replay-run {src_run}" if src_run else "")

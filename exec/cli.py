@@ -23,6 +23,7 @@ rrfp-sim does.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -40,7 +41,6 @@ from rrfp.exec.config import (
     RunConfig,
     check_options_used,
     parse_trial,
-    split_list,
 )
 from rrfp.exec.jobs.launch import (
     adopt_slurm,
@@ -63,20 +63,21 @@ from rrfp.exec.jobs.planner import (
     local_devices,
     plan_run,
 )
-from rrfp.exec.models.tokens import DEFAULT_SEQ_LEN, longest_microbatch, run_workload
+from rrfp.exec.models.tokens import DEFAULT_SEQ_LEN, longest_microbatch, run_lengths, run_workload
 from rrfp.exec.preflight import check_outputs, preflight
 from rrfp.study.options import (
     ARGV_KEY,
     TOKEN_SHARED,
-    budget_label,
     click_options,
     command_line,
     deprecated,
     one_line_errors,
-    parse_budgets,
+    split_list,
     with_options,
 )
 from rrfp.study.schema import config_head
+from rrfp.study.study import Study
+from rrfp.workload.tokens import TokenWorkload
 
 PROG = "rrfp-run"
 DEFAULT_WORKERS = 4
@@ -84,8 +85,6 @@ SHARED_NAMES = ("stages", "microbatches", "virtual_stages", "hints", "policies",
                 "gpu_memory", "send", "jitter", "cv", "seed", "iterations", "warmup", "json", "trace_out",
                 "progress", "version", *TOKEN_SHARED)  # fmt: skip
 """The options rrfp-run shares with rrfp-sim (rrfp.study.options.SHARED), in the order --help lists them."""
-RUN_NAMES = {"stages": "pp", "hints": "hint", "policies": "policy"}
-"""Shared option names -> the names rrfp-run's rules (rrfp.exec.config.check_options_used) know them by."""
 LEGACY_JSON = (
     "--json prints schema_version 2 (results[], speedups[]); its schema-1 keys -- trials[] and the first "
     "trial's fields at the top level -- are kept for this release only"
@@ -122,40 +121,36 @@ def plan_config(o: dict[str, Any], given: Collection[str] = ()) -> tuple[RunConf
     """:func:`build_config` and the layout the planner chose for it (rrfp.exec.jobs.planner): explicit
     --pp/--tp/--dp/--layers win; it fills what is missing for the workers on nodes of --gpus-per-node."""
     world = _world(o["gpus"], o["stages"], o["tp"], o["dp"])
-    plan = _plan(o, given, world)
-    pp, backend = plan.pp, _backend(o, world)
-    o = {**o, "tp": plan.tp, "dp": plan.dp, "layers": plan.layers, "microbatches": plan.microbatches}
-    o["backend"] = backend
+    lengths = run_lengths(o, given)  # --lengths: token mode (rrfp.exec.models.tokens), read once
+    # the planner's model is the one the run builds: token mode's workload when --lengths is given
+    plan = _plan(o, world, run_workload(o, given, lengths, "none", 0.0, o["layers"]), given)
+    backend = _backend(o, world)
     baselines = tuple(_baseline_name(b) for b in split_list(o["baseline"]))
     # The shared jitter default applies where something is jittered (sampled durations, injected sleeps);
     # a real model's run without --inject-ms has none, unless --jitter asks (then the preflight says so).
     jittered = o["synthetic"] or o["inject_ms"] > 0 or any(n in given for n in JITTERED_BY)
     jitter = o["jitter"] if jittered else "none"
     cv = o["cv"] if jitter != "none" else 0.0
-    microbatches = o["microbatches"]
-    tokens = run_workload(o, given, jitter, cv)  # --lengths: token mode (rrfp.exec.models.tokens), else None
-    model = _model(o, tokens, microbatches)
+    tokens = run_workload(o, given, lengths, jitter, cv, plan.layers)
+    study = dataclasses.replace(Study.from_options(o), pp=plan.pp, microbatches=plan.microbatches)
     cfg = RunConfig(
-        world=world, pp=pp, tp=o["tp"], dp=o["dp"], model=model, microbatches=microbatches,
-        virtual_stages=o["virtual_stages"], policies=split_list(o["policies"]), hints=split_list(o["hints"]),
-        budgets=tuple(budget_label(b) for b in parse_budgets(o["memory_budget"])),
+        world=world, study=study, tp=plan.tp, dp=plan.dp, model=_model(o, tokens, study, plan),
         baselines=baselines, explicit_trials=tuple(parse_trial(t) for t in split_list(o["trials"])),
-        iterations=o["iterations"], interleave=o["interleave"], warmup=o["warmup"],
-        seed=o["seed"],
+        interleave=o["interleave"],
         check=o["check"], tolerance=o["tolerance"], deterministic=o["deterministic"], timeout=o["timeout"],
         dump_dir=o["dump_dir"], jitter=jitter, cv=cv, inject_ms=o["inject_ms"],
         synthetic=o["synthetic"], costs=o["costs"], workload=o["workload"], time_unit_ms=o["time_unit_ms"],
-        trace_out=o["trace_out"], decision_log=o["decision_log"], json=o["json"], backend=o["backend"],
+        trace_out=o["trace_out"], decision_log=o["decision_log"], json=o["json"], backend=backend,
         threads=o["threads"], lr=o["lr"],
         start_method=o["start_method"], announce=o["announce"],
         progress=sys.stderr.isatty() if o.get("progress") is None else o["progress"],
         command=o.get("command", ""), tokens=tokens, send=o.get("send", "eager"),
     )  # fmt: skip
-    check_options_used(cfg, {RUN_NAMES.get(n, n) for n in given}, joined=in_launcher_env())
+    check_options_used(cfg, given, joined=in_launcher_env())
     return cfg, plan
 
 
-def _plan(o: dict[str, Any], given: Collection[str], world: int) -> Plan:
+def _plan(o: dict[str, Any], world: int, tokens: TokenWorkload | None, given: Collection[str]) -> Plan:
     """The layout: nodes of --gpus-per-node ranks (under a launcher, its LOCAL_WORLD_SIZE; default: the
     CUDA devices here, else the workers capped at --max-local-ranks; --synthetic sleeps all on one host)."""
     per_node = o.get("gpus_per_node")
@@ -164,8 +159,6 @@ def _plan(o: dict[str, Any], given: Collection[str], world: int) -> Plan:
     elif per_node is None:
         cap = world if o["synthetic"] else o.get("max_local_ranks", DEFAULT_MAX_LOCAL_RANKS)
         per_node = default_gpus_per_node(world, local_devices(o["backend"]), cap)
-    # the planner's model is the one the run builds: token mode's workload when --lengths is given
-    tokens = run_workload(o, given, "none", 0.0)
     return plan_run(o, given, world, tokens, per_node)
 
 
@@ -178,19 +171,20 @@ def _backend(o: dict[str, Any], world: int) -> str:
     return o["backend"]
 
 
-def _model(o: dict[str, Any], tokens: Any, microbatches: int) -> ModelConfig:
-    """The model's sizes; in token mode its kind follows the encoder, and (with a model) its positions
-    cover the run's longest microbatch, drawn here before any worker starts (rrfp.exec.models.tokens)."""
+def _model(o: dict[str, Any], tokens: Any, study: Study, plan: Plan) -> ModelConfig:
+    """The model's sizes (the planner's layers); in token mode its kind follows the encoder, and (with a
+    model) its positions cover the run's longest microbatch, drawn here before any worker starts
+    (rrfp.exec.models.tokens)."""
     kind, positions = o["model"], None
     if tokens is not None:
         kind = "multimodal" if tokens.multimodal else "gpt"
         if not o["synthetic"]:
-            dp = o["dp"] if isinstance(o["dp"], int) and o["dp"] >= 1 else 1  # RunConfig refuses a bad one
-            steps = o["warmup"] + o["iterations"] if o["warmup"] >= 0 and o["iterations"] >= 1 else 1
-            positions = longest_microbatch(tokens, o["seed"], microbatches, steps, dp)
+            dp = plan.dp if isinstance(plan.dp, int) and plan.dp >= 1 else 1  # RunConfig refuses a bad one
+            steps = study.warmup + study.iterations if study.warmup >= 0 and study.iterations >= 1 else 1
+            positions = longest_microbatch(tokens, study.seed, study.microbatches, steps, dp)
     seq_len = DEFAULT_SEQ_LEN if o["seq_len"] is None else o["seq_len"]
     return ModelConfig(
-        kind=kind, layers=o["layers"], hidden=o["hidden"], heads=o["heads"], seq_len=seq_len,
+        kind=kind, layers=plan.layers, hidden=o["hidden"], heads=o["heads"], seq_len=seq_len,
         vocab=o["vocab"], microbatch_size=o["microbatch_size"], vision_layers=o["vision_layers"],
         image_size=o["image_size"], patch=o["patch"], max_images=o["max_images"], positions=positions,
     )  # fmt: skip
@@ -341,18 +335,17 @@ def _dry_run(cfg: RunConfig, plan: Plan, tflops: float) -> int:
 
     workload, unit, basis = estimate_basis(cfg, tflops)
     hints, policies, budgets, wanted = estimate_grid(cfg)
-    exp = ExperimentConfig(
-        stages=cfg.pp, microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages, hints=hints,
-        policies=policies, seeds=1, seed=cfg.seed, iterations=1, warmup=0, memory_budget=budgets,
-        workload=workload, cluster=ClusterConfig(tp=cfg.tp, dp=cfg.dp),
-    )  # fmt: skip
+    study = dataclasses.replace(cfg.study, hints=hints, policies=policies, memory_budget=budgets,
+                                iterations=1, warmup=0)  # fmt: skip
+    cluster = ClusterConfig(tp=cfg.tp, dp=cfg.dp)
+    exp = ExperimentConfig(study=study, seeds=1, workload=workload, cluster=cluster)
     result = run_experiment(exp, progress=False)
     rows = [s for s in result.stats if s.key.label in wanted or s.key.policy == "fixed"]
     report = {
         "dry_run_schema": DRY_RUN_SCHEMA, "config": config_head(cfg.command), "plan": plan.as_dict(),
-        "schedule": {"hints": list(cfg.hints), "policies": list(cfg.policies),
-                     "trials": [t.label for t in cfg.trials], "virtual_stages": cfg.virtual_stages,
-                     "microbatches": cfg.microbatches},
+        "schedule": {"hints": list(cfg.study.hints), "policies": list(cfg.study.policies),
+                     "trials": [t.label for t in cfg.trials], "virtual_stages": cfg.study.virtual_stages,
+                     "microbatches": cfg.study.microbatches},
         "estimate": {
             "kind": "estimate", "basis": basis, "device_tflops": None if cfg.synthetic else float(tflops),
             "seconds_per_unit": float(unit), "iterations": 1,

@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Collection
-from dataclasses import dataclass, field
-from itertools import product
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from rrfp.errors import UserError
 from rrfp.plan.spec import MAX_DEGREE, MAX_TASKS
-from rrfp.study.compare import fixed_hint
-from rrfp.study.options import MAX_CV, MAX_ITERATIONS, MAX_SECONDS, MAX_SEED  # shared with rrfp-sim
+from rrfp.study.options import BY_NAME, MAX_CV, MAX_ITERATIONS, MAX_SECONDS, MAX_SEED  # shared with rrfp-sim
+from rrfp.study.study import Study
 from rrfp.study.trial import TORCH_POLICY, TORCH_PREFIX, TrialError, TrialId
 from rrfp.workload.tokens import TokenWorkload
 
@@ -126,41 +126,28 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
-    """Everything one rrfp-run launch does. Validated at construction."""
+    """Everything one rrfp-run launch does: a :class:`~rrfp.study.study.Study` (what is compared and how
+    often; its ``microbatches`` given, not None) plus the model, launch and fault settings. Validated at
+    construction."""
 
     world: int
     """Number of worker processes (= pp * tp * dp)."""
-    pp: int
-    """Pipeline ranks."""
+    study: Study
+    """Pipeline shape, hints x budgets x policies, seed (the root of every random stream: weights, data,
+    jitter), measured iterations per trial and the unmeasured warm-up ones before them."""
     tp: int = 1
     """Tensor-parallel degree."""
     dp: int = 1
     """Data-parallel degree."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model sizes."""
-    microbatches: int = 8
-    """Microbatches per iteration."""
-    virtual_stages: int | None = None
-    """Stages per rank; None takes each hint's own default."""
-    policies: tuple[str, ...] = ("fixed", "rrfp")
-    """Policies to run (each with every hint and budget)."""
-    hints: tuple[str, ...] = ("1f1b",)
-    """Hints to run."""
-    budgets: tuple[str | None, ...] = (None,)
-    """Memory budgets (None = the hint's own peak)."""
     baselines: tuple[str, ...] = ()
     """torch.distributed.pipelining schedule names to run beside (``1F1B``, ``GPipe``, ...)."""
     explicit_trials: tuple[TrialId, ...] = ()
-    """Exactly these trials (``--trials``) instead of the policies x hints x budgets product."""
-    iterations: int = 5
-    """Measured iterations per trial."""
+    """Exactly these trials (``--trials``) instead of the study's grid."""
     interleave: bool = True
     """Run the trials round-robin, one iteration each (background load hits all alike; every other round
     in reverse order), so iteration k of two trials pairs for a speedup; else in turn (unpaired)."""
-    warmup: int = 1
-    """Unmeasured iterations per trial, before the measured ones."""
-    seed: int = 0
-    """Root of every random stream (weights, data, jitter)."""
     check: bool = False
     """Compare loss and gradients of the first iteration with a single-process reference."""
     tolerance: float = 1e-5
@@ -216,10 +203,13 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         _positive("world", self.world, maximum=MAX_WORKERS)
+        if not isinstance(self.study, Study):
+            raise ExecConfigError(f"study must be a Study, got {type(self.study).__name__}")
         self._check_numbers()
-        if self.pp * self.tp * self.dp != self.world:
+        pp = self.study.pp
+        if pp * self.tp * self.dp != self.world:
             raise ExecConfigError(
-                f"--pp {self.pp} x --tp {self.tp} x --dp {self.dp} = {self.pp * self.tp * self.dp} "
+                f"--pp {pp} x --tp {self.tp} x --dp {self.dp} = {pp * self.tp * self.dp} "
                 f"must equal the number of workers {self.world}"
             )
         if self.model.heads % self.tp:
@@ -235,14 +225,15 @@ class RunConfig:
         _real("inject_ms", self.inject_ms, 0.0, MAX_TASK_MS)
         _real("time_unit_ms", self.time_unit_ms, 0.0, MAX_TASK_MS, low_open=True)
         _real("lr", self.lr, 0.0, MAX_LR)
-        for name in ("pp", "tp", "dp"):
-            _positive(name, getattr(self, name), maximum=MAX_DEGREE)
-        _positive("microbatches", self.microbatches, maximum=MAX_TASKS)
-        _positive("iterations", self.iterations, maximum=MAX_ITERATIONS)
-        _positive("warmup", self.warmup, minimum=0, maximum=MAX_ITERATIONS)
-        _positive("seed", self.seed, minimum=0, maximum=MAX_SEED)
-        if self.virtual_stages is not None:
-            _positive("virtual_stages", self.virtual_stages, maximum=MAX_DEGREE)
+        s = self.study
+        for name, value in (("pp", s.pp), ("tp", self.tp), ("dp", self.dp)):
+            _positive(name, value, maximum=MAX_DEGREE)
+        _positive("microbatches", s.microbatches, maximum=MAX_TASKS)
+        _positive("iterations", s.iterations, maximum=MAX_ITERATIONS)
+        _positive("warmup", s.warmup, minimum=0, maximum=MAX_ITERATIONS)
+        _positive("seed", s.seed, minimum=0, maximum=MAX_SEED)
+        if s.virtual_stages is not None:
+            _positive("virtual_stages", s.virtual_stages, maximum=MAX_DEGREE)
         if self.threads is not None:
             _positive("threads", self.threads, maximum=MAX_THREADS)
 
@@ -262,7 +253,7 @@ class RunConfig:
             )
         if self.send not in SENDS:
             raise ExecConfigError(f"--send {self.send!r} is unknown: choose {', '.join(SENDS)}")
-        if not self.policies or not self.hints:
+        if not self.study.policies or not self.study.hints:
             raise ExecConfigError("--policy and --hint need at least one name each")
         baselines = self.baselines or any(t.is_baseline for t in self.explicit_trials)
         if self.synthetic and (self.check or baselines):
@@ -278,20 +269,41 @@ class RunConfig:
 
     @property
     def trials(self) -> list[TrialId]:
-        """rrfp trials (``--trials``, or hint-major, then budget, then policy), then torch baselines.
-        ``fixed`` on an unsplit class hint is ``fixed`` on its reference order, listed once
-        (rrfp.study.compare.fixed_hint: ``--hint 1f1b,bf`` is fixed/1f1b, rrfp/1f1b, rrfp/bf)."""
-        rows = list(self.explicit_trials)
-        if not rows:
-            v = self.virtual_stages
-            named = (TrialId(p, fixed_hint(h, v) if p == "fixed" else h, b)
-                     for h, b, p in product(self.hints, self.budgets, self.policies))  # fmt: skip
-            rows = list(dict.fromkeys(named))
+        """rrfp trials (``--trials``, or the study's grid: hint-major, then budget, then policy), then
+        torch baselines. ``fixed`` on an unsplit class hint is ``fixed`` on its reference order, listed
+        once; ``fixed/bfw`` keeps its name (Study.trials with ``split_fixed``: ``--hint 1f1b,bf`` is
+        fixed/1f1b, rrfp/1f1b, rrfp/bf)."""
+        rows = list(self.explicit_trials) or self.study.trials(split_fixed=True)
         return rows + [TrialId(TORCH_POLICY, name) for name in self.baselines]
+
+    def json_fields(self) -> dict[str, Any]:
+        """Every field as the ``--json`` config names and orders them (schema 2, goldens): the study's
+        among this config's own, its budgets as trial labels write them (None for 1x)."""
+        s = self.study
+        study = {"pp": s.pp, "microbatches": s.microbatches, "virtual_stages": s.virtual_stages,
+                 "policies": s.policies, "hints": s.hints, "budgets": s.budget_labels(),
+                 "iterations": s.iterations, "warmup": s.warmup, "seed": s.seed}  # fmt: skip
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "study"}
+        return {name: {**own, **study}[name] for name in JSON_ORDER}
+
+
+JSON_ORDER = ("world", "pp", "tp", "dp", "model", "microbatches", "virtual_stages", "policies", "hints",
+              "budgets", "baselines", "explicit_trials", "iterations", "interleave", "warmup", "seed",
+              "check", "tolerance", "deterministic", "timeout", "dump_dir", "jitter", "cv", "inject_ms",
+              "synthetic", "costs", "workload", "time_unit_ms", "trace_out", "decision_log", "json",
+              "backend", "threads", "lr", "announce", "start_method", "progress", "command", "tokens",
+              "send")  # fmt: skip
+"""The ``--json`` config's keys in their order (before the Study, RunConfig's flat field order)."""
 
 
 def _flag(name: str) -> str:
-    return "--gpus" if name == "world" else "--" + name.replace("_", "-")
+    """The option a parameter name stands for: ``--gpus`` for ``world``, a shared option's canonical
+    spelling (``hints`` is ``--hint``), else ``--name``."""
+    if name == "world":
+        return "--gpus"
+    if name in BY_NAME:
+        return BY_NAME[name].flags[0].split("/")[0]
+    return "--" + name.replace("_", "-")
 
 
 def _positive(name: str, value: object, minimum: int = 1, maximum: int | None = None) -> None:
@@ -332,8 +344,8 @@ TOKEN_SIZED = ("layers", "hidden", "heads", "seq_len", "microbatch_size", "visio
                "patch")  # fmt: skip
 """Model sizes a --synthetic run uses in token mode: they shape the sampled durations (FLOPs)."""
 SYNTHETIC_OPTIONS = ("costs", "workload", "time_unit_ms")
-PRODUCT_OPTIONS = ("policy", "hint", "memory_budget")
-"""What --trials replaces: the policies x hints x budgets product."""
+PRODUCT_OPTIONS = ("policies", "hints", "memory_budget")
+"""What --trials replaces: the study's grid of policies x hints x budgets."""
 
 
 def clocked_policy(name: str) -> bool:
@@ -381,13 +393,6 @@ def check_options_used(cfg: RunConfig, given: Collection[str], joined: bool = Fa
         for name in names:
             if unused and name in given:
                 raise ExecConfigError(f"{_flag(name)} {why}: drop it")
-
-
-def split_list(text: str | None) -> tuple[str, ...]:
-    """``"a, b,c"`` -> ``("a", "b", "c")``; empty items are dropped."""
-    if not text:
-        return ()
-    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 def switch_interval() -> float:

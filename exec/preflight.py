@@ -45,7 +45,8 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.synthetic:
         WorkloadConfig(preset=cfg.workload, costs=cfg.costs, jitter=cfg.jitter, cv=cfg.cv)
     rrfp_trials = [t for t in cfg.trials if not t.is_baseline]
-    sizes = {t.hint: task_count(t.hint, cfg.pp, cfg.microbatches, cfg.virtual_stages) for t in rrfp_trials}
+    s = cfg.study
+    sizes = {t.hint: task_count(t.hint, s.pp, s.microbatches, s.virtual_stages) for t in rrfp_trials}
     for name, (tasks, shape) in sizes.items():
         if tasks > MAX_TASKS:
             raise ExecConfigError(
@@ -59,11 +60,11 @@ def preflight(cfg: RunConfig) -> None:
         get_policy(trial.policy)
         if progress is not None:
             progress.step(trial.hint, sizes[trial.hint][0])
-        hint = make_hint(trial.hint, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+        hint = make_hint(trial.hint, cfg.study.pp, cfg.study.microbatches, cfg.study.virtual_stages)
         if cfg.tokens is None:
             resolve_budget(trial.budget, hint)
         else:  # token mode counts bytes: Nx or bytes (device budgets are rrfp-sim's)
-            check_byte_budget(cfg, hint, parse_byte_item(trial.budget or "1x", cfg.pp))
+            check_byte_budget(cfg, hint, parse_byte_item(trial.budget or "1x", cfg.study.pp))
         if not cfg.synthetic:
             partition(cfg.model.layers, hint.spec.num_stages)
     if progress is not None:
@@ -80,10 +81,10 @@ def check_byte_budget(cfg: RunConfig, hint: Hint, budget: ByteBudget) -> None:
     from rrfp.exec.models.data import run_batch  # torch: only for a byte budget of the real model
     from rrfp.exec.models.memory import batch_act_bytes
 
-    for it in range(cfg.warmup + cfg.iterations):
+    for it in range(cfg.study.warmup + cfg.study.iterations):
         for replica in range(cfg.dp):
             act = batch_act_bytes(cfg.model, run_batch(cfg, replica, it)[0], hint.spec.num_stages, cfg.tp)
-            for r in range(cfg.pp):
+            for r in range(cfg.study.pp):
                 try:
                     budget.resolve(r, position_bytes(hint.plan.wiring(r), act), hint.name)
                 except InfeasibleBudget as e:
@@ -177,5 +178,5 @@ def _check_baseline(cfg: RunConfig, name: str) -> None:
     if name not in BASELINE_SCHEDULES:
         choices = "|".join(BASELINE_SCHEDULES)
         raise ExecConfigError(f"--baseline torch:{name} is not supported: choose torch:<{choices}>")
-    stages = cfg.pp * TORCH_TABLE[name].stages_per_rank
+    stages = cfg.study.pp * TORCH_TABLE[name].stages_per_rank
     partition(cfg.model.layers, stages)

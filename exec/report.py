@@ -73,7 +73,7 @@ def comparisons(cfg: RunConfig, results: list[TrialResult]) -> list[Comparison]:
     paired per iteration when the trials ran interleaved, else unpaired."""
     by = {r.trial: r for r in results}
     trials = list(by)
-    pairs = [*fixed_baselines(trials, lambda h: base_hint_name(h, cfg.virtual_stages)).items(),
+    pairs = [*fixed_baselines(trials, lambda h: base_hint_name(h, cfg.study.virtual_stages)).items(),
              *torch_pairs(trials)]  # fmt: skip
     speedup = paired_speedup if cfg.interleave else unpaired_speedup
     return [
@@ -136,7 +136,7 @@ def config_dict(cfg: RunConfig) -> dict[str, Any]:
     """The run's configuration as JSON data: every RunConfig field, trials by label; in token mode
     ``tokens`` (TokenWorkload.describe: every token option and the samples' summary) and the model's
     ``positions`` -- keys that appear only in token mode."""
-    out = dataclasses.asdict(dataclasses.replace(cfg, tokens=None))
+    out = {k: dataclasses.asdict(v) if k == "model" else v for k, v in cfg.json_fields().items()}
     out.pop("command")
     out.pop("tokens")
     if cfg.model.positions is None:
@@ -208,8 +208,9 @@ def announce(cfg: RunConfig) -> None:
             f", plus {cfg.inject_ms} ms x {cfg.jitter} per task" if cfg.inject_ms else ""
         )
     print(
-        f"rrfp-run: {what}, pp={cfg.pp} tp={cfg.tp} dp={cfg.dp}, {cfg.microbatches} microbatches, "
-        f"{len(cfg.trials)} trials x ({cfg.warmup} warm-up + {cfg.iterations}) iterations, "
+        f"rrfp-run: {what}, pp={cfg.study.pp} tp={cfg.tp} dp={cfg.dp}, {cfg.study.microbatches} "
+        "microbatches, "
+        f"{len(cfg.trials)} trials x ({cfg.study.warmup} warm-up + {cfg.study.iterations}) iterations, "
         f"{'jitter' if cfg.synthetic else 'injected jitter'} {jitter}",
         flush=True,
     )
@@ -236,7 +237,7 @@ def table(cfg: RunConfig, results: list[TrialResult]) -> str:
             "-" if cfg.synthetic else f"{m.loss_first:.4f}", "-" if us is None else f"{us:.0f}",
             _byte_peaks(m.peak_bytes) if m.peak_bytes else _peaks(r.peaks), _check(as_row(r)),
         ])  # fmt: skip
-    note = budget_note(comps, cfg.budgets)
+    note = budget_note(comps, cfg.study.budget_labels())
     notes = [note] if note else []
     notes += [memory_line(r.trial.label, c) for r in results if (c := measures(r).memory_check)][:1]
     return "\n".join([*_render(header, rows), "", verdict(comps), *notes, "",
@@ -285,10 +286,10 @@ def _columns(cfg: RunConfig, torch: list[Any]) -> list[tuple[str, str]]:
         else "unpaired: the trials ran one after the other (--sequential), so this is the ratio of the "
         "means with Welch's interval"
     )
-    warm = f"after {cfg.warmup} warm-up" if cfg.warmup else "with no warm-up"
+    warm = f"after {cfg.study.warmup} warm-up" if cfg.study.warmup else "with no warm-up"
     out = [
         ("iteration time", "seconds from the iteration barrier to the optimizer step on the slowest rank: "
-                           f"mean of the {cfg.iterations} measured iterations {warm}, 95% Student-t "
+                           f"mean of the {cfg.study.iterations} measured iterations {warm}, 95% Student-t "
                            "interval"),
         ("median s", "the median of the same iterations"),
         ("speedup", f"fixed's iteration time / this trial's on the same hint (a class hint: its reference "

@@ -6,7 +6,8 @@
 Python::
 
     from rrfp.sim import ExperimentConfig, run_experiment
-    result = run_experiment(ExperimentConfig(stages=8, seeds=5))
+    from rrfp.study.study import Study
+    result = run_experiment(ExperimentConfig(study=Study(pp=8), seeds=5))
 
 Modules: ``config`` (validated settings), ``engine`` (SimPy environment with the same-instant hook),
 ``model`` (the PP x TP x DP cluster), ``rendezvous`` (blocking sends, steady-state coupling only),

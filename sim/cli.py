@@ -49,6 +49,7 @@ from rrfp.study.options import (
     command_line,
     deprecated,
     one_line_errors,
+    split_list,
     with_options,
 )
 from rrfp.traces.replay import TIMINGS
@@ -59,10 +60,6 @@ from .config import ExperimentConfig, from_options, option_defaults
 PROG = "rrfp-sim"
 TRACE_SUFFIXES = (".parquet", ".csv", ".json")
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
-
-
-def _split(text: str) -> tuple[str, ...]:
-    return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
 # Options of the compare command and ``sweep``; the dest names are the keys build_config reads. Their
@@ -304,9 +301,9 @@ def _replay(
         names = ", ".join("--" + n.replace("_", "-") for n in fixed)
         raise CliError(f"{names} cannot be combined with --replay: the trace fixes it")
     rep = load_replay(path, run=run, timing=timing)
-    pick = {n: _split(values[n]) if n in given else None for n in ("hints", "policies", "memory_budget")}
+    pick = {n: split_list(values[n]) if n in given else None for n in ("hints", "policies", "memory_budget")}
     result = run_replay(
-        rep, hints=pick["hints"], policies=pick["policies"], budgets=pick["memory_budget"],
+        rep, hints=pick["hints"], policies=pick["policies"], memory_budget=pick["memory_budget"],
         send=values["send"], contention=values["contention"], trace=bool(trace_out or plot), workers=workers,
     )  # fmt: skip
     text = replay_json(result, command) if as_json else format_replay(result)

@@ -30,6 +30,7 @@ from rrfp.plan.sources import task_count
 from rrfp.plan.spec import MAX_DEGREE, MAX_TASKS, too_many_tasks
 from rrfp.study.options import MAX_CV, MAX_ITERATIONS, MAX_SECONDS, MAX_SEED, parse_budgets
 from rrfp.study.options import defaults as shared_defaults
+from rrfp.study.study import STUDY_OPTIONS, Study
 from rrfp.traces.fit import FittedWorkload
 from rrfp.workload.memory import MemoryModel
 from rrfp.workload.model import WorkloadConfig
@@ -38,9 +39,8 @@ from rrfp.workload.tokens import TokenWorkload
 SEND_MODES = ("eager", "rendezvous", "megatron")
 BASELINE_POLICY = "fixed"
 SHARED = shared_defaults("rrfp-sim")
-"""The defaults rrfp-sim shares with rrfp-run (rrfp.study.options.SHARED): the fields below take them."""
-DEFAULT_HINTS = tuple(SHARED["hints"].split(","))
-DEFAULT_POLICIES = tuple(SHARED["policies"].split(","))
+"""The defaults rrfp-sim shares with rrfp-run (rrfp.study.options.SHARED): Study's, and the
+workload's below."""
 DEFAULT_SEEDS = 10
 MAX_SEEDS = 100_000
 MAX_BYTES = 1e18
@@ -153,31 +153,16 @@ def default_workload(**overrides: Any) -> WorkloadConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ExperimentConfig:
-    """One comparison: every (hint, policy) x seed, each policy paired with ``fixed`` on the same hint."""
+    """One comparison: a :class:`~rrfp.study.study.Study` -- every (hint, budget, policy), each policy
+    paired with ``fixed`` on the same hint -- over ``seeds`` replications, on a workload and a cluster."""
 
-    stages: int = SHARED["stages"]
-    """Pipeline ranks (pp)."""
-    microbatches: int | None = None
-    """Microbatches per iteration; None = 4 x stages (enough for 1F1B's steady state to dominate)."""
-    virtual_stages: int | None = None
-    """Stages per rank; None = each hint's own default (2 for interleaved-1f1b and zbv, else 1)."""
-    hints: tuple[str, ...] = DEFAULT_HINTS
-    """Hint names (rrfp.hint_names(), torch:<Name>, or a torch CSV path)."""
-    policies: tuple[str, ...] = DEFAULT_POLICIES
-    """Policies to run on every hint. ``fixed`` on a class-priority hint runs the hint's reference
-    order; each other policy is paired with ``fixed`` on the same hint when ``fixed`` is listed."""
+    study: Study = field(default_factory=Study)
+    """What is compared and how often: pipeline shape, hints x budgets x policies, seed, iterations
+    (measured, after ``warmup``; before schema 2, ``iterations=N`` ran N and dropped the first: that is
+    ``iterations=N-1, warmup=1`` now). ``fixed`` on a class-priority hint runs the hint's reference
+    order (:meth:`Study.trials`)."""
     seeds: int = DEFAULT_SEEDS
     """Replications; replication i draws from SeedSequence(seed, spawn_key=(i, iteration, component))."""
-    seed: int = SHARED["seed"]
-    """Base seed."""
-    iterations: int = SHARED["iterations"]
-    """Measured iterations per replication, after ``warmup`` (rrfp-run's meaning too). Before schema 2,
-    ``iterations=N`` ran N and dropped the first: that is ``iterations=N-1, warmup=1`` now."""
-    warmup: int = SHARED["warmup"]
-    """Unmeasured iterations per replication before the measured ones (run back to back with them)."""
-    memory_budget: str = SHARED["memory_budget"]
-    """Activation budgets per rank, a comma list: each a factor of the hint's own peak (``1x``, ``2x``)
-    or a whole number of slots; every (hint, policy) runs at each (:attr:`budgets`)."""
     gpu_memory: str | None = None
     """Token mode: one device's memory (``80GiB``); the ``device`` budget is it less each rank's static
     bytes (rrfp.sim.memory)."""
@@ -192,20 +177,23 @@ class ExperimentConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
 
     def __post_init__(self) -> None:
-        _positive_int("stages", self.stages, high=MAX_DEGREE)
-        if self.microbatches is not None:
-            _positive_int("microbatches", self.microbatches, high=MAX_TASKS)
-        if self.virtual_stages is not None:
-            _positive_int("virtual_stages", self.virtual_stages, high=MAX_DEGREE)
+        s = self.study
+        if not isinstance(s, Study):
+            raise ConfigError(f"study must be a Study, got {type(s).__name__}")
+        _positive_int("stages", s.pp, high=MAX_DEGREE)  # rrfp-sim's word for pp in its refusals
+        if s.microbatches is not None:
+            _positive_int("microbatches", s.microbatches, high=MAX_TASKS)
+        if s.virtual_stages is not None:
+            _positive_int("virtual_stages", s.virtual_stages, high=MAX_DEGREE)
         _positive_int("seeds", self.seeds)
         if self.seeds > MAX_SEEDS:
             raise ConfigError(f"seeds must be <= {MAX_SEEDS}, got {self.seeds}")
-        _positive_int("seed", self.seed, low=0, high=MAX_SEED)
-        _positive_int("iterations", self.iterations, high=MAX_ITERATIONS)
-        _positive_int("warmup", self.warmup, low=0, high=MAX_ITERATIONS)
-        if not isinstance(self.memory_budget, str):
-            raise ConfigError(f"memory_budget must be comma text like '1x,2x', got {self.memory_budget!r}")
-        parse_budgets(self.memory_budget)
+        _positive_int("seed", s.seed, low=0, high=MAX_SEED)
+        _positive_int("iterations", s.iterations, high=MAX_ITERATIONS)
+        _positive_int("warmup", s.warmup, low=0, high=MAX_ITERATIONS)
+        if not isinstance(s.memory_budget, tuple):  # text and lists are tuples already (Study)
+            raise ConfigError(f"memory_budget must be comma text like '1x,2x', got {s.memory_budget!r}")
+        parse_budgets(s.memory_budget)
         self._check_names()
         self._check_size()
         if not isinstance(self.workload, (WorkloadConfig, FittedWorkload, TokenWorkload)):
@@ -219,10 +207,10 @@ class ExperimentConfig:
             _number("msg_bytes", self.workload.msg_bytes, high=MAX_BYTES)
         if not isinstance(self.cluster, ClusterConfig):
             raise ConfigError(f"cluster must be a ClusterConfig, got {type(self.cluster).__name__}")
-        if self.cluster.send != "eager" and BASELINE_POLICY not in self.policies:
+        if self.cluster.send != "eager" and BASELINE_POLICY not in s.policies:
             raise ConfigError(
                 f"send {self.cluster.send!r} is the fixed baseline's send mode, but policies "
-                f"{','.join(self.policies)!r} do not include fixed "
+                f"{','.join(s.policies)!r} do not include fixed "
                 "(readiness-driven policies are always eager)"
             )
         if self.cluster.send == "megatron":
@@ -246,7 +234,7 @@ class ExperimentConfig:
                 raise ConfigError(
                     f"{flags}: memory in bytes needs a model description (--lengths or --scenario)"
                 )
-            for item in self.budgets:
+            for item in self.study.memory_budget:
                 if item.lower() == "device" or parse_bytes(item) is not None:
                     raise ConfigError(
                         f"--memory-budget {item}: a byte budget needs a model description (--lengths or "
@@ -258,7 +246,7 @@ class ExperimentConfig:
         cap = None if self.gpu_memory is None else parse_bytes(str(self.gpu_memory))
         if self.gpu_memory is not None and cap is None:
             raise ConfigError(f"--gpu-memory {self.gpu_memory!r} must be bytes with a unit, like 80GiB")
-        for item in self.budgets:
+        for item in self.study.memory_budget:
             self._check_byte_item(item, cap)
 
     def _check_byte_item(self, item: str, cap: int | None) -> None:
@@ -276,29 +264,31 @@ class ExperimentConfig:
             )
 
     def _check_names(self) -> None:
-        if not self.hints or not self.policies:
+        hints, policies = self.study.hints, self.study.policies
+        if not hints or not policies:
             raise ConfigError("hints and policies must each name at least one entry")
         known = set(hint_names())
-        for name in self.hints:
+        for name in hints:
             if name not in known and not name.startswith("torch:") and not name.endswith(".csv"):
                 raise ConfigError(
                     f"unknown hint {name!r}: choose from {', '.join(hint_names())}, "
                     "torch:<Name>, or a .csv path"
                 )
-        for name in self.policies:
+        for name in policies:
             if name not in policy_names():
                 raise ConfigError(f"unknown policy {name!r}: choose from {', '.join(policy_names())}")
-        for label, names in (("hint", self.hints), ("policy", self.policies)):
+        for label, names in (("hint", hints), ("policy", policies)):
             if len(set(names)) != len(names):
                 raise ConfigError(f"{label} list {','.join(names)!r} names an entry twice")
 
     def _check_size(self) -> None:
         """Refuse, before anything is built, a hint above MAX_TASKS tasks (pp x v x m x ops), naming its
         size and the limit (a CSV hint is bounded by its file, and checked when it is read)."""
-        for name in self.hints:
+        s = self.study
+        for name in s.hints:
             if name.endswith(".csv"):
                 continue
-            size = task_count(name, self.stages, self.m, self.virtual_stages)
+            size = task_count(name, s.pp, s.m, s.virtual_stages)
             if size.tasks > MAX_TASKS:
                 raise ConfigError(
                     f"hint {name!r} at {too_many_tasks(size.shape, size.tasks)}: "
@@ -308,35 +298,38 @@ class ExperimentConfig:
     def task_total(self) -> int:
         """Tasks of every hint's pipeline (at most, for torch:/CSV hints) over every TP member and DP
         replica: what building the runs' hints and models scales with (rrfp.sim.experiment's progress)."""
-        tasks = sum(task_count(name, self.stages, self.m, self.virtual_stages).tasks for name in self.hints)
+        s = self.study
+        tasks = sum(task_count(name, s.pp, s.m, s.virtual_stages).tasks for name in s.hints)
         return tasks * self.cluster.tp * self.cluster.dp
 
     def _check_megatron(self) -> None:
         """Under ``megatron`` fixed must run the 1f1b order: a sequence hint must be 1f1b, a class hint's
         reference is 1f1b only with one stage per rank. torch:/CSV orders are compared with Megatron's
         when the model is built (rrfp.sim.megatron.compile_program)."""
-        for name in self.hints:
+        for name in self.study.hints:
             if name in SEQUENCE_HINTS and name != "1f1b":
                 raise ConfigError(megatron_refusal(name, name))
-            if name in CLASS_HINTS and self.virtual_stages not in (None, 1):
+            if name in CLASS_HINTS and self.study.virtual_stages not in (None, 1):
                 raise ConfigError(megatron_refusal(name, "interleaved-1f1b"))
 
-    @property
-    def budgets(self) -> tuple[str, ...]:
-        """The memory budgets, in the order given (``"1x, 2x"`` -> ("1x", "2x"))."""
-        return parse_budgets(self.memory_budget)
-
-    @property
-    def m(self) -> int:
-        """Microbatches per iteration after the default is applied."""
-        return self.microbatches if self.microbatches is not None else 4 * self.stages
+    def json_fields(self) -> dict[str, Any]:
+        """The fields as the ``--json`` config names and orders them (schema 2, goldens): the study's
+        ``pp`` as ``stages``, its budgets as comma text, flat among this config's own."""
+        s = self.study
+        return {"stages": s.pp, "microbatches": s.microbatches, "virtual_stages": s.virtual_stages,
+                "hints": s.hints, "policies": s.policies, "seeds": self.seeds, "seed": s.seed,
+                "iterations": s.iterations, "warmup": s.warmup, "memory_budget": ",".join(s.memory_budget),
+                "gpu_memory": self.gpu_memory, "bytes_per_param": self.bytes_per_param,
+                "distributed_optimizer": self.distributed_optimizer, "workload": self.workload,
+                "cluster": self.cluster}  # fmt: skip
 
 
 # -- rrfp-sim's options ------------------------------------------------------------------------------
-EXPERIMENT_OPTIONS = ("stages", "microbatches", "virtual_stages", "hints", "policies", "seeds", "seed",
-                      "iterations", "warmup", "memory_budget", "gpu_memory", "bytes_per_param",
-                      "distributed_optimizer")  # fmt: skip
-"""Options that are :class:`ExperimentConfig` fields of the same name."""
+EXPERIMENT_OPTIONS = ("seeds", "gpu_memory", "bytes_per_param", "distributed_optimizer")
+"""Options that are :class:`ExperimentConfig` fields of the same name (the study's: STUDY_OPTIONS)."""
+_LISTED = ("stages", "microbatches", "virtual_stages", "hints", "policies", "seeds", "seed", "iterations",
+           "warmup", "memory_budget", "gpu_memory", "bytes_per_param", "distributed_optimizer")  # fmt: skip
+"""Those two sets of options in the order rrfp-sim's messages list them (as before the Study)."""
 CLUSTER_OPTIONS = ("tp", "dp", "comm_latency", "bandwidth", "contention", "send", "grad_bytes")
 """Options that are :class:`ClusterConfig` fields of the same name."""
 WORKLOAD_OPTIONS = {"workload": "preset", "costs": "costs", "jitter": "jitter", "cv": "cv",
@@ -360,10 +353,13 @@ def _field_defaults(cls: type) -> dict[str, Any]:
 def option_defaults() -> dict[str, Any]:
     """rrfp-sim's option defaults by option name (``cv``, ``memory_budget``, ...), read off the
     dataclasses: hints and policies as comma text, the workload as its preset name."""
-    experiment, cluster = _field_defaults(ExperimentConfig), _field_defaults(ClusterConfig)
-    workload = {**_field_defaults(WorkloadConfig), **SIM_WORKLOAD}
-    out = {name: experiment[name] for name in EXPERIMENT_OPTIONS}
-    out["hints"], out["policies"] = ",".join(out["hints"]), ",".join(out["policies"])
+    study, experiment = _field_defaults(Study), _field_defaults(ExperimentConfig)
+    cluster, workload = _field_defaults(ClusterConfig), {**_field_defaults(WorkloadConfig), **SIM_WORKLOAD}
+    mine = {name: study[f] for name, f in STUDY_OPTIONS.items()}
+    mine.update({name: experiment[name] for name in EXPERIMENT_OPTIONS})
+    for name in ("hints", "policies", "memory_budget"):
+        mine[name] = ",".join(mine[name])
+    out = {name: mine[name] for name in _LISTED}
     out.update({name: cluster[name] for name in CLUSTER_OPTIONS})
     out.update({name: workload[f] for name, f in WORKLOAD_OPTIONS.items()})
     return out
@@ -386,11 +382,4 @@ def from_options(
         workload = WorkloadConfig(**{f: v[name] for name, f in WORKLOAD_OPTIONS.items()})
     cluster = ClusterConfig(**{name: v[name] for name in CLUSTER_OPTIONS})
     fields = {name: v[name] for name in EXPERIMENT_OPTIONS}
-    fields["hints"], fields["policies"] = _names(v["hints"]), _names(v["policies"])
-    return ExperimentConfig(**fields, workload=workload, cluster=cluster)
-
-
-def _names(value: str | tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """``"1f1b, bf"`` -> ("1f1b", "bf"): comma text split, blanks dropped; a sequence as a tuple."""
-    parts = value.split(",") if isinstance(value, str) else value
-    return tuple(p.strip() for p in parts if p.strip())
+    return ExperimentConfig(study=Study.from_options(v), **fields, workload=workload, cluster=cluster)

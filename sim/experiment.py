@@ -1,7 +1,8 @@
 """Experiments: every (hint, policy) x replication on common random numbers, with paired speedups.
 
-What runs: each hint in ``cfg.hints`` at each budget in ``cfg.budgets`` under each policy in
-``cfg.policies`` (hint, then budget, then policy: rrfp-run's order). ``fixed`` on a class-priority hint
+What runs: the study's trial grid (rrfp.study.study.Study.trials, the one rrfp-run expands too): each
+hint in ``cfg.study.hints`` at each budget in ``cfg.study.memory_budget`` under each policy in
+``cfg.study.policies`` (hint, then budget, then policy). ``fixed`` on a class-priority hint
 (bf, bfw, fb: no order of its own) runs the hint's reference order instead, so hints ``1f1b,bf`` x
 policies ``fixed,rrfp`` is three runs: fixed/1f1b, rrfp/1f1b, rrfp/bf. A run is named by its trial label
 (rrfp.study.trial.TrialId), the budget in it unless it is the default 1x: ``rrfp/bf@2x``.
@@ -20,17 +21,18 @@ suffixed by
 d = t = 0 uses the plain names. A sample depends only on the pipeline shape, never on the hint or
 policy, and is drawn once per replication and shared by every run.
 
-Per run and replication: iteration time (mean over the ``cfg.iterations`` measured iterations after
-``cfg.warmup`` warm-up ones), throughput (microbatches x dp per second), bubble fraction per pipeline
-rank, utilisation, peak held activations per rank, the lower bound (rrfp.study.metrics.lower_bound on
+Per run and replication: iteration time (mean over the ``cfg.study.iterations`` measured iterations
+after ``cfg.study.warmup`` warm-up ones), throughput (microbatches x dp per second), bubble fraction per
+pipeline rank, utilisation, peak held activations per rank, the lower bound (rrfp.study.metrics.lower_bound on
 the realised durations) and policy / LB; and policy / the group's LB: the lowest bound of the runs that
 share the run's realised durations (one pipeline shape), per iteration -- one denominator for rows that
 compare.
 
     from rrfp.sim.config import ExperimentConfig
+    from rrfp.study.study import Study
     from rrfp.sim.experiment import run_experiment
     from rrfp.sim.report import to_json
-    result = run_experiment(ExperimentConfig(stages=8, seeds=5))
+    result = run_experiment(ExperimentConfig(study=Study(pp=8), seeds=5))
     print(to_json(result))
     result.trials()          # one rrfp.study.result.TrialResult per (run, replication), source "sim"
 """
@@ -58,7 +60,6 @@ from rrfp.study import metrics
 from rrfp.study.compare import fixed_baselines
 from rrfp.study.execution import resolve_workers, run_jobs
 from rrfp.study.metrics import lower_bound, paired_speedup, t_interval
-from rrfp.study.options import budget_label
 from rrfp.study.result import TrialResult
 from rrfp.study.trial import TrialId
 from rrfp.traces.trace import TraceRecorder
@@ -177,29 +178,30 @@ Step = Callable[[str, str], None]
 
 
 def plan_runs(cfg: ExperimentConfig, step: Step | None = None) -> list[PlannedRun]:
-    """Resolve hints, budgets and pairings; raises HintError/BudgetError before anything runs."""
+    """Resolve the study's trial grid (rrfp.study.study.Study.grid: fixed on a class hint runs its
+    reference order) into hints, budgets and pairings; raises HintError/BudgetError before anything
+    runs."""
+    study = cfg.study
     hints: dict[str, Hint] = {}
 
     def get(name: str, v: int | None) -> Hint:
         if name not in hints:
             if step is not None:
                 step("hint", name)
-            hints[name] = make_hint(name, cfg.stages, cfg.m, v)
+            hints[name] = make_hint(name, study.pp, study.m, v)
         return hints[name]
 
     planned: dict[TrialId, PlannedRun] = {}
-    bases: dict[str, str] = {}
-    for name in cfg.hints:
-        hint = get(name, cfg.virtual_stages)
-        base_hint = hint if hint.classes is None else get(hint.reference, hint.spec.virtual_stages)
-        bases[hint.name] = base_hint.name
-        for text in cfg.budgets:
-            for policy in cfg.policies:
-                run_hint = base_hint if policy == BASELINE_POLICY else hint
-                key = TrialId(policy, run_hint.name, budget_label(text))
-                if key not in planned:
-                    planned[key] = _planned(cfg, key, run_hint, text)
-    pairs = fixed_baselines(list(planned), lambda h: bases.get(h, h))
+    bases: dict[str, Hint] = {}
+    for name, text, policy, key in study.grid():
+        if name not in bases:  # a hint, then the order fixed runs for it, as its first cell comes up
+            hint = get(name, study.virtual_stages)
+            bases[name] = hint if hint.classes is None else get(hint.reference, hint.spec.virtual_stages)
+        run_hint = bases[name] if policy == BASELINE_POLICY else hints[name]
+        if key not in planned:
+            planned[key] = _planned(cfg, key, run_hint, text)
+    names = {hints[name].name: base.name for name, base in bases.items()}
+    pairs = fixed_baselines(list(planned), lambda h: names.get(h, h))
     for key, p in planned.items():
         p.baseline = pairs.get(key)
     return list(planned.values())
@@ -282,20 +284,20 @@ def draw_samples(cfg: ExperimentConfig, hint: Hint, replication: int) -> list[li
     spec = hint.spec
 
     def one(k: int, d: int, t: int) -> IterationSample:
-        gens = member_streams(cfg.seed, replication, k, d, t)
+        gens = member_streams(cfg.study.seed, replication, k, d, t)
         shape = (spec.pp, spec.num_stages, spec.microbatches)
-        gens.update(cfg.workload.data_streams(cfg.seed, replication, k, d))  # token sizes: per replica
+        gens.update(cfg.workload.data_streams(cfg.study.seed, replication, k, d))  # token sizes: per replica
         return cfg.workload.sample(*shape, gens, placement=spec.placement)
 
     tp, dp = cfg.cluster.tp, cfg.cluster.dp
-    total = cfg.warmup + cfg.iterations
+    total = cfg.study.warmup + cfg.study.iterations
     return [[[one(k, d, t) for t in range(tp)] for d in range(dp)] for k in range(total)]
 
 
 # -- measuring ---------------------------------------------------------------------------------------
 def _used(cfg: ExperimentConfig) -> slice:
-    """Iterations that count: those after the ``cfg.warmup`` warm-up ones."""
-    return slice(cfg.warmup, None)
+    """Iterations that count: those after the ``cfg.study.warmup`` warm-up ones."""
+    return slice(cfg.study.warmup, None)
 
 
 def iteration_lower_bound(
@@ -359,7 +361,7 @@ def measure(
     lbs = np.array([iteration_lower_bound(cfg, p.hint, s, p.model.base_tx) for s in samples[used]])
     mean_time = float(times.mean())
     stats.iteration_time.append(mean_time)
-    stats.throughput.append(metrics.throughput(cfg.m * cfg.cluster.dp, mean_time))
+    stats.throughput.append(metrics.throughput(cfg.study.m * cfg.cluster.dp, mean_time))
     fractions = [  # rrfp.study.metrics' definition, per iteration and DP replica: (iterations * dp, pp)
         list(metrics.bubble_fraction(dict(enumerate(row)), float(t)).values())
         for t, per_dp in zip(times, busy, strict=True)
@@ -499,7 +501,7 @@ def _extend(into: RunStats, part: RunStats) -> None:
 def estimate_seconds(cfg: ExperimentConfig, runs: int) -> float:
     """A rough wall time of the simulation: tasks x runs x iterations x replications x ~3 us (measured
     on one core; an over-estimate costs a pool start, about a second)."""
-    return cfg.task_total() * runs * (cfg.warmup + cfg.iterations) * cfg.seeds * 3e-6
+    return cfg.task_total() * runs * (cfg.study.warmup + cfg.study.iterations) * cfg.seeds * 3e-6
 
 
 def group_bounds(plans: list[PlannedRun], stats: dict[TrialId, RunStats]) -> None:
@@ -523,8 +525,8 @@ def group_bounds(plans: list[PlannedRun], stats: dict[TrialId, RunStats]) -> Non
 def _recorder(cfg: ExperimentConfig, p: PlannedRun, rep: int) -> TraceRecorder:
     assert p.model is not None
     return TraceRecorder(
-        run="rrfp-sim", policy=p.key.policy, hint=p.key.hint, seed=cfg.seed + rep, coords=p.model.coords,
-        budget=p.budget,
+        run="rrfp-sim", policy=p.key.policy, hint=p.key.hint, seed=cfg.study.seed + rep,
+        coords=p.model.coords, budget=p.budget,
     )  # fmt: skip
 
 
@@ -547,7 +549,7 @@ class BuildProgress:
         self.steps += 1
         text = f"rrfp-sim: building {kind} {name}"
         if kind == "hint":
-            size = task_count(name, self.cfg.stages, self.cfg.m, self.cfg.virtual_stages)
+            size = task_count(name, self.cfg.study.pp, self.cfg.study.m, self.cfg.study.virtual_stages)
             text += f" ({size.shape} = {size.tasks:,} tasks)"
         text += f" [{time.monotonic() - self.start:.1f} s]"
         self.width, padded = len(text), text.ljust(self.width)

@@ -39,6 +39,7 @@ from rrfp.study.compare import Comparison, legend, verdict
 from rrfp.study.metrics import paired_speedup, t_interval
 from rrfp.study.result import TrialResult
 from rrfp.study.schema import SCHEMA_VERSION, config_head, interval, number, speedup_entry, trial_fields
+from rrfp.study.study import Study
 from rrfp.study.trial import TrialId
 from rrfp.traces.replay import Replay
 from rrfp.traces.trace import TraceRecorder
@@ -122,17 +123,17 @@ def plan(
     rep: Replay,
     hints: tuple[str, ...] | None,
     policies: tuple[str, ...] | None,
-    budgets: tuple[str, ...] | None,
+    memory_budget: tuple[str, ...] | None,
 ) -> list[tuple[TrialId, Any, dict[int, int], str]]:
     """(key, hint, budget per rank, budget label) per run: the recorded run, then each requested one
-    that differs from it. None for hints/policies/budgets means the trace's own."""
+    that differs from it. None for hints/policies/memory_budget means the trace's own."""
     own = rep.own_hint()
     out = [(TrialId(rep.policy, rep.hint), own, rep.budget, "recorded")]
     seen = {(rep.policy, rep.hint, tuple(sorted(rep.budget.items())))}
     for name in hints or (rep.hint,):
         hint = rep.hint_for(name)
         for policy in policies or (rep.policy,):
-            for text in budgets or (None,):
+            for text in memory_budget or (None,):
                 budget, label = _budget(rep, hint, text)
                 key = (policy, name, tuple(sorted(budget.items())))
                 if key not in seen:
@@ -157,7 +158,7 @@ def run_replay(
     *,
     hints: tuple[str, ...] | None = None,
     policies: tuple[str, ...] | None = None,
-    budgets: tuple[str, ...] | None = None,
+    memory_budget: tuple[str, ...] | None = None,
     send: str = "eager",
     contention: bool = False,
     trace: bool = False,
@@ -168,7 +169,7 @@ def run_replay(
     The trace is read once, here, and shipped to the workers as data."""
     from rrfp.study.execution import resolve_workers, run_jobs
 
-    planned = list(plan(rep, hints, policies, budgets))
+    planned = list(plan(rep, hints, policies, memory_budget))
     jobs = [(p[0].label, (rep, i, p, send, contention, trace)) for i, p in enumerate(planned)]
     n = 1 if trace else resolve_workers(workers, len(jobs))
     done = dict(run_jobs(replay_job, jobs, n))
@@ -234,11 +235,12 @@ def _config(rep: Replay, key: TrialId, label: str, cluster: ClusterConfig) -> Ex
     """The ExperimentConfig :func:`measure` reads (pipeline shape, microbatches, DP degree)."""
     spec, n = rep.spec, len(rep.iterations)
     warmup = 1 if n > 1 else 0  # the iterations after the first count, as in the recorded run's mean
-    return ExperimentConfig(
-        stages=spec.pp, microbatches=spec.microbatches, virtual_stages=spec.virtual_stages, hints=(key.hint,),
-        policies=(key.policy,), seeds=1, iterations=n - warmup, warmup=warmup, cluster=cluster,
+    study = Study(
+        pp=spec.pp, microbatches=spec.microbatches, virtual_stages=spec.virtual_stages, hints=(key.hint,),
+        policies=(key.policy,), iterations=n - warmup, warmup=warmup,
         memory_budget="1x" if label == "recorded" else label,
     )  # fmt: skip
+    return ExperimentConfig(study=study, seeds=1, cluster=cluster)
 
 
 def _recorder(rep: Replay, key: TrialId, budget: dict[int, int], model: ClusterModel) -> TraceRecorder:

@@ -46,6 +46,7 @@ from rrfp.study.options import costs_text
 from rrfp.study.schema import SCHEMA_VERSION, config_head, number, speedup_entry, trial_fields
 from rrfp.workload.tokens import TokenWorkload
 
+from .config import ExperimentConfig
 from .experiment import ExperimentResult, RunStats, interval
 
 
@@ -85,8 +86,9 @@ def _infeasible_dict(s: RunStats) -> dict[str, Any]:
 def config_dict(cfg: Any) -> dict[str, Any]:
     """The experiment config as plain JSON data (nested dataclasses flattened to dicts)."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(cfg):
-        value = getattr(cfg, f.name)
+    fields = cfg.json_fields() if isinstance(cfg, ExperimentConfig) else {
+        f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}  # fmt: skip
+    for name, value in fields.items():
         if isinstance(value, TokenWorkload):
             value = token_dict(value)
         elif hasattr(value, "to_dict"):  # a fitted workload describes itself
@@ -99,8 +101,8 @@ def config_dict(cfg: Any) -> dict[str, Any]:
             value = str(value)
         elif isinstance(value, dict):
             value = dict(value)
-        if not f.name.startswith("_"):
-            out[f.name] = value
+        if not name.startswith("_"):
+            out[name] = value
     return out
 
 
@@ -128,7 +130,7 @@ def result_dict(
     (default: this process's); ``extra``: keys added to ``config`` (token mode: the scenario and each
     option's source)."""
     cfg = config_dict(result.config)
-    cfg["microbatches"] = result.config.m
+    cfg["microbatches"] = result.config.study.m
     if not result.config.byte_mode:  # memory in slots: the config as before byte mode (goldens)
         for key in BYTE_OPTIONS:
             del cfg[key]
@@ -162,19 +164,20 @@ def _ci(mean: float, low: float, high: float, fmt: str) -> str:
 
 def describe(result: ExperimentResult) -> str:
     """One line saying what was simulated (costs and times in seconds)."""
-    c = result.config
+    c, s = result.config, result.config.study
     w, cl = getattr(c.workload, "base", c.workload), c.cluster  # token mode: jitter, costs of its base
-    v = "" if c.virtual_stages is None else f" v={c.virtual_stages}"
+    v = "" if s.virtual_stages is None else f" v={s.virtual_stages}"
     jitter = "no jitter" if w.jitter == "none" or w.cv == 0 else f"{w.jitter} CV {w.cv:g}"
     costs = costs_text(dict(w.costs)) + " s"  # type: ignore[union-attr]
     imbalance = getattr(w, "imbalance", 0.0)
     if imbalance:
         costs += f", last stage x{1 + imbalance:g}"
-    warm = f" after {c.warmup} warm-up" if c.warmup else ""
+    warm = f" after {s.warmup} warm-up" if s.warmup else ""
     what = token_text(c.workload) if isinstance(c.workload, TokenWorkload) else w.preset
+    budget = ",".join(s.memory_budget)
     return (
-        f"pp={c.stages} m={c.m}{v} tp={cl.tp} dp={cl.dp} | {what}, {jitter}, costs {costs} | "
-        f"{c.seeds} seed(s) x {c.iterations} measured iteration(s){warm} | budget {c.memory_budget} | "
+        f"pp={s.pp} m={s.m}{v} tp={cl.tp} dp={cl.dp} | {what}, {jitter}, costs {costs} | "
+        f"{c.seeds} seed(s) x {s.iterations} measured iteration(s){warm} | budget {budget} | "
         f"send {cl.send}, latency {cl.comm_latency:g} s"
     )
 

@@ -14,11 +14,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 
 from rrfp.exec.comm.liveness import SHM_REPORT
+from rrfp.study.study import Study
 
 BIN = Path(sys.executable).parent
 JOB_TIMEOUT = 180
@@ -149,3 +151,18 @@ def wait_until_running(proc: subprocess.Popen, timeout: float = 90) -> None:
     assert ready, f"no announcement within {timeout} s"
     line = proc.stdout.readline()  # rank 0's announcement is the job's first stdout line
     assert line.startswith("rrfp-run: "), line
+
+
+RUN_STUDY = {
+    "microbatches": 8,
+    "hints": ("1f1b",),
+    "policies": ("fixed", "rrfp"),
+    "iterations": 5,
+    "warmup": 1,
+}
+"""The study the RunConfig tests are written against: before the Study, RunConfig's own defaults."""
+
+
+def run_study(**fields: Any) -> Study:
+    """A :class:`Study` with :data:`RUN_STUDY`'s values where ``fields`` gives none."""
+    return Study(**{**RUN_STUDY, **fields})

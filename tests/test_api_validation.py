@@ -29,6 +29,7 @@ from rrfp.plan import spec as plan_spec
 from rrfp.plan.csvio import load_orders_csv, save_orders_csv
 from rrfp.plan.sources import task_count
 from rrfp.plan.spec import MAX_DEGREE, MAX_TASKS, PROGRESS_TASKS, PipelineSpec, SpecError
+from rrfp.study.study import Study
 
 HINT = rrfp.make_hint("1f1b", 4, 8)  # rank peaks 4, 3, 2, 1
 TASKS = HINT.spec.all_tasks()
@@ -349,10 +350,10 @@ def test_rrfp_sim_shows_its_build_progress_on_stderr_only_when_large(
     from rrfp.sim import cli, experiment
     from rrfp.sim.config import ExperimentConfig
 
-    small = ExperimentConfig(stages=2, microbatches=4, seeds=1)
+    small = ExperimentConfig(study=Study(pp=2, microbatches=4), seeds=1)
     assert small.task_total() == 2 * 4 * 2 * 2  # 1f1b and bf, two ops each
     assert not experiment.BuildProgress(small, True).enabled  # small: quiet even when asked
-    big = ExperimentConfig(stages=64, microbatches=2100, seeds=1, hints=("1f1b",))
+    big = ExperimentConfig(study=Study(pp=64, microbatches=2100, hints=("1f1b",)), seeds=1)
     assert big.task_total() > PROGRESS_TASKS
     assert experiment.BuildProgress(big, True).enabled and not experiment.BuildProgress(big, False).enabled
 

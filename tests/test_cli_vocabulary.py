@@ -15,6 +15,7 @@ from pathlib import Path
 import click
 import pytest
 from click.testing import CliRunner
+from execkit import run_study
 
 from rrfp.errors import InternalError
 from rrfp.exec.cli import main as run_main
@@ -25,6 +26,7 @@ from rrfp.study.compare import Comparison, fixed_baselines, torch_pairs, verdict
 from rrfp.study.metrics import unpaired_speedup
 from rrfp.study.options import SHARED, OptionError, parse_budgets, version
 from rrfp.study.schema import SchemaError, validate
+from rrfp.study.study import Study
 from rrfp.study.trial import TrialId
 
 BIN = Path(sys.executable).parent
@@ -203,14 +205,16 @@ def test_rrfp_run_json_follows_schema_2() -> None:
     from rrfp.exec.report import result_json
 
     results = [_result("fixed/1f1b"), _result("rrfp/1f1b"), _result("torch:1F1B")]
-    cfg = RunConfig(world=2, pp=2, baselines=("1F1B",), command="rrfp-run --gpus 2")
+    cfg = RunConfig(world=2, study=run_study(pp=2), baselines=("1F1B",), command="rrfp-run --gpus 2")
     doc = json.loads(json.dumps(result_json(cfg, results)))
     validate(doc)
     assert doc["results"][2]["memory_budget"] is None  # a torch baseline: rrfp does not schedule it
     pairs = [(s["trial"], s["baseline"]["trial"]) for s in doc["speedups"]]
     assert pairs == [("rrfp/1f1b", "fixed/1f1b"), ("fixed/1f1b", "torch:1F1B"), ("rrfp/1f1b", "torch:1F1B")]
     assert doc["ok"] is True and len(doc["trials"]) == 3  # schema 1's keys, for one more release
-    seq = json.loads(json.dumps(result_json(RunConfig(world=2, pp=2, interleave=False), results[:2])))
+    seq = json.loads(
+        json.dumps(result_json(RunConfig(world=2, study=run_study(pp=2), interleave=False), results[:2]))
+    )
     assert [s["paired"] for s in seq["speedups"]] == [False]
 
 
@@ -242,8 +246,8 @@ def test_the_validator_catches_a_broken_document(change, complaint, capsys) -> N
 def test_warmup_reproduces_the_old_iterations(capsys: pytest.CaptureFixture[str]) -> None:
     """Before schema 2, ``--iterations 3`` ran 3 and dropped the first: ``--iterations 2 --warmup 1``
     is that run, to the bit; the old spelling says so once on stderr."""
-    old = run_experiment(ExperimentConfig(stages=3, microbatches=6, seeds=2, iterations=3))
-    new = run_experiment(ExperimentConfig(stages=3, microbatches=6, seeds=2, iterations=2, warmup=1))
+    old = run_experiment(ExperimentConfig(study=Study(pp=3, microbatches=6, iterations=3), seeds=2))
+    new = run_experiment(ExperimentConfig(study=Study(pp=3, microbatches=6, iterations=2, warmup=1), seeds=2))
     for a, b in zip(old.stats, new.stats, strict=True):
         assert [m[1:] for m in a.measured] == b.measured
     with pytest.raises(SystemExit):

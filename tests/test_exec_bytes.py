@@ -31,11 +31,11 @@ def hint_need(args: list[str]) -> list[int]:
     """The 1f1b order's byte peak per rank, max over the run's iterations (what fixed must reach)."""
     ctx = run_cli.main.make_context("rrfp-run", list(args))
     cfg = build_config(ctx.params)
-    hint = make_hint("1f1b", cfg.pp, cfg.microbatches)
-    need = [0] * cfg.pp
-    for it in range(cfg.warmup + cfg.iterations):
+    hint = make_hint("1f1b", cfg.study.pp, cfg.study.microbatches)
+    need = [0] * cfg.study.pp
+    for it in range(cfg.study.warmup + cfg.study.iterations):
         act = batch_act_bytes(cfg.model, run_batch(cfg, 0, it)[0], hint.spec.num_stages)
-        for r in range(cfg.pp):
+        for r in range(cfg.study.pp):
             need[r] = max(need[r], sequence_peak(position_bytes(hint.plan.wiring(r), act)))
     return need
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from click.testing import CliRunner
+from execkit import run_study
 
 from rrfp.exec.cli import build_config, main
 from rrfp.exec.config import ExecConfigError, RunConfig, parse_trial
@@ -52,13 +53,14 @@ def test_defaults_and_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> N
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     cfg = build_config(dict(opts))
-    assert (cfg.world, cfg.pp, cfg.microbatches, cfg.policies, cfg.hints, cfg.budgets) == (
+    s = cfg.study
+    assert (cfg.world, s.pp, s.microbatches, s.policies, s.hints, s.memory_budget) == (
         4,
         4,
         16,  # 4 x pp, as in rrfp-sim
         ("fixed", "rrfp"),
         ("1f1b", "bf"),
-        (None,),
+        ("1x",),
     )
     assert [t.label for t in cfg.trials] == ["fixed/1f1b", "rrfp/1f1b", "rrfp/bf"]  # fixed/bf is fixed/1f1b
     assert (cfg.jitter, cfg.cv) == ("none", 0.0)  # a real model without --inject-ms: nothing to jitter
@@ -67,7 +69,7 @@ def test_defaults_and_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "8")
     cfg = build_config({**opts, "tp": 2})
-    assert (cfg.world, cfg.pp, cfg.tp) == (8, 4, 2)
+    assert (cfg.world, cfg.study.pp, cfg.tp) == (8, 4, 2)
     with pytest.raises(ExecConfigError, match="disagrees with the launcher's WORLD_SIZE=8"):
         build_config({**opts, "gpus": 4})
 
@@ -81,12 +83,14 @@ def test_explicit_trials_round_trip_their_labels() -> None:
         TrialId.parse("rrfp")
     with pytest.raises(ExecConfigError, match=r"^--trials item 'rrfp' is not <policy>/<hint>"):
         parse_trial("rrfp")  # the option edge names the option
-    cfg = RunConfig(world=2, pp=2, explicit_trials=tuple(trials[:2]), baselines=("GPipe",))
+    cfg = RunConfig(world=2, study=run_study(pp=2), explicit_trials=tuple(trials[:2]), baselines=("GPipe",))
     assert [t.label for t in cfg.trials] == ["fixed/1f1b", "rrfp/1f1b@2x", "torch:GPipe"]
 
 
 def test_trials_are_the_product_of_hints_budgets_and_policies_then_baselines() -> None:
-    cfg = RunConfig(world=2, pp=2, hints=("1f1b", "bfw"), budgets=(None, "2x"), baselines=("1F1B",))
+    cfg = RunConfig(
+        world=2, study=run_study(pp=2, hints=("1f1b", "bfw"), memory_budget=("1x", "2x")), baselines=("1F1B",)
+    )
     labels = [t.label for t in cfg.trials]
     assert labels[:4] == ["fixed/1f1b", "rrfp/1f1b", "fixed/1f1b@2x", "rrfp/1f1b@2x"]
     assert labels[-1] == "torch:1F1B" and len(labels) == 9

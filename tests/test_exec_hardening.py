@@ -17,6 +17,7 @@ import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
+from execkit import run_study
 
 from rrfp.exec import faults
 from rrfp.exec.cli import main
@@ -107,12 +108,14 @@ def test_a_pipeline_too_large_is_refused_naming_its_size_and_the_limit() -> None
 
 
 def test_a_large_preflight_shows_its_progress(capsys: pytest.CaptureFixture[str]) -> None:
-    cfg = RunConfig(world=64, pp=64, microbatches=2100, synthetic=True, hints=("1f1b", "bfw"))
+    cfg = RunConfig(
+        world=64, study=run_study(pp=64, microbatches=2100, hints=("1f1b", "bfw")), synthetic=True
+    )
     preflight(cfg)
     err = capsys.readouterr().err
     assert "rrfp-run: checking hints [##########          ] 1/2 1f1b (268,800 tasks)" in err
     assert "2/2 bfw" in err and "rrfp-run: hints checked in" in err
-    preflight(RunConfig(world=4, pp=4, synthetic=True))  # small: quiet
+    preflight(RunConfig(world=4, study=run_study(pp=4), synthetic=True))  # small: quiet
     assert capsys.readouterr().err == ""
 
 
@@ -128,7 +131,7 @@ def test_outputs_are_checked_before_workers_start(tmp_path: Path) -> None:
 
 
 def test_synthetic_jitter_is_announced_as_such(capsys: pytest.CaptureFixture[str]) -> None:
-    announce(RunConfig(world=2, pp=2, synthetic=True, jitter="lognormal", cv=0.5))
+    announce(RunConfig(world=2, study=run_study(pp=2), synthetic=True, jitter="lognormal", cv=0.5))
     out = capsys.readouterr().out
     assert "jitter lognormal cv=0.5 in the sampled durations" in out and "jitter none" not in out
 
@@ -136,7 +139,7 @@ def test_synthetic_jitter_is_announced_as_such(capsys: pytest.CaptureFixture[str
 # -- --check --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def refs() -> list:
-    return reference(RunConfig(world=1, pp=1, model=SMALL, microbatches=2, check=True), 3)
+    return reference(RunConfig(world=1, study=run_study(pp=1, microbatches=2), model=SMALL, check=True), 3)
 
 
 def _exact(ref) -> list:
@@ -175,7 +178,7 @@ def test_check_fails_on_the_loss(refs: list, delta: float) -> None:
 
 def test_check_fails_on_a_nan_reference() -> None:
     """A reference that diverged cannot vouch for anything."""
-    (ref,) = reference(RunConfig(world=1, pp=1, model=SMALL, microbatches=2))
+    (ref,) = reference(RunConfig(world=1, study=run_study(pp=1, microbatches=2), model=SMALL))
     grads = _exact(ref)
     ref.grads[grads[0][0]][0] = math.nan
     assert not compare(ref, [((0, 0, 0), grads)], ref.loss, 1, 1e-5).ok
@@ -197,14 +200,14 @@ def test_check_covers_every_iteration(refs: list) -> None:
 def test_the_reference_trains_like_the_pipeline(refs: list) -> None:
     """The reference steps SGD between iterations: a model trained the same way, one microbatch at a
     time, gives the same losses and gradients in every iteration; the loss moves."""
-    cfg = RunConfig(world=1, pp=1, model=SMALL, microbatches=2, check=True)
-    model = build_stage(cfg.model, 0, 1, cfg.seed, cfg.microbatches)
+    cfg = RunConfig(world=1, study=run_study(pp=1, microbatches=2), model=SMALL, check=True)
+    model = build_stage(cfg.model, 0, 1, cfg.study.seed, cfg.study.microbatches)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     out = TrialOutcome((0, 0, 0))
     losses = []
     for it in range(3):
         loss = 0.0
-        for mb in make_batch(cfg.model, cfg.seed, 0, it, cfg.microbatches):
+        for mb in make_batch(cfg.model, cfg.study.seed, 0, it, cfg.study.microbatches):
             value = model(None, mb)
             value.backward()
             loss += float(value.detach())
@@ -219,7 +222,7 @@ def test_the_reference_trains_like_the_pipeline(refs: list) -> None:
 
 
 def test_deterministic_alone_keeps_the_first_iterations_gradients_only() -> None:
-    cfg = RunConfig(world=1, pp=1, model=SMALL, microbatches=2, deterministic=True)
+    cfg = RunConfig(world=1, study=run_study(pp=1, microbatches=2), model=SMALL, deterministic=True)
     model = build_stage(cfg.model, 0, 1, 0, 2)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)

@@ -318,7 +318,7 @@ def replays(name: str, timing: str) -> tuple[float, float, float]:
 
     path = TRACES / name
     fixed = run_replay(load_replay(path, run="exec/fixed/1f1b", timing=timing), hints=("bfw",),
-                       policies=("rrfp",), budgets=("2x",), send="megatron")  # fmt: skip
+                       policies=("rrfp",), memory_budget=("2x",), send="megatron")  # fmt: skip
     rrfp = run_replay(load_replay(path, run="exec/rrfp/bfw@2x", timing=timing))
     (whatif,) = [r for r in fixed.runs if not r.recorded]
     cross = 100 * (whatif.predicted / rrfp.replay.measured_mean - 1)

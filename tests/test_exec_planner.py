@@ -106,9 +106,9 @@ def test_cli_plans_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(var, raising=False)
     opts = dict(main.make_context("rrfp-run", []).params)
     cfg, p = plan_config({**opts, "gpus": 16, "backend": "gloo"})
-    assert (cfg.pp, cfg.model.layers, cfg.microbatches, p.layers_raised) == (16, 16, 64, True)
+    assert (cfg.study.pp, cfg.model.layers, cfg.study.microbatches, p.layers_raised) == (16, 16, 64, True)
     cfg, p = plan_config({**opts, "gpus": 64, "gpus_per_node": 8, "layers": 16}, given={"layers"})
-    assert (cfg.pp, cfg.tp, cfg.dp, cfg.model.layers, p.nodes) == (16, 1, 4, 16, 8)
+    assert (cfg.study.pp, cfg.tp, cfg.dp, cfg.model.layers, p.nodes) == (16, 1, 4, 16, 8)
 
 
 def _dry(args: list[str]) -> tuple[int, str]:

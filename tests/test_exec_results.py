@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from conftest import examples
+from execkit import run_study
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -65,7 +66,7 @@ def test_rows_keep_the_json_layout() -> None:
     top = as_json([row, as_row(_result("torch:1F1B", ok=False))])
     assert top["iteration_time"] == {"median": 0.5, "mean": 0.5} and len(top["trials"]) == 2
     assert top["ok"] is False and top["trials"][1]["label"] == "torch:1F1B"
-    text = table(RunConfig(world=2, pp=2), [_result()])
+    text = table(RunConfig(world=2, study=run_study(pp=2)), [_result()])
     assert text.splitlines()[2].startswith("rrfp/1f1b@2x") and "ok (max rel diff 1.00e-07 at loss)" in text
     assert "0.5000 [-0.1210, 1.1210]" in text  # the mean with its 95% t-interval over the 3 iterations
 
@@ -84,7 +85,7 @@ def test_the_trial_context_is_frozen() -> None:
     from rrfp.exec.loop.trials import TrialContext
 
     loop = RankContext(0, 0, lambda p: p, None, origin=2.0)
-    ctx = TrialContext(RunConfig(world=1, pp=1), None, None, None, loop, "all")  # type: ignore[arg-type]
+    ctx = TrialContext(RunConfig(world=1, study=run_study(pp=1)), None, None, None, loop, "all")  # type: ignore[arg-type]
     assert ctx.origin == 2.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.announce = "board"  # type: ignore[misc]

@@ -11,6 +11,7 @@ from rrfp.exec.models.data import TokenBatchError, make_token_batch
 from rrfp.plan.sources import make_hint
 from rrfp.sim.config import ExperimentConfig
 from rrfp.sim.experiment import draw_samples
+from rrfp.study.study import Study
 from rrfp.workload.lengths import LengthsTable
 from rrfp.workload.tokens import TokenWorkload, batch_sizes
 
@@ -22,8 +23,11 @@ MODEL = ModelConfig(kind="multimodal", layers=2, hidden=32, heads=4, seq_len=32,
 
 
 def test_rrfp_run_builds_the_microbatches_rrfp_sim_simulates() -> None:
-    cfg = ExperimentConfig(stages=2, microbatches=5, hints=("1f1b",), policies=("fixed",), seeds=1,
-                           iterations=2, seed=4, workload=WORKLOAD)  # fmt: skip
+    cfg = ExperimentConfig(
+        study=Study(pp=2, microbatches=5, hints=("1f1b",), policies=("fixed",), iterations=2, seed=4),
+        seeds=1,
+        workload=WORKLOAD,
+    )
     samples = draw_samples(cfg, make_hint("1f1b", 2, 5), 0)
     for k in range(2):
         batch = make_token_batch(MODEL, batch_sizes(WORKLOAD, 4, 0, k, 5), 4, 0, k)

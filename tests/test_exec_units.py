@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from execkit import run_study
 
 import rrfp
 from rrfp.exec.comm.transport import ChannelFailure, TransportError, decode_header, encode_header
@@ -130,7 +131,7 @@ def test_header_round_trips_any_shape_and_rejects_what_it_cannot_carry() -> None
 
 
 def test_compare_finds_the_worst_tensor_and_slices_tp_shards() -> None:
-    cfg = RunConfig(world=1, pp=1, model=SMALL, microbatches=2)
+    cfg = RunConfig(world=1, study=run_study(pp=1, microbatches=2), model=SMALL)
     (ref,) = reference(cfg)
     name = "blocks.1.fc.lin.weight"
     exact = [(n, None, g.clone()) for n, g in ref.grads.items()]

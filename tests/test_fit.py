@@ -12,6 +12,7 @@ import pytest
 from rrfp.sim.cli import main
 from rrfp.sim.config import ExperimentConfig
 from rrfp.sim.experiment import run_experiment
+from rrfp.study.study import Study
 from rrfp.traces import fit as fitmod
 from rrfp.traces.fit import FitError, fit_replay, fit_trace, fit_values
 from rrfp.traces.replay import load_replay
@@ -54,8 +55,11 @@ def test_constant_or_few_values_fit_as_none() -> None:
 def sim_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A simulator trace with known costs: stage means F = 1, B = 2 (x 1.5 on the last stage)."""
     workload = WorkloadConfig(costs="F=1,B=2", jitter="gamma", cv=0.4, imbalance=0.5)
-    cfg = ExperimentConfig(stages=4, microbatches=32, hints=("1f1b",), policies=("fixed",), seeds=1,
-                           iterations=6, workload=workload)  # fmt: skip
+    cfg = ExperimentConfig(
+        study=Study(pp=4, microbatches=32, hints=("1f1b",), policies=("fixed",), iterations=6),
+        seeds=1,
+        workload=workload,
+    )
     frame = run_experiment(cfg, progress=False, trace=True).traces[0].frame()
     path = tmp_path_factory.mktemp("fit") / "sim.parquet"
     from rrfp.traces.trace import write_trace

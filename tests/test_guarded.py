@@ -46,6 +46,7 @@ from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.dispatch.tp import agree
 from rrfp.plan.budget import position_bytes, sequence_peak
 from rrfp.plan.task import Op, Task
+from rrfp.study.study import Study
 
 T = Task.parse
 
@@ -372,9 +373,9 @@ def test_the_simulator_plans_guarded_with_the_workload_means() -> None:
     from rrfp.sim.experiment import run_policy
 
     cfg = ExperimentConfig(
-        stages=4, microbatches=8, hints=("1f1b",), policies=("fixed", "guarded"),
+        study=Study(pp=4, microbatches=8, hints=("1f1b",), policies=("fixed", "guarded")),
         cluster=ClusterConfig(comm_latency=0.01),
-    )  # fmt: skip
+    )
     policy = run_policy(cfg, rrfp.make_hint("1f1b", 4, 8), "guarded")
     assert type(policy) is Guarded and policy.latency == pytest.approx(0.01)
     assert policy.expected(Task(0, Op.B, 0)) == pytest.approx(2.0)

@@ -17,6 +17,7 @@ from rrfp.sim.cli import main
 from rrfp.sim.config import ClusterConfig, ExperimentConfig
 from rrfp.sim.experiment import run_experiment
 from rrfp.sim.replay import run_replay
+from rrfp.study.study import Study
 from rrfp.traces.replay import ReplayError, load_replay, runs_in
 from rrfp.traces.trace import TraceError, read_trace, write_trace
 from rrfp.workload.model import WorkloadConfig
@@ -34,9 +35,11 @@ def sim_frame(
         costs="F=1,B=2", jitter="lognormal", cv=0.5, comm_jitter="lognormal", comm_cv=0.5
     )
     cfg = ExperimentConfig(
-        stages=4, microbatches=8, hints=(hint,), policies=(policy,), seeds=1, iterations=iterations,
-        workload=workload, cluster=ClusterConfig(comm_latency=0.1, bandwidth=1e9, **cluster),  # type: ignore[arg-type]
-    )  # fmt: skip
+        study=Study(pp=4, microbatches=8, hints=(hint,), policies=(policy,), iterations=iterations),
+        seeds=1,
+        workload=workload,
+        cluster=ClusterConfig(comm_latency=0.1, bandwidth=1e9, **cluster),
+    )
     return run_experiment(cfg, progress=False, trace=True).traces[0].frame()
 
 

@@ -57,12 +57,12 @@ def test_every_assumption_is_swept_apart() -> None:
 def test_each_scenario_builds_and_samples_at_its_own_size(name: str) -> None:
     cfg, sources = scenario_config(name)
     assert isinstance(cfg.workload, TokenWorkload)
-    assert cfg.stages == SCENARIOS[name].params["stages"].value and set(sources) == set(
+    assert cfg.study.pp == SCENARIOS[name].params["stages"].value and set(sources) == set(
         SCENARIOS[name].params
     )
-    w, s = cfg.workload, cfg.stages
-    sample = w.sample(s, s, cfg.m, rngs.streams(0, 0, components=STREAM_COMPONENTS))
-    assert sample.F.shape == (s, cfg.m) and np.all(sample.F > 0) and np.all(np.isfinite(sample.F))
+    w, s = cfg.workload, cfg.study.pp
+    sample = w.sample(s, s, cfg.study.m, rngs.streams(0, 0, components=STREAM_COMPONENTS))
+    assert sample.F.shape == (s, cfg.study.m) and np.all(sample.F > 0) and np.all(np.isfinite(sample.F))
     assert np.all(sample.msg_bytes[:-1, :, 0] > 0)
 
 
@@ -97,7 +97,7 @@ def test_token_config_refuses_derived_options_and_needs_lengths() -> None:
     with pytest.raises(UserError, match="token mode needs lengths"):
         token_config({"stages": 4})
     cfg = token_config({"lengths": "none:mean=10", "layers": 4, "stages": 2, "cv": 0.2, "jitter": "gamma"})
-    assert cfg.workload.base.cv == 0.2 and cfg.workload.base.jitter == "gamma" and cfg.stages == 2
+    assert cfg.workload.base.cv == 0.2 and cfg.workload.base.jitter == "gamma" and cfg.study.pp == 2
 
 
 def test_describe_lists_every_parameter_with_value_source_and_basis() -> None:

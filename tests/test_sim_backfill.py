@@ -25,6 +25,7 @@ from rrfp.plan.task import Task
 from rrfp.sim import ClusterConfig, ClusterModel, ExperimentConfig
 from rrfp.sim.cli import main
 from rrfp.sim.experiment import expected_cost_model, run_policy
+from rrfp.study.study import Study
 from rrfp.workload.model import IterationSample, WorkloadConfig, mean_costs
 
 HINTS = ["1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "bf", "bfw"]
@@ -121,9 +122,10 @@ def test_tp_groups_and_dp_replicas_are_never_slower_than_fixed(name: str) -> Non
 def test_experiment_builds_backfill_from_the_workload_means() -> None:
     workload = WorkloadConfig(preset="multimodal", msg_bytes=2e6)
     cfg = ExperimentConfig(
-        stages=4, microbatches=8, hints=("1f1b",), policies=("fixed", "backfill"), workload=workload,
+        study=Study(pp=4, microbatches=8, hints=("1f1b",), policies=("fixed", "backfill")),
+        workload=workload,
         cluster=ClusterConfig(comm_latency=0.01, bandwidth=1e9),
-    )  # fmt: skip
+    )
     hint = rrfp.make_hint("1f1b", 4, 8)
     policy = run_policy(cfg, hint, "backfill")
     assert isinstance(policy, Backfill)
@@ -193,6 +195,6 @@ def test_replay_plans_backfill_with_the_recorded_means() -> None:
     f0 = np.mean([it[0][0].F[0] for it in samples])  # stage 0's forwards over every iteration
     assert policy.expected(Task(0, rrfp.Op.F, 5)) == pytest.approx(f0)
     assert 0 < policy.latency < policy.expected(Task(0, rrfp.Op.F, 0))  # ms-scale messages, not 1 s
-    result = run_replay(rep, policies=("backfill",), budgets=("1x", "2x"))
+    result = run_replay(rep, policies=("backfill",), memory_budget=("1x", "2x"))
     at_1x = next(r for r in result.runs if r.key.policy == "backfill" and r.budget_label == "1x")
     assert at_1x.predicted <= result.recorded.predicted * 1.01  # it waits where fixed would

@@ -3,6 +3,7 @@ jitter family through the simulator, and the trace the simulator records."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -11,15 +12,20 @@ import pytest
 import rrfp
 from rrfp.sim import ClusterConfig, ExperimentConfig
 from rrfp.sim.experiment import plan_runs, run_experiment
+from rrfp.study.study import Study
 from rrfp.study.trial import TrialId
 from rrfp.traces.trace import to_perfetto
 from rrfp.workload.jitter import DISTRIBUTIONS
 from rrfp.workload.model import WORKLOAD_PRESETS, WorkloadConfig
 
+STUDY_FIELDS = {f.name for f in dataclasses.fields(Study)}
+
 
 def small(**kw) -> ExperimentConfig:
-    base = dict(stages=3, microbatches=6, seeds=3)
-    return ExperimentConfig(**{**base, **kw})
+    """A small experiment: the Study's keywords go into its study, the others to the config."""
+    study = {"pp": 3, "microbatches": 6, **{k: v for k, v in kw.items() if k in STUDY_FIELDS}}
+    rest = {"seeds": 3, **{k: v for k, v in kw.items() if k not in STUDY_FIELDS}}
+    return ExperimentConfig(study=Study(**study), **rest)
 
 
 def test_default_plan_is_fixed_1f1b_vs_rrfp_on_1f1b_and_bf():

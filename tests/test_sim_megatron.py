@@ -29,6 +29,7 @@ from rrfp.sim import ClusterConfig, ClusterModel, ConfigError, ExperimentConfig,
 from rrfp.sim.cli import main
 from rrfp.sim.config import default_workload
 from rrfp.sim.experiment import build_models, plan_runs
+from rrfp.study.study import Study
 from rrfp.traces.trace import TraceRecorder
 from rrfp.workload.lengths import LengthsTable
 from rrfp.workload.model import IterationSample, WorkloadConfig
@@ -339,9 +340,12 @@ def test_megatron_equals_eager_at_zero_latency_and_jitter(name, pp, m):
     for costs in ("F=1,B=2", "F=1,I=0.5,W=1.5", "F=2,B=1"):
         times = {}
         for send in ("eager", "megatron"):
-            cfg = ExperimentConfig(stages=pp, microbatches=m, hints=(name,), policies=("fixed", "rrfp"),
-                                   seeds=1, workload=default_workload(jitter="none", costs=costs),
-                                   cluster=ClusterConfig(send=send))  # fmt: skip
+            cfg = ExperimentConfig(
+                study=Study(pp=pp, microbatches=m, hints=(name,), policies=("fixed", "rrfp")),
+                seeds=1,
+                workload=default_workload(jitter="none", costs=costs),
+                cluster=ClusterConfig(send=send),
+            )
             times[send] = [s.measured for s in run_experiment(cfg, progress=False).stats]
         assert times["megatron"] == times["eager"]
     hint = rrfp.make_hint(rrfp.make_hint(name, pp, m).reference, pp, m)
@@ -372,8 +376,12 @@ def test_handshake_exactly_when_sizes_vary():
     assert not mg.variable_shapes(TokenWorkload(lengths=LengthsTable([100, 300]), seq_len=64))  # cut equal
     assert mg.variable_shapes(TokenWorkload(lengths=LengthsTable([128]), encoder="first"))
     for workload, handshake in ((default_workload(), False), (default_workload(seq_cv=0.5), True)):
-        cfg = ExperimentConfig(stages=2, microbatches=2, hints=("1f1b",), policies=("fixed",), seeds=1,
-                               workload=workload, cluster=ClusterConfig(send="megatron"))  # fmt: skip
+        cfg = ExperimentConfig(
+            study=Study(pp=2, microbatches=2, hints=("1f1b",), policies=("fixed",)),
+            seeds=1,
+            workload=workload,
+            cluster=ClusterConfig(send="megatron"),
+        )
         plans = plan_runs(cfg)
         build_models(cfg, plans)
         assert plans[0].model is not None and plans[0].model.megatron is not None
@@ -416,7 +424,7 @@ def test_trace_records_each_tensor_message_once():
 def test_megatron_with_another_fixed_order_is_a_user_error(hints, v, name):
     cluster = ClusterConfig(send="megatron")
     check_user_error(
-        lambda: ExperimentConfig(stages=4, hints=hints, virtual_stages=v, cluster=cluster),
+        lambda: ExperimentConfig(study=Study(pp=4, hints=hints, virtual_stages=v), cluster=cluster),
         "send 'megatron'",
         f"hint {name!r}",
     )
@@ -428,7 +436,7 @@ def test_megatron_order_is_checked_on_the_built_hint():
                                           ClusterConfig(send="megatron")), "hint 'zb-h1'")  # fmt: skip
     check_user_error(lambda: ClusterModel(rrfp.make_hint("bfw", 2, 4), "fixed",
                                           ClusterConfig(send="megatron")), "hint 'bfw'")  # fmt: skip
-    cfg = ExperimentConfig(stages=3, hints=("torch:GPipe",), cluster=ClusterConfig(send="megatron"))
+    cfg = ExperimentConfig(study=Study(pp=3, hints=("torch:GPipe",)), cluster=ClusterConfig(send="megatron"))
     check_user_error(lambda: run_experiment(cfg, progress=False), "hint 'torch:GPipe'")
 
 
@@ -437,7 +445,8 @@ def test_megatron_is_the_fixed_baseline_only():
     for policy in ("rrfp", "backfill"):
         check_user_error(lambda p=policy: ClusterModel(hint, p, ClusterConfig(), send="megatron"),
                          "send 'megatron' needs the fixed policy")  # fmt: skip
-    check_user_error(lambda: ExperimentConfig(policies=("rrfp",), cluster=ClusterConfig(send="megatron")),
+    only_rrfp = Study(policies=("rrfp",))
+    check_user_error(lambda: ExperimentConfig(study=only_rrfp, cluster=ClusterConfig(send="megatron")),
                      "do not include fixed")  # fmt: skip
     assert ClusterConfig(send="megatron").send_mode("rrfp") == "eager"  # in an experiment: rrfp stays eager
 

@@ -30,6 +30,7 @@ from rrfp.dispatch.policies import Rrfp
 from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
 from rrfp.dispatch.sizes import Sizes, SizesError
 from rrfp.plan.task import Op, Task
+from rrfp.study.study import Study
 from rrfp.workload import rng as rngs
 from rrfp.workload.model import WorkloadConfig
 from rrfp.workload.tokens import STREAM_COMPONENTS, TokenWorkload
@@ -168,7 +169,7 @@ def test_the_simulator_hands_every_scheduler_its_iterations_sizes() -> None:
 
     w = zero_jitter_workload()
     cfg = ExperimentConfig(
-        stages=2, workload=w, hints=("1f1b",), policies=("rrfp",), iterations=2, warmup=0, seeds=1
+        study=Study(pp=2, hints=("1f1b",), policies=("rrfp",), iterations=2, warmup=0), workload=w, seeds=1
     )
     plans = plan_runs(cfg)
     build_models(cfg, plans)
@@ -217,7 +218,8 @@ def test_the_simulator_publishes_what_each_rank_runs(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(Backfill, "use_busy", True)
     monkeypatch.setattr(RankScheduler, "producer_busy", spy)
     cfg = ExperimentConfig(
-        stages=4, microbatches=8, hints=("1f1b",), policies=("backfill",), seeds=1, memory_budget="2x"
+        study=Study(pp=4, microbatches=8, hints=("1f1b",), policies=("backfill",), memory_budget="2x"),
+        seeds=1,
     )
     run_experiment(cfg)
     published = [row for row in seen if row[2] is not None]

@@ -18,6 +18,7 @@ from rrfp.sim.experiment import run_experiment
 from rrfp.sim.replay import run_replay
 from rrfp.sim.report import result_dict
 from rrfp.study.result import SOURCES, TrialResult, compare_sources, iteration_rows
+from rrfp.study.study import Study
 from rrfp.study.trial import TrialError, TrialId
 from rrfp.traces.replay import load_replay
 
@@ -67,8 +68,9 @@ def test_a_result_from_an_unknown_source_is_a_user_error() -> None:
 
 # -- the simulator's results -----------------------------------------------------------------------
 def _small(**kw: object) -> ExperimentConfig:
-    base: dict = dict(stages=3, microbatches=6, seeds=3, iterations=2, warmup=1, memory_budget="2x")
-    return ExperimentConfig(**{**base, **kw})
+    seeds = kw.pop("seeds", 3)
+    study: dict = dict(pp=3, microbatches=6, iterations=2, warmup=1, memory_budget="2x")
+    return ExperimentConfig(study=Study(**{**study, **kw}), seeds=seeds)
 
 
 def test_simulated_trials_agree_with_run_stats_and_the_json() -> None:
@@ -122,7 +124,7 @@ def test_replayed_trials_are_named_for_the_join_with_the_recorded_run() -> None:
 
 def test_a_what_if_budget_names_its_trial() -> None:
     rep = load_replay(TRACES / "gpt-rrfp-bf-2x.parquet")
-    result = run_replay(rep, policies=("rrfp",), budgets=("1x", "3x"))
+    result = run_replay(rep, policies=("rrfp",), memory_budget=("1x", "3x"))
     names = [t.trial.label for t in result.trials()]
     assert names == ["rrfp/bf@2x", "rrfp/bf", "rrfp/bf@3x"]  # 1x is the default: no budget
     assert [r.label for r in result.runs] == ["rrfp/bf@recorded", "rrfp/bf@1x", "rrfp/bf@3x"]

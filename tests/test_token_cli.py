@@ -25,6 +25,7 @@ from rrfp.sim.config import ExperimentConfig
 from rrfp.sim.experiment import draw_samples
 from rrfp.sim.token_cli import SIM_ONLY
 from rrfp.study.options import BY_NAME, TOKEN_SHARED
+from rrfp.study.study import Study
 from rrfp.traces.trace import read_trace
 from rrfp.workload.scenarios import SCENARIOS
 from rrfp.workload.tokens import TOKEN_OPTIONS, TokenWorkload
@@ -202,7 +203,7 @@ def test_rrfp_run_sizes_its_model_to_the_longest_microbatch_and_says_so_only_in_
     cfg = build_config(o, {"lengths", "model", "images_mean", "dp", "stages", "iterations"})
     assert cfg.model.kind == "multimodal" and cfg.tokens is not None and cfg.tokens.encoder == "first"
     longest = 0
-    for it in range(cfg.warmup + cfg.iterations):
+    for it in range(cfg.study.warmup + cfg.study.iterations):
         for d in range(cfg.dp):
             batch, sizes = run_batch(cfg, d, it)
             assert sizes is not None
@@ -221,12 +222,8 @@ def test_rrfp_run_batches_are_the_simulator_s_samples_for_every_dp_replica(tmp_p
         {"lengths", "dp", "stages", "seed", "microbatches"},
     )
     sim = ExperimentConfig(
-        stages=2,
-        microbatches=4,
+        study=Study(pp=2, microbatches=4, seed=7, warmup=1, iterations=1),
         seeds=1,
-        seed=7,
-        warmup=1,
-        iterations=1,
         workload=cfg.tokens,
         cluster=dataclasses.replace(ExperimentConfig().cluster, dp=2),
     )

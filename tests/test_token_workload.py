@@ -15,6 +15,7 @@ from rrfp.errors import UserError
 from rrfp.plan.sources import make_hint
 from rrfp.sim.config import ClusterConfig, ExperimentConfig
 from rrfp.sim.experiment import draw_samples, run_experiment
+from rrfp.study.study import Study
 from rrfp.traces.lengths import load_lengths
 from rrfp.traces.trace import PLAIN_VERSION, SCHEMA_VERSION, TraceError, read_trace, validate, write_trace
 from rrfp.workload import rng as rngs
@@ -85,9 +86,10 @@ def test_iteration_time_is_exact_on_a_tiny_pipeline() -> None:
     mean = (decoder_flops(100) + decoder_flops(300)) / 2
     for seed in range(6):  # different draws: both orders of a long and a short microbatch
         cfg = ExperimentConfig(
-            stages=2, microbatches=2, hints=("1f1b",), policies=("fixed", "rrfp"), seeds=1, seed=seed,
+            study=Study(pp=2, microbatches=2, hints=("1f1b",), policies=("fixed", "rrfp"), seed=seed),
+            seeds=1,
             workload=workload(),
-        )  # fmt: skip
+        )
         sample = draw_samples(cfg, hint, 0)[0][0][0]
         f = [decoder_flops(t) / mean for t in sample.tokens.tolist()]
         want = one_f_one_b_two_ranks_two_microbatches(f, [2 * x for x in f])
@@ -107,9 +109,10 @@ def test_the_hand_formula_tells_a_wrong_duration_apart() -> None:
 
 def test_uniform_samples_give_the_textbook_1f1b_time() -> None:
     cfg = ExperimentConfig(
-        stages=4, microbatches=8, hints=("1f1b",), policies=("fixed", "rrfp"), seeds=2,
+        study=Study(pp=4, microbatches=8, hints=("1f1b",), policies=("fixed", "rrfp")),
+        seeds=2,
         workload=workload(LengthsTable([777])),
-    )  # fmt: skip
+    )
     for stats in run_experiment(cfg, progress=False).stats:  # every microbatch is the mean one: F = 1, B = 2
         assert stats.iteration_time == pytest.approx([(8 + 4 - 1) * 3.0] * 2, rel=1e-12)
 
@@ -218,9 +221,13 @@ def test_a_frozen_encoder_keeps_its_tasks_at_zero_backward() -> None:
     s = first.sample(2, 2, 8, streams(5))  # encoder on stage 0 with decoder layers: only those train
     assert np.all(s.I[0] > 0) and np.all(s.I[0] <= s.F[0])
     assert np.all((s.I[0] < s.F[0]) == (s.images > 0))  # the encoder's forward has no backward
-    cfg = ExperimentConfig(stages=4, microbatches=8, hints=("1f1b", "zb-h1", "bfw"),
-                           policies=("fixed", "rrfp", "backfill"), seeds=1,
-                           workload=workload(TABLE, freeze_encoder=True, **kw))  # fmt: skip
+    cfg = ExperimentConfig(
+        study=Study(
+            pp=4, microbatches=8, hints=("1f1b", "zb-h1", "bfw"), policies=("fixed", "rrfp", "backfill")
+        ),
+        seeds=1,
+        workload=workload(TABLE, freeze_encoder=True, **kw),
+    )
     assert all(s.iteration_time[0] > 0 for s in run_experiment(cfg, progress=False).stats)
 
 
@@ -256,10 +263,11 @@ def test_drawn_images_are_capped_to_fit_a_packed_row() -> None:
 # -- traces --------------------------------------------------------------------------------------------
 def token_run(tmp_path: Path, **cluster: float) -> tuple[ExperimentConfig, object]:
     cfg = ExperimentConfig(
-        stages=2, microbatches=4, hints=("1f1b",), policies=("fixed",), seeds=1, iterations=2,
+        study=Study(pp=2, microbatches=4, hints=("1f1b",), policies=("fixed",), iterations=2),
+        seeds=1,
         workload=workload(TABLE, encoder="first", image_size=16, patch=8),
         cluster=ClusterConfig(**cluster),
-    )  # fmt: skip
+    )
     return cfg, run_experiment(cfg, progress=False, trace=True)
 
 
@@ -292,7 +300,7 @@ def test_message_rows_carry_each_message_s_bytes_and_the_link_charges_them(tmp_p
 
 
 def test_a_run_without_token_data_still_writes_v2(tmp_path: Path) -> None:
-    cfg = ExperimentConfig(stages=2, microbatches=4, hints=("1f1b",), policies=("fixed",), seeds=1)
+    cfg = ExperimentConfig(study=Study(pp=2, microbatches=4, hints=("1f1b",), policies=("fixed",)), seeds=1)
     frame = run_experiment(cfg, progress=False, trace=True).traces[0].frame()
     assert (frame["tokens"] == -1).all()
     write_trace(frame, tmp_path / "t.csv")
@@ -316,8 +324,12 @@ def test_v3_validation_catches_tokens_where_they_do_not_belong(tmp_path: Path) -
 # -- the same samples in rrfp-sim and rrfp-run ---------------------------------------------------------
 def test_rrfp_run_gets_the_samples_rrfp_sim_simulates() -> None:
     w = workload("lognormal:mean=300,cv=1.0,max=1000", microbatch_size=2, encoder="first", images_mean=1.0)
-    cfg = ExperimentConfig(stages=2, microbatches=6, hints=("1f1b",), policies=("fixed",), seeds=2,
-                           iterations=3, seed=11, workload=w, cluster=ClusterConfig(dp=2, tp=2))  # fmt: skip
+    cfg = ExperimentConfig(
+        study=Study(pp=2, microbatches=6, hints=("1f1b",), policies=("fixed",), iterations=3, seed=11),
+        seeds=2,
+        workload=w,
+        cluster=ClusterConfig(dp=2, tp=2),
+    )
     hint = make_hint("1f1b", 2, 6)
     for rep in range(2):
         samples = draw_samples(cfg, hint, rep)

@@ -465,7 +465,8 @@ def estimate_basis(cfg: RunConfig, tflops: float) -> tuple[WorkloadConfig | Toke
         return WorkloadConfig(preset=cfg.workload, costs=cfg.costs, jitter=cfg.jitter, cv=cfg.cv), unit, basis
     base = WorkloadConfig(costs="F=1,B=2", jitter=cfg.jitter, cv=cfg.cv)
     workload = dataclasses.replace(model_workload(cfg.model, cfg.tokens), layers=cfg.model.layers, base=base)
-    per_rank = workload.normaliser(cfg.microbatches) / cfg.pp  # FLOPs of a mean microbatch's F per rank
+    # FLOPs of a mean microbatch's F per rank
+    per_rank = workload.normaliser(cfg.study.microbatches) / cfg.study.pp
     unit = per_rank / (tflops * 1e12 * cfg.tp)
     basis = (
         f"the model's FLOPs at {tflops:g} TFLOP/s per device (--device-tflops), backward = 2 x forward, "
@@ -474,11 +475,11 @@ def estimate_basis(cfg: RunConfig, tflops: float) -> tuple[WorkloadConfig | Toke
     return workload, unit, basis
 
 
-def estimate_grid(cfg: RunConfig) -> tuple[tuple[str, ...], tuple[str, ...], str, set[str]]:
+def estimate_grid(cfg: RunConfig) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], set[str]]:
     """(hints, policies, memory budgets, trial labels) the estimate simulates: the run's rrfp trials (torch
     baselines have no rrfp-sim model), with fixed for the speedups."""
     trials = [t for t in cfg.trials if not t.is_baseline]
     hints = tuple(dict.fromkeys(t.hint for t in trials))
     policies = tuple(dict.fromkeys(["fixed", *(t.policy for t in trials)]))
-    budgets = ",".join(dict.fromkeys(t.budget or "1x" for t in trials))
+    budgets = tuple(dict.fromkeys(t.budget or "1x" for t in trials))
     return hints, policies, budgets, {t.label for t in trials}

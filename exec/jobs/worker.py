@@ -73,7 +73,7 @@ class Worker:
     def __init__(self, cfg: RunConfig, dump_dir: str, store: JobStore | None = None) -> None:
         self.cfg = cfg
         sys.setswitchinterval(switch_interval())
-        self.topo: Topology = _topology_from_env(cfg.pp, cfg.tp, cfg.dp)
+        self.topo: Topology = _topology_from_env(cfg.study.pp, cfg.tp, cfg.dp)
         name_process(f"rrfp-rank{self.topo.rank}")
         faults.install(self.topo.rank, dump_dir)
         self.backend = pick_backend(cfg.backend)
@@ -106,7 +106,7 @@ class Worker:
         cfg = self.cfg
         self.groups = build_groups(self.topo, self.backend, cfg.timeout)
         self.transport = None
-        if cfg.pp > 1:
+        if cfg.study.pp > 1:
             to_global = self.topo.global_rank
             self.transport = Transport(self.groups.channels, self.topo.pp_rank, to_global, self.device)
         one_host = same_host(self.groups.ctrl)
@@ -117,7 +117,7 @@ class Worker:
         self.board, self.board_base, self.board_running = None, 0, -1
         if self.announce == "board":
             codes = board_slots_per_pipeline(cfg)
-            slots = codes + cfg.pp  # the task codes, then one "running now" slot per pipeline rank
+            slots = codes + cfg.study.pp  # the task codes, then one "running now" slot per pipeline rank
             self.board = open_board(self.groups.ctrl, slots * cfg.tp * cfg.dp)
             self.board_base = slots * (self.topo.dp_rank * cfg.tp + self.topo.tp_rank)
             self.board_running = self.board_base + codes
@@ -128,7 +128,7 @@ class Worker:
         cfg = self.cfg
         with liveness.waiting("every rank to start the clock", setup=True):
             ctx = self._context(self._start_clock())
-        steps = range(cfg.warmup + cfg.iterations)
+        steps = range(cfg.study.warmup + cfg.study.iterations)
         outcomes: list[TrialOutcome] = []
         bar = progress_bar(cfg, len(steps) * len(cfg.trials), self.topo.rank == 0)
         if cfg.interleave:
@@ -241,7 +241,7 @@ class Worker:
         measures = ExecMeasures(
             loss_first=losses[0],
             loss_last=losses[-1],
-            loop_overhead_us=_overhead_us(outs, cfg.warmup),
+            loop_overhead_us=_overhead_us(outs, cfg.study.warmup),
             calibration=outs[0].calibration if outs else None,
             check=check,
             grad_digest=grad_digest,
@@ -252,7 +252,7 @@ class Worker:
         rrfp_scheduled = not trial.is_baseline  # torch's schedules hold no rrfp peaks or budgets
         peaks = _per_pp(outs, lambda o: o.peak) if rrfp_scheduled else []
         budget = _per_pp(outs, lambda o: o.budget) if rrfp_scheduled else []
-        return exec_result(trial, times[cfg.warmup :], peaks, budget, measures)
+        return exec_result(trial, times[cfg.study.warmup :], peaks, budget, measures)
 
 
 JobStore = tuple[str, int, str]
@@ -316,13 +316,13 @@ def resolve_announce(cfg: RunConfig, one_host: bool) -> str:
     if cfg.announce != "auto":
         return cfg.announce
     clocked = any(clocked_policy(t.policy) for t in cfg.trials if not t.is_baseline)
-    return "board" if one_host and clocked and cfg.pp > 1 else "all"
+    return "board" if one_host and clocked and cfg.study.pp > 1 else "all"
 
 
 def board_slots_per_pipeline(cfg: RunConfig) -> int:
     """Slots one pipeline replica needs on the start board: the most task codes of any trial's hint."""
     hints = {t.hint for t in cfg.trials if not t.is_baseline}
-    specs = [make_hint(h, cfg.pp, cfg.microbatches, cfg.virtual_stages).spec for h in hints]
+    specs = [make_hint(h, cfg.study.pp, cfg.study.microbatches, cfg.study.virtual_stages).spec for h in hints]
     return max((s.num_stages * 3 * s.microbatches for s in specs), default=1)
 
 

@@ -97,18 +97,19 @@ class BaselineTrial:
     def __init__(self, ctx: TrialContext, index: int, trial: TrialId) -> None:
         cfg, topo = ctx.cfg, ctx.topo
         self.ctx, self.trial, self.cfg, self.index = ctx, trial, cfg, index
-        num_stages, mine = _stage_indices(trial.hint, cfg.pp, topo.pp_rank)
+        num_stages, mine = _stage_indices(trial.hint, cfg.study.pp, topo.pp_rank)
         self.num_stages = num_stages
-        self.injector = Injector(cfg.jitter, cfg.cv, cfg.inject_ms, cfg.seed, topo.dp_rank)
+        self.injector = Injector(cfg.jitter, cfg.cv, cfg.inject_ms, cfg.study.seed, topo.dp_rank)
         self.stages = {
-            s: build_stage(cfg.model, s, num_stages, cfg.seed, cfg.microbatches).to(ctx.device) for s in mine
+            s: build_stage(cfg.model, s, num_stages, cfg.study.seed, cfg.study.microbatches).to(ctx.device)
+            for s in mine
         }
         self.wrapped = {s: TorchStage(m, self.injector) for s, m in self.stages.items()}
         group, dev = ctx.groups.pp, ctx.device
         pipe = [PipelineStage(w, s, num_stages, dev, group=group) for s, w in self.wrapped.items()]
         cls = get_schedule_class(trial.hint)
         self.schedule = cls(
-            pipe[0] if len(pipe) == 1 else pipe, n_microbatches=cfg.microbatches, loss_fn=_loss
+            pipe[0] if len(pipe) == 1 else pipe, n_microbatches=cfg.study.microbatches, loss_fn=_loss
         )
         params = [p for m in self.stages.values() for p in m.parameters()]
         self.opt = torch.optim.SGD(params, lr=cfg.lr)
@@ -120,8 +121,9 @@ class BaselineTrial:
     def step(self, it: int) -> None:
         """One ``schedule.step`` (+ optimizer step) after a barrier, with this iteration's jitter."""
         cfg, ctx, out = self.cfg, self.ctx, self.out
-        tokens, labels = _whole_batch(make_batch(cfg.model, cfg.seed, ctx.topo.dp_rank, it, cfg.microbatches))
-        self.injector.begin(it, self.num_stages, cfg.microbatches)
+        batch = make_batch(cfg.model, cfg.study.seed, ctx.topo.dp_rank, it, cfg.study.microbatches)
+        tokens, labels = _whole_batch(batch)
+        self.injector.begin(it, self.num_stages, cfg.study.microbatches)
         for w in self.wrapped.values():
             w.counts = {Op.F: 0, Op.B: 0}
         losses: list[torch.Tensor] = []
@@ -135,7 +137,7 @@ class BaselineTrial:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         out.times.append(time.monotonic() - t0)
-        out.losses.append(sum(float(x.detach()) for x in losses) / cfg.microbatches if losses else 0.0)
+        out.losses.append(sum(float(x.detach()) for x in losses) / cfg.study.microbatches if losses else 0.0)
 
     def outcome(self) -> TrialOutcome:
         return self.out
@@ -145,7 +147,8 @@ def _prime(schedule: Any, ctx: TrialContext, stages: dict[int, Stage]) -> None:
     """One untimed step without jitter, gradients discarded: torch infers the stage shapes in its first
     step (calling each stage once more), which must not shift the injected sleeps or the timings."""
     cfg = ctx.cfg
-    tokens, labels = _whole_batch(make_batch(cfg.model, cfg.seed, ctx.topo.dp_rank, 0, cfg.microbatches))
+    batch = make_batch(cfg.model, cfg.study.seed, ctx.topo.dp_rank, 0, cfg.study.microbatches)
+    tokens, labels = _whole_batch(batch)
     schedule.step(tokens.to(ctx.device), target=labels.to(ctx.device))
     for module in stages.values():
         module.zero_grad(set_to_none=True)

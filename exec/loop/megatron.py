@@ -150,7 +150,7 @@ def check_send(cfg: RunConfig) -> None:
             "add fixed/1f1b, or drop --send"
         )
     for t in fixed:
-        hint = make_hint(t.hint, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+        hint = make_hint(t.hint, cfg.study.pp, cfg.study.microbatches, cfg.study.virtual_stages)
         if runs_megatron_order(hint):
             continue
         order = hint.reference + (" (split backward)" if hint.spec.split and hint.reference != t.hint else "")

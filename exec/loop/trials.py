@@ -106,7 +106,7 @@ class RrfpTrial:
     def __init__(self, ctx: TrialContext, index: int, trial: TrialId) -> None:
         cfg, topo = ctx.cfg, ctx.topo
         self.ctx, self.trial, self.cfg = ctx, trial, cfg
-        hint = make_hint(trial.hint, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+        hint = make_hint(trial.hint, cfg.study.pp, cfg.study.microbatches, cfg.study.virtual_stages)
         self.bytes = byte_item(cfg, trial)
         """Token mode: the budget in bytes (rrfp.plan.budget.ByteBudget); slots are then the hint's peak,
         for the record only."""
@@ -115,7 +115,7 @@ class RrfpTrial:
         """The policy asked for; backfill's clocked phase plans with a calibrated copy of it."""
         self.sched = RankScheduler(hint, topo.pp_rank, self.policy, budgets[topo.pp_rank])
         self.stages, self.runner = self._build(hint.spec)
-        injector = Injector(cfg.jitter, cfg.cv, cfg.inject_ms, cfg.seed, topo.dp_rank)
+        injector = Injector(cfg.jitter, cfg.cv, cfg.inject_ms, cfg.study.seed, topo.dp_rank)
         self.recorder = recorder(cfg, trial, topo.coords, budgets)
         loop = dataclasses.replace(ctx.loop, recorder=self.recorder)
         self.runtime = self._runtime(loop, index, injector)
@@ -148,11 +148,12 @@ class RrfpTrial:
             if workload is None:
                 workload = WorkloadConfig(preset=cfg.workload, costs=cfg.costs, jitter=cfg.jitter, cv=cfg.cv)
             unit, device = cfg.time_unit_ms, self.ctx.device
-            return {}, SyntheticRunner(spec, workload, unit, cfg.seed, topo.dp_rank, device)
+            return {}, SyntheticRunner(spec, workload, unit, cfg.study.seed, topo.dp_rank, device)
         tp = TPContext(cfg.tp, topo.tp_rank, self.ctx.groups.tp)
         device = self.ctx.device
+        seed, m = cfg.study.seed, cfg.study.microbatches
         stages = {
-            s: build_stage(cfg.model, s, spec.num_stages, cfg.seed, cfg.microbatches, tp).to(device)
+            s: build_stage(cfg.model, s, spec.num_stages, seed, m, tp).to(device)
             for s in spec.stages_of(topo.pp_rank)
         }
         runner = StageRunner(stages, spec.num_stages, cfg.deterministic, measure=cfg.tokens is not None)
@@ -181,7 +182,7 @@ class RrfpTrial:
         out.peak_bytes = max(out.peak_bytes, self.sched.peak_bytes)
         if self._act is not None:  # what each forward kept, beside the formula's prediction
             out.saved += [(b, int(self._act[s, m, 0])) for s, m, b in getattr(self.runner, "saved", ())]
-        if isinstance(self.policy, Backfill) and not self.runtime.clocked and it + 1 >= cfg.warmup:
+        if isinstance(self.policy, Backfill) and not self.runtime.clocked and it + 1 >= cfg.study.warmup:
             self._calibrate(self.policy)
 
     def _calibrate(self, template: Backfill) -> None:
@@ -266,7 +267,7 @@ def byte_item(cfg: RunConfig, trial: TrialId) -> ByteBudget | None:
     refused the rest); None: slots."""
     if cfg.tokens is None or trial.is_baseline:
         return None
-    return parse_byte_item(trial.budget or "1x", cfg.pp)
+    return parse_byte_item(trial.budget or "1x", cfg.study.pp)
 
 
 def keep_grads(out: TrialOutcome, stages: dict[int, Any], it: int, cfg: RunConfig) -> None:
@@ -290,7 +291,7 @@ def recorder(
         run=f"exec/{trial.label}",
         policy=trial.policy,
         hint=trial.hint,
-        seed=cfg.seed,
+        seed=cfg.study.seed,
         coords=coords,
         budget=budgets,
     )

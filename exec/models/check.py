@@ -56,7 +56,7 @@ class CheckResult:
 def reference(cfg: RunConfig, iterations: int = 1) -> list[Reference]:
     """Loss and gradients of iterations 0 .. ``iterations`` - 1 on one process, an SGD step (``--lr``)
     between them (see the module docstring)."""
-    model = build_stage(cfg.model, 0, 1, cfg.seed, cfg.microbatches)
+    model = build_stage(cfg.model, 0, 1, cfg.study.seed, cfg.study.microbatches)
     names = [n for n, _ in model.named_parameters()]
     params = list(model.parameters())
     opt = torch.optim.SGD(params, lr=cfg.lr)

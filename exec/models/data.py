@@ -67,9 +67,9 @@ def run_batch(cfg: RunConfig, replica: int, iteration: int) -> tuple[list[Microb
     reference, build the same), and in token mode their sizes: ``batch_sizes`` at replication 0 with
     the replica as rrfp-sim's DP index, so they are the samples rrfp-sim simulates (exec/models/tokens.py)."""
     if cfg.tokens is None:
-        return make_batch(cfg.model, cfg.seed, replica, iteration, cfg.microbatches), None
-    sizes = batch_sizes(cfg.tokens, cfg.seed, 0, iteration, cfg.microbatches, dp=replica)
-    return make_token_batch(cfg.model, sizes, cfg.seed, replica, iteration), sizes
+        return make_batch(cfg.model, cfg.study.seed, replica, iteration, cfg.study.microbatches), None
+    sizes = batch_sizes(cfg.tokens, cfg.study.seed, 0, iteration, cfg.study.microbatches, dp=replica)
+    return make_token_batch(cfg.model, sizes, cfg.study.seed, replica, iteration), sizes
 
 
 class TokenBatchError(UserError):

@@ -27,6 +27,7 @@ from typing import Any
 
 from rrfp.exec.config import ExecConfigError
 from rrfp.study.options import TOKEN_SHARED
+from rrfp.workload.lengths import LengthsTable
 from rrfp.workload.model import WorkloadConfig
 from rrfp.workload.tokens import TokenWorkload, batch_sizes, token_workload
 
@@ -41,11 +42,9 @@ def _flags(names: Collection[str]) -> str:
     return ", ".join("--" + n.replace("_", "-") for n in names)
 
 
-def run_workload(
-    o: Mapping[str, Any], given: Collection[str], jitter: str, cv: float
-) -> TokenWorkload | None:
-    """The token workload of rrfp-run's options ``o`` (None without ``--lengths``); ``given``: the
-    options set on the command line; ``jitter``/``cv``: the run's (they jitter --synthetic's sleeps)."""
+def run_lengths(o: Mapping[str, Any], given: Collection[str]) -> LengthsTable | None:
+    """The samples of rrfp-run's ``--lengths``, read once for the planner and the run (None without
+    it), after the checks that token mode applies; ``given``: the options set on the command line."""
     if o.get("lengths") is None:
         stray = [n for n in TOKEN_ONLY if n in given]
         if stray:
@@ -61,8 +60,20 @@ def run_workload(
         )
     from rrfp.traces.lengths import load_lengths
 
+    return load_lengths(o["lengths"])
+
+
+def run_workload(
+    o: Mapping[str, Any], given: Collection[str], lengths: LengthsTable | None, jitter: str, cv: float,
+    layers: int,
+) -> TokenWorkload | None:  # fmt: skip
+    """The token workload of rrfp-run's options ``o`` on the samples ``lengths`` (:func:`run_lengths`;
+    None: no token mode); ``jitter``/``cv``: the run's (they jitter --synthetic's sleeps); ``layers``:
+    the decoder layers (the planner may choose them)."""
+    if lengths is None:
+        return None
     values = {name: o[name] for name in TOKEN_SHARED}
-    values.update(encoder=encoder, lengths=load_lengths(o["lengths"]))
+    values.update(encoder=_encoder(o, given), lengths=lengths, layers=layers)
     return token_workload(values, WorkloadConfig(costs=o["costs"], jitter=jitter, cv=cv))
 
 
