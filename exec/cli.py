@@ -327,15 +327,17 @@ def _fits_this_host(cfg: RunConfig, plan: Plan, argv: list[str], max_local_ranks
 
 def _dry_run(cfg: RunConfig, plan: Plan, tflops: float) -> int:
     """Print the plan and an estimate of the iteration time of each rrfp trial (rrfp-sim, loaded here
-    only: the one place rrfp-run may import the simulator, docs/design.md §2); returns the exit code."""
+    only: the one place rrfp-run may import the simulator, docs/design.md §2), simulated on the run's
+    own Study (its rrfp trials' hints and budgets, fixed for the speedups, one iteration); returns the
+    exit code."""
     import json
 
     from rrfp.sim.config import ClusterConfig, ExperimentConfig
     from rrfp.sim.experiment import run_experiment
 
     workload, unit, basis = estimate_basis(cfg, tflops)
-    hints, policies, budgets, wanted = estimate_grid(cfg)
-    study = dataclasses.replace(cfg.study, hints=hints, policies=policies, memory_budget=budgets,
+    hints, policies, memory_budget, wanted = estimate_grid(cfg)
+    study = dataclasses.replace(cfg.study, hints=hints, policies=policies, memory_budget=memory_budget,
                                 iterations=1, warmup=0)  # fmt: skip
     cluster = ClusterConfig(tp=cfg.tp, dp=cfg.dp)
     exp = ExperimentConfig(study=study, seeds=1, workload=workload, cluster=cluster)

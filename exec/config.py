@@ -1,7 +1,9 @@
 """Validated run configuration for ``rrfp-run``: the one config channel (click only fills it).
 
-A :class:`RunConfig` is built once in the launching process, validated there (so a bad flag fails
-before any worker starts), pickled to every worker, and read by every part of the executor.
+A :class:`RunConfig` -- a :class:`~rrfp.study.study.Study` (what is compared, the part rrfp-sim's
+ExperimentConfig shares) plus the model, launch and fault settings -- is built once in the launching
+process, validated there (so a bad flag fails before any worker starts), pickled to every worker, and
+read by every part of the executor.
 :class:`~rrfp.study.trial.TrialId` (one row of the result table: a (policy, hint, budget) triple, or a
 torch baseline) is the identity every tool shares; :func:`parse_trial` reads a ``--trials`` item.
 """

@@ -2,8 +2,9 @@
 
 * :class:`ClusterConfig` -- the machine: TP and DP degrees, P2P links (latency, bandwidth, contention),
   the fixed baseline's send semantics, the DP gradient size.
-* :class:`ExperimentConfig` -- what to compare: pipeline shape, hints x policies, seeds, iterations,
-  memory budget, the workload (a :class:`rrfp.workload.model.WorkloadConfig`) and the cluster.
+* :class:`ExperimentConfig` -- what to compare: a :class:`rrfp.study.study.Study` (pipeline shape,
+  hints x budgets x policies, seed, iterations -- the part rrfp-run's RunConfig shares), over ``seeds``
+  replications, on a workload (a :class:`rrfp.workload.model.WorkloadConfig`, ...) and the cluster.
 
 Both validate at construction and raise :class:`ConfigError` (a ``ValueError``) with a one-line message
 naming the field, the value and the rule. Their field defaults (and :data:`SIM_WORKLOAD` over
@@ -78,7 +79,7 @@ def _number(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClusterConfig:
-    """The simulated machine. The pipeline degree comes with the hint (``ExperimentConfig.stages``)."""
+    """The simulated machine. The pipeline degree is the study's (``ExperimentConfig.study.pp``)."""
 
     tp: int = 1
     """Tensor-parallel degree: members per pipeline rank; they agree on each task (rrfp.agree)."""

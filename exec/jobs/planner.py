@@ -481,5 +481,5 @@ def estimate_grid(cfg: RunConfig) -> tuple[tuple[str, ...], tuple[str, ...], tup
     trials = [t for t in cfg.trials if not t.is_baseline]
     hints = tuple(dict.fromkeys(t.hint for t in trials))
     policies = tuple(dict.fromkeys(["fixed", *(t.policy for t in trials)]))
-    budgets = tuple(dict.fromkeys(t.budget or "1x" for t in trials))
-    return hints, policies, budgets, {t.label for t in trials}
+    memory_budget = tuple(dict.fromkeys(t.budget or "1x" for t in trials))
+    return hints, policies, memory_budget, {t.label for t in trials}
