@@ -139,7 +139,7 @@ def plan_config(o: dict[str, Any], given: Collection[str] = ()) -> tuple[RunConf
         interleave=o["interleave"],
         check=o["check"], tolerance=o["tolerance"], deterministic=o["deterministic"], timeout=o["timeout"],
         dump_dir=o["dump_dir"], jitter=jitter, cv=cv, inject_ms=o["inject_ms"],
-        synthetic=o["synthetic"], costs=o["costs"], workload=o["workload"], time_unit_ms=o["time_unit_ms"],
+        synthetic=o["synthetic"], costs=o["costs"], preset=o["workload"], time_unit_ms=o["time_unit_ms"],
         trace_out=o["trace_out"], decision_log=o["decision_log"], json=o["json"], backend=backend,
         threads=o["threads"], lr=o["lr"],
         start_method=o["start_method"], announce=o["announce"],

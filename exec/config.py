@@ -170,8 +170,8 @@ class RunConfig:
     """No model: each task sleeps its duration sampled as rrfp-sim samples it."""
     costs: str = "F=1,B=2"
     """--synthetic: mean per-op costs in time units (rrfp.workload.model.parse_costs)."""
-    workload: str = "language"
-    """--synthetic: workload preset (rrfp.workload.model)."""
+    preset: str = "language"
+    """--synthetic: the workload preset (``--workload``; rrfp.workload.model.WorkloadConfig.preset)."""
     time_unit_ms: float = 10.0
     """--synthetic: milliseconds per cost unit."""
     trace_out: str | None = None
@@ -280,13 +280,15 @@ class RunConfig:
 
     def json_fields(self) -> dict[str, Any]:
         """Every field as the ``--json`` config names and orders them (schema 2, goldens): the study's
-        among this config's own, its budgets as trial labels write them (None for 1x)."""
+        among this config's own, its budgets as trial labels write them (None for 1x), the preset as
+        ``workload``."""
         s = self.study
-        study = {"pp": s.pp, "microbatches": s.microbatches, "virtual_stages": s.virtual_stages,
+        named = {"pp": s.pp, "microbatches": s.microbatches, "virtual_stages": s.virtual_stages,
                  "policies": s.policies, "hints": s.hints, "budgets": s.budget_labels(),
-                 "iterations": s.iterations, "warmup": s.warmup, "seed": s.seed}  # fmt: skip
-        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "study"}
-        return {name: {**own, **study}[name] for name in JSON_ORDER}
+                 "iterations": s.iterations, "warmup": s.warmup, "seed": s.seed,
+                 "workload": self.preset}  # fmt: skip
+        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("study", "preset")}
+        return {name: {**own, **named}[name] for name in JSON_ORDER}
 
 
 JSON_ORDER = ("world", "pp", "tp", "dp", "model", "microbatches", "virtual_stages", "policies", "hints",

@@ -43,7 +43,7 @@ def preflight(cfg: RunConfig) -> None:
     if cfg.jitter != "none" and not cfg.synthetic and cfg.inject_ms <= 0:
         raise ExecConfigError(f"--jitter {cfg.jitter} needs --inject-ms > 0 (the sleep scale)")
     if cfg.synthetic:
-        WorkloadConfig(preset=cfg.workload, costs=cfg.costs, jitter=cfg.jitter, cv=cfg.cv)
+        WorkloadConfig(preset=cfg.preset, costs=cfg.costs, jitter=cfg.jitter, cv=cfg.cv)
     rrfp_trials = [t for t in cfg.trials if not t.is_baseline]
     s = cfg.study
     sizes = {t.hint: task_count(t.hint, s.pp, s.microbatches, s.virtual_stages) for t in rrfp_trials}

@@ -198,7 +198,7 @@ def announce(cfg: RunConfig) -> None:
     m = cfg.model
     what = f"{m.kind} L={m.layers} C={m.hidden}"
     if cfg.synthetic:
-        preset = "token" if cfg.tokens is not None else cfg.workload
+        preset = "token" if cfg.tokens is not None else cfg.preset
         what = f"synthetic sleeps, {preset} costs {costs_text(cfg.costs)} x {cfg.time_unit_ms:g} ms"
     if cfg.tokens is not None:
         what += ", " + token_text(cfg.tokens, m.positions)

@@ -462,7 +462,7 @@ def estimate_basis(cfg: RunConfig, tflops: float) -> tuple[WorkloadConfig | Toke
         basis = f"--synthetic sleeps of --costs {cfg.costs} x {cfg.time_unit_ms:g} ms{jitter}"
         if cfg.tokens is not None:
             return cfg.tokens, unit, basis
-        return WorkloadConfig(preset=cfg.workload, costs=cfg.costs, jitter=cfg.jitter, cv=cfg.cv), unit, basis
+        return WorkloadConfig(preset=cfg.preset, costs=cfg.costs, jitter=cfg.jitter, cv=cfg.cv), unit, basis
     base = WorkloadConfig(costs="F=1,B=2", jitter=cfg.jitter, cv=cfg.cv)
     workload = dataclasses.replace(model_workload(cfg.model, cfg.tokens), layers=cfg.model.layers, base=base)
     # FLOPs of a mean microbatch's F per rank

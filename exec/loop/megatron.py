@@ -167,7 +167,7 @@ def variable_shapes(cfg: RunConfig) -> bool:
     ``rrfp.sim.megatron.variable_shapes``, which this layer may not import."""
     if cfg.tokens is not None:
         return cfg.tokens.multimodal or len(np.unique(cfg.tokens.table.tokens)) > 1
-    return (cfg.workload if cfg.synthetic else cfg.model.kind) == "multimodal"
+    return (cfg.preset if cfg.synthetic else cfg.model.kind) == "multimodal"
 
 
 # -- communication ---------------------------------------------------------------------------------------

@@ -146,7 +146,7 @@ class RrfpTrial:
         if cfg.synthetic:
             workload: WorkloadConfig | TokenWorkload | None = cfg.tokens
             if workload is None:
-                workload = WorkloadConfig(preset=cfg.workload, costs=cfg.costs, jitter=cfg.jitter, cv=cfg.cv)
+                workload = WorkloadConfig(preset=cfg.preset, costs=cfg.costs, jitter=cfg.jitter, cv=cfg.cv)
             unit, device = cfg.time_unit_ms, self.ctx.device
             return {}, SyntheticRunner(spec, workload, unit, cfg.study.seed, topo.dp_rank, device)
         tp = TPContext(cfg.tp, topo.tp_rank, self.ctx.groups.tp)
