@@ -1,7 +1,8 @@
 """``--send megatron``: a fixed trial runs Megatron-core's non-interleaved 1F1B P2P, call by call.
 
 The paper's baseline is Megatron-based fixed-order 1F1B. rrfp's own transport
-(:mod:`rrfp.exec.comm.transport`) is gentler: sends never block compute, and inputs arrive in any order through receiver threads. Under
+(:mod:`rrfp.exec.comm.transport`) is gentler: sends never block compute, and inputs arrive in any order
+through receiver threads. Under
 ``--send megatron`` a ``fixed`` trial on the 1f1b order (or a class hint whose reference order is 1f1b)
 bypasses that transport and runs the P2P calls of Megatron-core's
 ``forward_backward_pipelining_without_interleaving`` itself, with real blocking calls on the trial's
