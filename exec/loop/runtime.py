@@ -143,7 +143,7 @@ class PipelineRuntime:
             raise SchedulerError(f"rank {self.sched.rank}: clock() needs a scheduler of this hint and rank")
         self.sched, self.clocked = sched, True
         self._remote = {}  # who hears of a start depends on the policy's announced ops
-        if getattr(sched.policy, "use_busy", False) and self.ctx.board is not None:
+        if sched.policy.use_busy and self.ctx.board is not None:
             self._busy = BusyBoard(sched, self.ctx.board, self.ctx.board_running, self.ctx.pp_rank)
 
     # -- one iteration --------------------------------------------------------------------------
@@ -213,7 +213,7 @@ class PipelineRuntime:
             return
         remote = self._remote.get(task)
         if remote is None:
-            ops = getattr(self.sched.policy, "announced_ops", None)
+            ops = self.sched.policy.announced_ops
             heard = ops is None or task.op in ops
             wiring = self.sched.hint.plan.wiring(self.sched.rank)  # the compiled plan's message wiring
             pos = self.sched.index[task]
@@ -373,7 +373,7 @@ def board_slots(sched: RankScheduler, base: int) -> tuple[list[int], list[int]]:
 class BusyBoard:
     """What each pipeline rank runs now, on the start board (rrfp.exec.comm.board): this rank posts its
     task at each start and clears it at each end; ``busy`` is the scheduler's source for
-    ``listen(..., busy)`` (``Backfill.use_busy``)."""
+    ``listen(..., busy)`` (``Policy.use_busy``)."""
 
     def __init__(self, sched: RankScheduler, board: StartBoard, first: int, pp_rank: int) -> None:
         plan = sched.hint.plan

@@ -75,8 +75,7 @@ def rebuild_hint(d: Mapping[str, Any]) -> Hint:
 def policy_spec(policy: Policy, sched: RankScheduler) -> Event:
     """The policy's registered name and knobs; for backfill and its kin, its cost model on this rank
     (``sized``: it prices each iteration by its sizes, and every reset with sizes logs those costs)."""
-    knobs = getattr(policy, "knobs", None)
-    out: Event = {"name": policy.name, "knobs": dict(knobs()) if callable(knobs) else {}}
+    out: Event = {"name": policy.name, "knobs": dict(policy.knobs())}
     if isinstance(policy, Backfill):
         ops = policy.announced_ops
         out.update(
@@ -84,7 +83,7 @@ def policy_spec(policy: Policy, sched: RankScheduler) -> Event:
             latency=policy.latency,
             announce_delay=policy.announce_delay,
             announced_ops=None if ops is None else sorted(op.value for op in ops),
-            sized=getattr(policy, "sized", None) is not None,
+            sized=policy.sized is not None,
         )
     return out
 
@@ -222,7 +221,7 @@ class DecisionRecorder:
 def _sized_reset(sched: RankScheduler, sizes: Any) -> Event:
     """A reset with sizes; a policy that prices iterations by their sizes adds this iteration's costs."""
     ev: Event = {"ev": "reset", "sizes": dataclasses.asdict(sizes)}
-    sized = getattr(sched.policy, "sized", None)
+    sized = sched.policy.sized
     if sized is not None:
         ev.update(cost_lists(sized(sizes), sched))
     return ev
