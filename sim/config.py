@@ -313,7 +313,7 @@ class ExperimentConfig:
     def _check_megatron(self) -> None:
         """Under ``megatron`` fixed must run the 1f1b order: a sequence hint must be 1f1b, a class hint's
         reference is 1f1b only with one stage per rank. torch:/CSV orders are compared with Megatron's
-        when the model is built (rrfp.sim.megatron.compile_program)."""
+        when the model is built (rrfp.sim.megatron.check_order)."""
         for name in self.hints:
             if name in SEQUENCE_HINTS and name != "1f1b":
                 raise ConfigError(megatron_refusal(name, name))
