@@ -10,17 +10,6 @@ import math
 
 from rrfp.study import report
 from rrfp.study.compare import Comparison
-from rrfp.study.report import (
-    byte_range,
-    ci,
-    compact_json,
-    format_report,
-    json_document,
-    peak_range,
-    render,
-    speedup_cell,
-    speedup_dict,
-)
 from rrfp.study.schema import validate
 from rrfp.study.trial import TrialId
 
@@ -28,7 +17,7 @@ FIXED, RRFP = TrialId("fixed", "1f1b"), TrialId("rrfp", "1f1b", "2x")
 
 
 def test_render_pads_columns_two_spaces_apart_with_a_rule() -> None:
-    assert render(["a", "long name"], [["xyz", "1"], ["", "22"]]) == [
+    assert report.render(["a", "long name"], [["xyz", "1"], ["", "22"]]) == [
         "a    long name",
         "---  ---------",
         "xyz  1",
@@ -38,18 +27,19 @@ def test_render_pads_columns_two_spaces_apart_with_a_rule() -> None:
 
 def test_cells() -> None:
     nan = math.nan
-    assert ci(1.23456, nan, nan) == "1.2346"
-    assert ci(1.23456, 1.1, 1.4, ".4g") == "1.235 [1.1, 1.4]"
+    assert report.ci(1.23456, nan, nan) == "1.2346"
+    assert report.ci(1.23456, 1.1, 1.4, ".4g") == "1.235 [1.1, 1.4]"
     c = Comparison(RRFP, FIXED, 1.1, 1.05, 1.15)
-    assert speedup_cell(c) == "1.1000 [1.0500, 1.1500] vs fixed/1f1b"
-    assert speedup_cell(c, against=False) == "1.1000 [1.0500, 1.1500]"
-    assert speedup_cell(None) == ""
-    assert (peak_range([]), peak_range([3, 3]), peak_range((4, 1, 2))) == ("-", "3", "1-4")
-    assert byte_range([2**20, 2**20]) == "1.0MiB" and byte_range([2**20, 2**30]) == "1.0MiB-1.0GiB"
+    assert report.speedup_cell(c) == "1.1000 [1.0500, 1.1500] vs fixed/1f1b"
+    assert report.speedup_cell(c, against=False) == "1.1000 [1.0500, 1.1500]"
+    assert report.speedup_cell(None) == ""
+    assert [report.peak_range(p) for p in ([], [3, 3], (4, 1, 2))] == ["-", "3", "1-4"]
+    assert [report.byte_range(p) for p in ([2**20, 2**20], [2**20, 2**30])] == ["1.0MiB", "1.0MiB-1.0GiB"]
 
 
 def test_format_report_lays_out_head_table_notes_and_legend() -> None:
-    text = format_report(["t"], [["x"]], ["summary: s", "note: n"], [("t", "what t is")], head=["ran", ""])
+    notes, columns = ["summary: s", "note: n"], [("t", "what t is")]
+    text = report.format_report(["t"], [["x"]], notes, columns, head=["ran", ""])
     assert text.split("\n") == [
         "ran", "", "t", "-", "x", "", "summary: s", "note: n", "",
         "columns (lower is better, except speedup):", "  t  what t is",
@@ -58,10 +48,10 @@ def test_format_report_lays_out_head_table_notes_and_legend() -> None:
 
 def test_speedup_dict_takes_the_budget_as_the_tool_writes_it() -> None:
     c = Comparison(RRFP, FIXED, 1.1, math.nan, math.nan, paired=False)
-    plain = speedup_dict(c)
+    plain = report.speedup_dict(c)
     assert plain["memory_budget"] == "2x" and plain["baseline"]["memory_budget"] == "1x"
     assert plain["ci_low"] is None and plain["paired"] is False
-    written = speedup_dict(c, {RRFP: "2x", FIXED: "80GB"})
+    written = report.speedup_dict(c, {RRFP: "2x", FIXED: "80GB"})
     assert written["baseline"]["memory_budget"] == "80GB" and written["memory_budget"] == "2x"
 
 
@@ -70,7 +60,7 @@ def test_json_document_follows_schema_2_in_its_key_order() -> None:
     rows = [{"trial": t.label, "policy": t.policy, "hint": t.hint, "memory_budget": t.budget or "1x",
              "iteration_time": times} for t in (FIXED, RRFP)]  # fmt: skip
     comps = [Comparison(RRFP, FIXED, 1.1, 1.05, 1.15)]
-    doc = json_document("rrfp-x --json", {"pp": 4}, rows, comps, between={"replay": {}})
+    doc = report.json_document("rrfp-x --json", {"pp": 4}, rows, comps, between={"replay": {}})
     assert list(doc) == ["schema_version", "config", "replay", "results", "speedups"]
     assert list(doc["config"]) == ["rrfp_version", "command", "pp"]
     assert doc["config"]["command"] == "rrfp-x --json"
@@ -79,7 +69,7 @@ def test_json_document_follows_schema_2_in_its_key_order() -> None:
 
 def test_compact_json_puts_lists_of_plain_values_on_one_line() -> None:
     doc = {"a": [1, 2.5, None], "b": [{"c": ["x", "y,z"]}], "d": []}
-    text = compact_json(doc)
+    text = report.compact_json(doc)
     assert json.loads(text) == doc
     assert '"a": [1, 2.5, null]' in text and '"c": ["x", "y,z"]' in text
 
