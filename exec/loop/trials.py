@@ -32,10 +32,10 @@ from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.exec import faults
 from rrfp.exec.comm import liveness
 from rrfp.exec.comm.topology import Groups, Topology
-from rrfp.exec.config import RunConfig
+from rrfp.exec.config import RunConfig, variable_shapes
 from rrfp.exec.loop.calibrate import ANNOUNCED_OPS, calibrate
 from rrfp.exec.loop.decision_log import RankDecisionLog
-from rrfp.exec.loop.megatron import GroupComm, MegatronRuntime, align_messages, variable_shapes
+from rrfp.exec.loop.megatron import GroupComm, MegatronRuntime, align_messages
 from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
 from rrfp.exec.models.check import digest, local_grads
 from rrfp.exec.models.data import run_batch
