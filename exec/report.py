@@ -27,7 +27,9 @@ trial's fields at the top level (:func:`as_json`) -- ride along; the CLI says so
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
+import sys
 from typing import Any
 
 from rrfp.errors import RunFailure
@@ -51,16 +53,24 @@ from rrfp.study.result import TrialResult
 from rrfp.study.schema import interval, number, trial_fields
 
 
+def say(text: str) -> None:
+    """Print the report to stdout. A reader that closed the pipe early (``rrfp-run ... | head``) has
+    what it wanted: that is no fault of the job, so the rest of the output goes to /dev/null instead of
+    failing rank 0 as if a peer were gone."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
 def emit(cfg: RunConfig, results: list[TrialResult]) -> list[TrialResult]:
     """Print the results, then write the trace (if asked); returns them without trace frames. The
     results come first: a trace that cannot be written (its folder was checked before the run, but
     may have gone since) fails the run in one line without losing them."""
     frames = [f for r in results for f in measures(r).trace]
     results = [without_trace(r) for r in results]
-    if cfg.json:
-        print(compact_json(result_json(cfg, results)), flush=True)
-    else:
-        print(table(cfg, results), flush=True)
+    say(compact_json(result_json(cfg, results)) if cfg.json else table(cfg, results))
     if cfg.trace_out and frames:
         try:
             write_merged_trace(frames, cfg.trace_out)
