@@ -410,3 +410,14 @@ def switch_interval() -> float:
     if not 0 < ms <= 1000:
         raise ExecConfigError(f"RRFP_SWITCH_MS must be milliseconds in (0, 1000], got {text!r}")
     return ms / 1e3
+
+
+def variable_shapes(cfg: RunConfig) -> bool:
+    """Would Megatron run with ``variable_seq_lengths`` (``docs/workload_facts.md`` §1a, facts 2, 4),
+    so that ``--send megatron`` shakes hands on every call (rrfp.exec.loop.megatron)? Token mode with
+    unequal lengths or an encoder, or the multimodal model (``--synthetic``: the multimodal workload) --
+    the rule of ``rrfp.sim.megatron.variable_shapes``, which exec/ may not import."""
+    if cfg.tokens is not None:
+        lengths = cfg.tokens.table.tokens
+        return cfg.tokens.multimodal or bool(lengths.size and lengths.min() != lengths.max())
+    return (cfg.preset if cfg.synthetic else cfg.model.kind) == "multimodal"

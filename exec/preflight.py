@@ -17,10 +17,10 @@ from pathlib import Path
 from rrfp.dispatch.policies import get_policy
 from rrfp.exec.config import ExecConfigError, RunConfig, switch_interval
 from rrfp.exec.faults import default_dump_dir
-from rrfp.exec.loop.megatron import check_send
 from rrfp.exec.models.model import partition
 from rrfp.plan.budget import ByteBudget, InfeasibleBudget, parse_byte_item, position_bytes, resolve_budget
 from rrfp.plan.hints import Hint
+from rrfp.plan.megatron import fixed_order, megatron_refusal, runs_megatron_order
 from rrfp.plan.sources import PipelineSize, make_hint
 from rrfp.plan.sources import task_count as _plan_task_count
 from rrfp.plan.spec import MAX_TASKS, PROGRESS_TASKS, too_many_tasks
@@ -70,6 +70,26 @@ def preflight(cfg: RunConfig) -> None:
     if progress is not None:
         progress.done()
     check_send(cfg)
+
+
+def check_send(cfg: RunConfig) -> None:
+    """Refuse ``--send megatron`` where it applies to nothing or to another order (before any worker
+    starts): it needs a fixed trial, and every fixed trial must run the 1f1b order
+    (rrfp.plan.megatron)."""
+    if cfg.send != "megatron":
+        return
+    fixed = [t for t in cfg.trials if t.policy == "fixed"]
+    if not fixed:
+        raise ExecConfigError(
+            "--send megatron applies to fixed trials (Megatron-core's 1F1B) and no trial runs fixed: "
+            "add fixed/1f1b, or drop --send"
+        )
+    for t in fixed:
+        hint = make_hint(t.hint, cfg.study.pp, cfg.study.microbatches, cfg.study.virtual_stages)
+        if not runs_megatron_order(hint):
+            instead = f"use --send eager, or leave {t.label} out"
+            text = megatron_refusal(t.hint, fixed_order(hint), "--send megatron runs", instead)
+            raise ExecConfigError(text)
 
 
 def check_byte_budget(cfg: RunConfig, hint: Hint, budget: ByteBudget) -> None:

@@ -1,4 +1,6 @@
-"""Rank 0's output: the results table (or one JSON object) and the merged trace file.
+"""Rank 0's output: the results table (or one JSON object) and the merged trace file. The table's
+layout, its cells and the JSON document are rrfp.study.report's, shared with rrfp-sim; this module holds
+rrfp-run's columns and number formats.
 
 Input: one :class:`~rrfp.study.result.TrialResult` per trial (rrfp.exec.results). ``--json`` prints
 one object in schema version 2, rrfp-sim's layout too (rrfp.study.schema, :func:`result_json`)::
@@ -25,29 +27,41 @@ trial's fields at the top level (:func:`as_json`) -- ride along; the CLI says so
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
+import os
 import statistics
+import sys
 from typing import Any
 
 from rrfp.errors import RunFailure
 from rrfp.exec.config import RunConfig
 from rrfp.exec.models.tokens import describe as token_text
-from rrfp.exec.results import measures, median_time, without_trace
+from rrfp.exec.results import ExecMeasures, measures, median_time, without_trace
 from rrfp.plan.budget import format_bytes
-from rrfp.study.compare import (
-    Comparison,
-    base_hint_name,
-    budget_note,
-    fixed_baselines,
-    legend,
-    torch_pairs,
-    verdict,
-)
+from rrfp.study.compare import Comparison, base_hint_name, budget_note, fixed_baselines, torch_pairs, verdict
 from rrfp.study.metrics import paired_speedup, t_interval, unpaired_speedup
 from rrfp.study.options import costs_text
+from rrfp.study.report import (
+    byte_range,
+    ci,
+    compact_json,
+    format_report,
+    json_document,
+    peak_range,
+    speedup_cell,
+)
 from rrfp.study.result import TrialResult
-from rrfp.study.schema import SCHEMA_VERSION, config_head, interval, number, speedup_entry, trial_fields
+from rrfp.study.schema import interval, number, trial_fields
+
+
+def say(text: str) -> None:
+    """Print the report to stdout. A reader that closed the pipe early (``rrfp-run ... | head``) has
+    what it wanted: that is no fault of the job, so the rest of the output goes to /dev/null instead of
+    failing rank 0 as if a peer were gone."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def emit(cfg: RunConfig, results: list[TrialResult]) -> list[TrialResult]:
@@ -56,10 +70,7 @@ def emit(cfg: RunConfig, results: list[TrialResult]) -> list[TrialResult]:
     may have gone since) fails the run in one line without losing them."""
     frames = [f for r in results for f in measures(r).trace]
     results = [without_trace(r) for r in results]
-    if cfg.json:
-        print(compact_json(result_json(cfg, results)), flush=True)
-    else:
-        print(table(cfg, results), flush=True)
+    say(compact_json(result_json(cfg, results)) if cfg.json else table(cfg, results))
     if cfg.trace_out and frames:
         try:
             write_merged_trace(frames, cfg.trace_out)
@@ -82,17 +93,6 @@ def comparisons(cfg: RunConfig, results: list[TrialResult]) -> list[Comparison]:
     ]
 
 
-_SCALAR = r'(?:-?[\d.]+(?:[eE][-+]?\d+)?|null|true|false|"(?:[^"\\\n]|\\.)*")'
-_SCALAR_LIST = re.compile(r"\[\n\s+(" + _SCALAR + r"(?:,\n\s+" + _SCALAR + r")*)\n\s*\]")
-
-
-def compact_json(doc: Any) -> str:
-    """``json.dumps(doc, indent=1)`` with every list of plain values on one line, so per-rank and
-    per-iteration lists stay readable at 128 ranks (the same JSON, other whitespace)."""
-    text = json.dumps(doc, indent=1, allow_nan=False)
-    return _SCALAR_LIST.sub(lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",\n")) + "]", text)
-
-
 def result_row(result: TrialResult) -> dict[str, Any]:
     """One trial's ``results[]`` entry (schema version 2)."""
     m = measures(result)
@@ -107,10 +107,7 @@ def result_row(result: TrialResult) -> dict[str, Any]:
         "loss": {"first": number(m.loss_first), "last": number(m.loss_last)},
         "peak_activations": list(result.peaks),
         "budget": list(result.budget),
-        "loop_overhead_us_per_task": m.loop_overhead_us,
-        "calibration": None if m.calibration is None else dict(m.calibration),
-        "check": None if m.check is None else m.check.as_dict(),
-        "grad_digest": m.grad_digest,
+        **_loop_fields(m),
         **({"peak_bytes": list(m.peak_bytes)} if m.peak_bytes else {}),
         **({"activation_bytes": dict(m.memory_check)} if m.memory_check else {}),
     }
@@ -118,15 +115,8 @@ def result_row(result: TrialResult) -> dict[str, Any]:
 
 def result_json(cfg: RunConfig, results: list[TrialResult]) -> dict[str, Any]:
     """The ``--json`` object (module doc), with schema 1's keys for one more release."""
-    comps = comparisons(cfg, results)
-    doc: dict[str, Any] = {
-        "schema_version": SCHEMA_VERSION,
-        "config": {**config_head(cfg.command or "rrfp-run"), **config_dict(cfg)},
-        "results": [result_row(r) for r in results],
-        "speedups": [
-            speedup_entry(c.trial, c.baseline, c.mean, c.ci_low, c.ci_high, c.paired) for c in comps
-        ],
-    }
+    rows = [result_row(r) for r in results]
+    doc = json_document(cfg.command or "rrfp-run", config_dict(cfg), rows, comparisons(cfg, results))
     legacy = as_json([as_row(r) for r in results])  # deprecated: schema 1's keys
     doc["ok"] = legacy.pop("ok")
     return {**doc, **{k: v for k, v in legacy.items() if k not in doc}}
@@ -163,6 +153,13 @@ def as_row(result: TrialResult) -> dict[str, Any]:
         },
         "loss": {"first": m.loss_first, "last": m.loss_last},
         "peak_activations": list(result.peaks),
+        **_loop_fields(m),
+    }
+
+
+def _loop_fields(m: ExecMeasures) -> dict[str, Any]:
+    """What the loop measured and checked, in both schemas' rows."""
+    return {
         "loop_overhead_us_per_task": m.loop_overhead_us,
         "calibration": None if m.calibration is None else dict(m.calibration),
         "check": None if m.check is None else m.check.as_dict(),
@@ -228,26 +225,19 @@ def table(cfg: RunConfig, results: list[TrialResult]) -> str:
               *(f"vs {b.label} [95% CI]" for b in torch), "loss", "us/task", "peak act", "check"]  # fmt: skip
     rows = []
     for r in results:
-        m, sp = measures(r), vs_fixed.get(r.trial)
+        m = measures(r)
         us = m.loop_overhead_us
         rows.append([
-            r.trial.label, _ci(*t_interval(r.iteration_times)), f"{statistics.median(r.iteration_times):.4f}",
-            "" if sp is None else f"{_ci(sp.mean, sp.ci_low, sp.ci_high)} vs {sp.baseline.label}",
-            *(_ci(c.mean, c.ci_low, c.ci_high) if (c := vs_torch.get((r.trial, b))) else "" for b in torch),
+            r.trial.label, ci(*t_interval(r.iteration_times)), f"{statistics.median(r.iteration_times):.4f}",
+            speedup_cell(vs_fixed.get(r.trial)),
+            *(speedup_cell(vs_torch.get((r.trial, b)), against=False) for b in torch),
             "-" if cfg.synthetic else f"{m.loss_first:.4f}", "-" if us is None else f"{us:.0f}",
-            _byte_peaks(m.peak_bytes) if m.peak_bytes else _peaks(r.peaks), _check(as_row(r)),
+            byte_range(m.peak_bytes) if m.peak_bytes else peak_range(r.peaks), _check(as_row(r)),
         ])  # fmt: skip
     note = budget_note(comps, cfg.study.budget_labels())
-    notes = [note] if note else []
+    notes = [verdict(comps), *([note] if note else [])]
     notes += [memory_line(r.trial.label, c) for r in results if (c := measures(r).memory_check)][:1]
-    return "\n".join([*_render(header, rows), "", verdict(comps), *notes, "",
-                      *legend(_columns(cfg, torch))])  # fmt: skip
-
-
-def _byte_peaks(peaks: tuple[int, ...]) -> str:
-    """Peak activation bytes over the pipeline ranks as min-max (token mode)."""
-    low, high = format_bytes(min(peaks)), format_bytes(max(peaks))
-    return high if low == high else f"{low}-{high}"
+    return format_report(header, rows, notes, _columns(cfg, torch))
 
 
 def memory_line(label: str, check: Any) -> str:
@@ -258,24 +248,6 @@ def memory_line(label: str, check: Any) -> str:
         f"predicted {format_bytes(check['predicted_bytes'])}, "
         f"largest difference {100 * check['max_rel_error']:.2f}% of a forward"
     )
-
-
-def _ci(mean: float, low: float, high: float) -> str:
-    return f"{mean:.4f}" if low != low else f"{mean:.4f} [{low:.4f}, {high:.4f}]"  # low != low: NaN
-
-
-def _peaks(peaks: tuple[int, ...]) -> str:
-    """Peak activations over the pipeline ranks as min-max (a torch baseline has none)."""
-    if not peaks:
-        return "-"
-    return str(peaks[0]) if min(peaks) == max(peaks) else f"{min(peaks)}-{max(peaks)}"
-
-
-def _render(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
 
 
 def _columns(cfg: RunConfig, torch: list[Any]) -> list[tuple[str, str]]:

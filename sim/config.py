@@ -25,6 +25,7 @@ from typing import Any
 
 from rrfp.dispatch.policies import policy_names
 from rrfp.errors import UserError
+from rrfp.plan import megatron as plan_megatron
 from rrfp.plan.budget import parse_bytes
 from rrfp.plan.hints import CLASS_HINTS, SEQUENCE_HINTS, hint_names
 from rrfp.plan.sources import task_count
@@ -134,12 +135,10 @@ class ClusterConfig:
 
 
 def megatron_refusal(hint: str, order: str) -> str:
-    """The one-line refusal of ``send="megatron"`` for a hint whose fixed run follows another order."""
-    runs = "its own order" if order == hint else f"the {order} order"
-    return (
-        f"send 'megatron' models Megatron-core's non-interleaved 1F1B, so fixed must run the 1f1b order; "
-        f"fixed on hint {hint!r} runs {runs} (use send eager or rendezvous, or leave {hint!r} out)"
-    )
+    """The one-line refusal of ``send="megatron"`` for a hint whose fixed run follows another order
+    (rrfp.plan.megatron's text, in the simulator's words)."""
+    instead = f"use send eager or rendezvous, or leave {hint!r} out"
+    return plan_megatron.megatron_refusal(hint, order, "send 'megatron' models", instead)
 
 
 SIM_WORKLOAD: Mapping[str, Any] = {"costs": "F=1,B=2", "jitter": SHARED["jitter"], "cv": SHARED["cv"]}
@@ -306,7 +305,7 @@ class ExperimentConfig:
     def _check_megatron(self) -> None:
         """Under ``megatron`` fixed must run the 1f1b order: a sequence hint must be 1f1b, a class hint's
         reference is 1f1b only with one stage per rank. torch:/CSV orders are compared with Megatron's
-        when the model is built (rrfp.sim.megatron.compile_program)."""
+        when the model is built (rrfp.sim.megatron.check_order)."""
         for name in self.study.hints:
             if name in SEQUENCE_HINTS and name != "1f1b":
                 raise ConfigError(megatron_refusal(name, name))

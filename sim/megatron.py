@@ -6,24 +6,14 @@ The paper's baseline is Megatron-based fixed-order 1F1B. Our ``rendezvous`` send
 ``forward_backward_pipelining_without_interleaving`` themselves, as ``docs/workload_facts.md`` §1a
 cites them (NVIDIA/Megatron-LM ``d98e8a64``):
 
-* **The program** (facts 3: ``schedules.py`` l.2333-2474). Rank r of pp runs
-  ``warmup = min(pp - r - 1, m)`` forwards, ``remaining = m - warmup`` steady steps, then the
-  cool-down::
-
-      warm-up,   i < warmup:   recv_forward; F(i); send_forward                 (separate blocking calls)
-      if remaining:            recv_forward
-      steady,    i < remaining: F(warmup+i); send_forward_recv_backward          (one batch, next rank)
-                               B(i); send_backward_recv_forward                 (one batch, previous rank)
-                                     -- the last steady step: send_backward alone
-      cool-down, i >= remaining: recv_backward; B(i); send_backward             (separate blocking calls)
-
-  Calls towards a missing peer are no-ops (rank 0 receives no forward and sends no gradient; the last
-  rank sends no activation and receives no gradient), as in ``p2p_communication.py``'s wrappers. The
-  computes are exactly the ``1f1b`` hint's order (``rrfp.plan.schedules.one_f_one_b``, ``pp - 1 - r``
-  warm-up forwards), and they are still dispatched by the rank's ``fixed`` scheduler through the
-  scheduler protocol; this module only decides *when* communication happens and holds the rank's
-  stream meanwhile (``Worker.blocked``). Any other order is refused (:class:`ConfigError` naming the
-  hint): Megatron runs 1F1B only.
+* **The program** (facts 3: ``schedules.py`` l.2333-2474) is rrfp.plan.megatron's, which rrfp-run
+  executes too: rank r of pp runs ``warmup = min(pp - r - 1, m)`` forwards between separate blocking
+  calls, the steady state as batched exchanges, then the cool-down; calls towards a missing peer are
+  no-ops. The computes are exactly the ``1f1b`` hint's order (``rrfp.plan.schedules.one_f_one_b``,
+  ``pp - 1 - r`` warm-up forwards), and they are still dispatched by the rank's ``fixed`` scheduler
+  through the scheduler protocol; this module only decides *when* communication happens and holds the
+  rank's stream meanwhile (``Worker.blocked``). Any other order is refused (:class:`ConfigError` naming
+  the hint, :func:`check_order`): Megatron runs 1F1B only.
 * **A call** is one ``_communicate``: its sends and receives are posted together and waited on
   together (facts 1: ``_batched_p2p_ops`` puts them in one ``batch_isend_irecv``, l.22-55, and
   ``_communicate`` ``req.wait()``s on all, l.416-419; ``batch_p2p_comm=True`` is the default, facts 2).
@@ -68,96 +58,41 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from rrfp.errors import InternalError
 from rrfp.plan.hints import Hint
-from rrfp.plan.spec import PipelineSpec
-from rrfp.plan.task import Op, Task
+from rrfp.plan.megatron import P2P, Call, fixed_order, megatron_program, runs_megatron_order
+from rrfp.plan.task import Task
 from rrfp.workload.model import WorkloadConfig
 from rrfp.workload.tokens import TokenWorkload
 
 from .config import ConfigError, megatron_refusal
 
-
-@dataclass(frozen=True, slots=True)
-class P2P:
-    """One operation of a call: a send to, or a receive from, the pipeline rank ``peer``."""
-
-    peer: int
-    send: bool
-    task: Task
-    """The message's consumer (on the receiving rank): names the message on both sides."""
-    pos: int
-    """A send: the position of the producing task in this rank's order (whose transfer time the message
-    takes); a receive: -1."""
-
-    @property
-    def direction(self) -> int:
-        """0: an activation (consumed by F), 1: a gradient."""
-        return 0 if self.task.op is Op.F else 1
-
-
-Call = tuple[P2P, ...]
-"""One ``_communicate``: operations posted together and waited on together."""
 Step = int | Call
 """A rank's program step: the position of a compute in its order, or a call."""
 
 
-def megatron_program(spec: PipelineSpec, rank: int) -> list[Task | Call]:
-    """Rank ``rank``'s computes and calls in Megatron's order (see the module docstring); a call's sends
-    carry ``pos=-1`` here (:func:`compile_program` fills them in). Empty calls (no peer) are left out."""
-    pp, m = spec.pp, spec.microbatches
-    first, last = rank == 0, rank == pp - 1
-    F, B = Op.F, Op.B
-
-    def recv_forward(mb: int) -> Call:
-        return () if first else (P2P(rank - 1, False, Task(rank, F, mb), -1),)
-
-    def send_forward(mb: int) -> Call:
-        return () if last else (P2P(rank + 1, True, Task(rank + 1, F, mb), -1),)
-
-    def recv_backward(mb: int) -> Call:
-        return () if last else (P2P(rank + 1, False, Task(rank, B, mb), -1),)
-
-    def send_backward(mb: int) -> Call:
-        return () if first else (P2P(rank - 1, True, Task(rank - 1, B, mb), -1),)
-
-    warmup = min(pp - rank - 1, m)
-    remaining = m - warmup
-    out: list[Task | Call] = []
-    for i in range(warmup):
-        out += [recv_forward(i), Task(rank, F, i), send_forward(i)]
-    if remaining:
-        out.append(recv_forward(warmup))
-    for i in range(remaining):
-        out += [Task(rank, F, warmup + i), send_forward(warmup + i) + recv_backward(i), Task(rank, B, i)]
-        nxt = recv_forward(warmup + i + 1) if i < remaining - 1 else ()  # the last step sends alone
-        out.append(send_backward(i) + nxt)
-    for i in range(remaining, m):
-        out += [recv_backward(i), Task(rank, B, i), send_backward(i)]
-    return [s for s in out if s != ()]
-
-
 def compile_program(hint: Hint, rank: int) -> list[Step]:
-    """Rank ``rank``'s program over ``hint``'s order (positions, sends' producers filled in); raises
-    :class:`ConfigError` naming the hint when its order is not Megatron's 1F1B."""
+    """Rank ``rank``'s program (rrfp.plan.megatron.megatron_program) over ``hint``'s order: computes as
+    their positions, each send's producer filled in. The caller has checked the order
+    (:func:`check_order`)."""
     spec = hint.spec
-    steps = megatron_program(spec, rank) if spec.virtual_stages == 1 and not spec.split else None
-    tasks = None if steps is None else tuple(s for s in steps if isinstance(s, Task))
-    if steps is None or spec.placement != "loop" or tasks != tuple(hint.orders[rank]):
-        order = hint.reference + (" (split backward)" if spec.split and hint.reference != hint.name else "")
-        raise ConfigError(megatron_refusal(hint.name, order))
     index = hint.plan.wiring(rank).index
 
     def producer(o: P2P) -> int:  # a send's: this rank's task of the same op and microbatch
         return index[Task(rank, o.task.op, o.task.mb)] if o.send else -1
 
     return [index[s] if isinstance(s, Task) else tuple(P2P(o.peer, o.send, o.task, producer(o)) for o in s)
-            for s in steps]  # fmt: skip
+            for s in megatron_program(spec.pp, spec.microbatches, rank)]  # fmt: skip
+
+
+def check_order(hint: Hint) -> None:
+    """Raise :class:`ConfigError` naming the hint when its order is not Megatron's 1F1B."""
+    if not runs_megatron_order(hint):
+        raise ConfigError(megatron_refusal(hint.name, fixed_order(hint)))
 
 
 def variable_shapes(workload: Any) -> bool:
@@ -208,6 +143,7 @@ class Megatron:
     def __init__(self, model: Any, hint: Hint, handshake: bool) -> None:
         self.model = model
         self.handshake = handshake
+        check_order(hint)
         self.programs = [compile_program(hint, r) for r in range(hint.spec.pp)]
         self.states: dict[tuple[int, int], _State] = {}  # (dp, pp rank) -> state
         self.shape_tx: dict[tuple[int, int], list[list[float]]] = {}  # (dp, pp rank) -> [member][pos]

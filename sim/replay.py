@@ -23,7 +23,6 @@ those options.
 from __future__ import annotations
 
 import json
-import math
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -35,10 +34,11 @@ from rrfp.dispatch.backfill import Backfill
 from rrfp.dispatch.policies import get_policy
 from rrfp.plan.budget import hint_peaks, resolve_budget
 from rrfp.plan.task import Op
-from rrfp.study.compare import Comparison, legend, verdict
+from rrfp.study.compare import Comparison, verdict
 from rrfp.study.metrics import paired_speedup, t_interval
+from rrfp.study.report import ci, format_report, json_document, peak_range
 from rrfp.study.result import TrialResult
-from rrfp.study.schema import SCHEMA_VERSION, config_head, interval, number, speedup_entry, trial_fields
+from rrfp.study.schema import interval, number, trial_fields
 from rrfp.study.study import Study
 from rrfp.study.trial import TrialId
 from rrfp.traces.replay import Replay
@@ -48,7 +48,6 @@ from rrfp.workload.model import IterationSample
 from .config import BASELINE_POLICY, ClusterConfig, ExperimentConfig
 from .experiment import PlannedRun, RunStats, measure
 from .model import ClusterModel
-from .report import peak_range
 
 
 @dataclass
@@ -280,12 +279,11 @@ def replay_dict(result: ReplayResult, command: str | None = None) -> dict[str, A
         }  # fmt: skip
         results.append(row)
     recorded = trial_of(rep, result.recorded)
-    speedups = [speedup_entry(trial_of(rep, r), recorded, *r.speedup, paired=True)
-                for r in result.runs if r.speedup is not None]  # fmt: skip
+    speedups = [
+        Comparison(trial_of(rep, r), recorded, *r.speedup) for r in result.runs if r.speedup is not None
+    ]
     config = {"trace": rep.source, "run": rep.run, "timing": rep.timing}
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "config": {**config_head(command or shlex.join(sys.argv)), **config},
+    between = {
         "replay": {
             "source": rep.source, "run": rep.run, "policy": rep.policy, "hint": rep.hint, "seed": rep.seed,
             "pp": spec.pp, "tp": rep.tp, "dp": rep.dp, "microbatches": spec.microbatches,
@@ -295,9 +293,8 @@ def replay_dict(result: ReplayResult, command: str | None = None) -> dict[str, A
             "notes": rep.notes,
         },
         "fidelity": {k: number(v) for k, v in result.fidelity().items()},
-        "results": results,
-        "speedups": speedups,
     }  # fmt: skip
+    return json_document(command or shlex.join(sys.argv), config, results, speedups, between=between)
 
 
 def replay_json(result: ReplayResult, command: str | None = None) -> str:
@@ -329,13 +326,8 @@ def format_replay(result: ReplayResult) -> str:
             r.label + (" (recorded)" if r.recorded else ""), f"{r.predicted:.6g}",
             f"{rep.measured_mean:.6g}" if r.recorded else "", f"{np.mean(r.stats.bubble):.3f}",
             f"{np.mean(r.stats.lb_ratio):.3f}", peak_range(r.stats.peaks),
-            "" if sp is None else _ci(sp),
+            "" if sp is None else ci(*sp),
         ])  # fmt: skip
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in [header, *rows]
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
     fidelity = (
         f"fidelity: measured {fid['measured']:.6g} s, predicted {fid['predicted']:.6g} s, "
         f"error {fid['error_pct']:+.2f}% (mean over iterations after the first)"
@@ -343,8 +335,8 @@ def format_replay(result: ReplayResult) -> str:
     recorded = trial_of(rep, result.recorded)
     comps = [Comparison(trial_of(rep, r), recorded, *r.speedup) for r in result.runs if r.speedup is not None]
     summary = [verdict(comps)] if comps else []
-    return "\n".join([head, *[f"note: {n}" for n in rep.notes], "", *lines, "", fidelity, *summary, "",
-                      *legend(REPLAY_COLUMNS)])  # fmt: skip
+    return format_report(header, rows, [fidelity, *summary], REPLAY_COLUMNS,
+                         head=[head, *[f"note: {n}" for n in rep.notes], ""])  # fmt: skip
 
 
 REPLAY_COLUMNS = (
@@ -357,8 +349,3 @@ REPLAY_COLUMNS = (
     ("speedup", "recorded replay / what-if iteration time on the same durations, paired per iteration "
                 "(above 1: the what-if is faster)"),
 )  # fmt: skip
-
-
-def _ci(sp: tuple[float, float, float]) -> str:
-    mean, low, high = sp
-    return f"{mean:.4f}" if math.isnan(low) else f"{mean:.4f} [{low:.4f}, {high:.4f}]"

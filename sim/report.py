@@ -1,5 +1,6 @@
 """Presenting an experiment: the terminal table, the ``--json`` object, and output files written
-atomically (:func:`atomic_write`).
+atomically (:func:`atomic_write`). The table's layout, its cells and the JSON document are
+rrfp.study.report's, shared with rrfp-run; this module holds rrfp-sim's columns and number formats.
 
 The JSON object (one per invocation; identical seeds give byte-identical text) follows schema version 2,
 the layout rrfp-run prints too (rrfp.study.schema)::
@@ -39,11 +40,11 @@ from typing import Any
 
 import numpy as np
 
-from rrfp.plan.budget import format_bytes
 from rrfp.study import schema
-from rrfp.study.compare import Comparison, budget_note, legend, verdict
+from rrfp.study.compare import Comparison, budget_note, verdict
 from rrfp.study.options import costs_text
-from rrfp.study.schema import SCHEMA_VERSION, config_head, number, speedup_entry, trial_fields
+from rrfp.study.report import byte_range, ci, format_report, json_document, peak_range, speedup_cell
+from rrfp.study.schema import number, trial_fields
 from rrfp.workload.tokens import TokenWorkload
 
 from .config import ExperimentConfig
@@ -136,18 +137,8 @@ def result_dict(
             del cfg[key]
     cfg.update(extra or {})
     budgets = {s.key: s.budget_text for s in result.stats}
-    speedups = []
-    for sp in result.speedups:
-        entry = speedup_entry(sp.key, sp.baseline, sp.mean, sp.ci_low, sp.ci_high, sp.paired)
-        entry["memory_budget"] = budgets.get(sp.key, entry["memory_budget"])
-        entry["baseline"]["memory_budget"] = budgets.get(sp.baseline, entry["baseline"]["memory_budget"])
-        speedups.append(entry)
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "config": {**config_head(command or shlex.join(sys.argv)), **cfg},
-        "results": [_run_dict(s) for s in result.stats],
-        "speedups": speedups,
-    }
+    rows = [_run_dict(s) for s in result.stats]
+    return json_document(command or shlex.join(sys.argv), cfg, rows, comparisons(result), budgets)
 
 
 def to_json(result: ExperimentResult, command: str | None = None, extra: dict[str, Any] | None = None) -> str:
@@ -156,12 +147,6 @@ def to_json(result: ExperimentResult, command: str | None = None, extra: dict[st
 
 
 # -- the terminal table ----------------------------------------------------------------------------
-def _ci(mean: float, low: float, high: float, fmt: str) -> str:
-    if math.isnan(low):
-        return format(mean, fmt)
-    return f"{mean:{fmt}} [{low:{fmt}}, {high:{fmt}}]"
-
-
 def describe(result: ExperimentResult) -> str:
     """One line saying what was simulated (costs and times in seconds)."""
     c, s = result.config, result.config.study
@@ -201,20 +186,6 @@ def token_text(w: TokenWorkload) -> str:
     return text
 
 
-def peak_range(peaks: list[int] | tuple[int, ...]) -> str:
-    """Peak activations over the pipeline ranks as ``min-max`` (one number when they agree)."""
-    if not peaks:
-        return "-"
-    low, high = min(peaks), max(peaks)
-    return str(high) if low == high else f"{low}-{high}"
-
-
-def byte_range(peaks: list[int]) -> str:
-    """Peak activation bytes over the pipeline ranks as ``min-max``."""
-    low, high = format_bytes(min(peaks)), format_bytes(max(peaks))
-    return high if low == high else f"{low}-{high}"
-
-
 def comparisons(result: ExperimentResult) -> list[Comparison]:
     """The experiment's speedups as rrfp.study.compare reads them."""
     return [Comparison(s.key, s.baseline, s.mean, s.ci_low, s.ci_high, s.paired) for s in result.speedups]
@@ -235,44 +206,31 @@ COLUMNS = (
 def format_table(result: ExperimentResult, header: list[str] | None = None) -> str:
     """The readable summary: what ran (``header``: lines under the first, e.g. a scenario's values), one
     line per run, who won, and what each column means."""
-    speed = {sp.key: sp for sp in result.speedups}
+    comps = comparisons(result)
+    speed = {c.trial: c for c in comps}
     columns = ["trial", "iteration time s [95% CI]", "bubble", "time/LB", "peak act", "speedup [95% CI]"]
     rows = []
     for s in result.stats:
         if s.infeasible:
             rows.append([s.key.label, "infeasible (see below)", "-", "-", "-", ""])
             continue
-        mean, low, high = interval(s.iteration_time)
-        sp = speed.get(s.key)
         rows.append(
             [
                 s.key.label,
-                _ci(mean, low, high, ".4g"),
+                ci(*interval(s.iteration_time), ".4g"),
                 f"{np.mean(s.bubble):.3f}",
                 f"{np.mean(s.group_lb_ratio):.3f}",
                 peak_range(s.peaks) if not s.peak_bytes else byte_range(s.peak_bytes),
-                "" if sp is None else f"{_ci(sp.mean, sp.ci_low, sp.ci_high, '.4f')} vs {sp.baseline.label}",
+                speedup_cell(speed.get(s.key)),
             ]
         )
-    comps = comparisons(result)
     infeasible = [f"{s.key.label}: {s.infeasible}" for s in result.stats if s.infeasible]
     summary = verdict(comps)
     if infeasible and not comps:
         summary = "summary: nothing to compare: a run and its fixed baseline must both fit their budget"
-    notes = [summary, *infeasible]
     note = budget_note(comps, [s.key.budget for s in result.stats])
-    return "\n".join([describe(result), *(header or []), "", *render(columns, rows), "", *notes,
-                      *([note] if note else []), "", *legend(COLUMNS)])  # fmt: skip
-
-
-def render(header: list[str], rows: list[list[str]]) -> list[str]:
-    """Left-aligned columns two spaces apart, a rule under the header."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return lines
+    notes = [summary, *infeasible, *([note] if note else [])]
+    return format_report(columns, rows, notes, COLUMNS, head=[describe(result), *(header or []), ""])
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:

@@ -49,7 +49,7 @@ EXEC_ROOMS = (
 (and itself). The package ``rrfp.exec`` itself belongs to the last room."""
 PLAIN_ARGUMENTS = ("rrfp.exec.comm", "rrfp.exec.loop")
 """Rooms that take plain arguments -- never a RunConfig -- so a library API can build on them..."""
-RUN_CONFIG_USERS = frozenset({"rrfp.exec.loop.trials", "rrfp.exec.loop.megatron", "rrfp.exec.loop.baseline"})
+RUN_CONFIG_USERS = frozenset({"rrfp.exec.loop.trials", "rrfp.exec.loop.baseline"})
 """...except these modules, the CLI's trial runner and its baselines (rebuilt on the library API later)."""
 
 

@@ -39,9 +39,9 @@ def recorded_run(monkeypatch, hint_name: str, policy, *, pull: bool = False, rea
     logs: dict[int, list[dict]] = {}
 
     def factory(hint, rank, pol, budget):
-        s = RankScheduler(hint, rank, pol, budget)
         logs[rank] = []
-        DecisionRecorder(lambda ev, r=rank: logs[r].append(json.loads(json.dumps(ev)))).attach(s)
+        record = DecisionRecorder(lambda ev, r=rank: logs[r].append(json.loads(json.dumps(ev))))
+        s = record.attach(RankScheduler(hint, rank, pol, budget))  # the driver holds the recorder
         if sizes is not None:
             s.reset(sizes=sizes)
         if pull:
@@ -193,3 +193,50 @@ def test_an_unwritable_decision_log_exits_2_before_any_worker(tmp_path: Path) ->
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("rrfp-run: error: --decision-log"), lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def _protocol_names() -> set[str]:
+    from rrfp.dispatch.protocol import SchedulerProtocol
+
+    return {n for n in vars(SchedulerProtocol) if not n.startswith("_")}
+
+
+def test_the_recorder_speaks_the_whole_scheduler_protocol() -> None:
+    """Everything a driver calls or reads (rrfp.dispatch.protocol) is on the recording wrapper as on the
+    scheduler; a wrapper that lacked one would fail here."""
+    names = _protocol_names()
+    calls = {"deliver", "complete", "ready", "next", "start", "reset", "use_bytes", "tick", "announce"}
+    assert calls | {"listen", "done", "peak", "waiting"} <= names
+    s = RankScheduler(rrfp.make_hint("1f1b", 2, 3), 0, "rrfp")
+    w = DecisionRecorder(lambda ev: None).attach(s)
+    assert all(hasattr(s, n) for n in names) and all(hasattr(w, n) for n in names)
+    assert not all(hasattr(w, n) for n in names | {"_fheap"})  # the check sees a missing name
+
+
+def test_a_recorder_wraps_the_scheduler_without_patching_it(monkeypatch) -> None:
+    """The wrapped scheduler keeps its own methods (nothing set on the instance), a call on it directly
+    goes unrecorded, and the reference driver holding the wrapper runs exactly as on the scheduler."""
+    hint = rrfp.make_hint("zb-h1", 3, 6)
+    s = RankScheduler(hint, 0, "rrfp")
+    before = dict(vars(s))
+    events: list[dict] = []
+    w = DecisionRecorder(events.append).attach(s)
+    assert vars(s).keys() == before.keys() and [ev["ev"] for ev in events] == ["scheduler"]
+    s.reset()
+    assert len(events) == 1
+    w.reset()
+    task = w.next()
+    assert task is not None and w.tasks[events[-1]["pick"]] == task and events[-1]["ev"] == "next"
+    w.start(task)
+    assert events[-1] == {"ev": "start", "pos": s.index[task]} and w.held == s.held == 1
+
+    recorder = DecisionRecorder(lambda ev: None)
+
+    def wrapped(hint, rank, pol, budget):
+        return recorder.attach(RankScheduler(hint, rank, pol, budget))
+
+    policy, budget = Guarded(expected=_costs, latency=0.05), rrfp.resolve_budget("2x", hint)
+    plain = driver.run_reference(hint, policy, _costs, budget=budget, latency=0.05)
+    monkeypatch.setattr(driver, "RankScheduler", wrapped)
+    recorded = driver.run_reference(hint, policy, _costs, budget=budget, latency=0.05)
+    assert recorder.decisions > 0 and recorded.log == plain.log and recorded.peak == plain.peak

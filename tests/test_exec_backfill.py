@@ -141,6 +141,21 @@ def test_only_the_announced_ops_are_announced() -> None:
     assert [kind for kind, _, _ in transport.log] == ["send"] * 3  # rank 1's B starts go unannounced
 
 
+def test_any_policy_that_declares_announced_ops_is_announced_as_declared() -> None:
+    """``announced_ops`` is a capability of every policy (rrfp.dispatch.policies.Policy), read as an
+    attribute: a plain rrfp subclass hearing of forwards only gets no B announcements; rrfp itself (the
+    base's None: every op) hears of all."""
+    from rrfp.dispatch.policies import Rrfp
+
+    class ForwardsOnly(Rrfp):
+        announced_ops = frozenset({Op.F})
+
+    _, transport, _ = _last_rank_runtime(clocked=True, policy=ForwardsOnly())
+    assert [kind for kind, _, _ in transport.log] == ["send"] * 3
+    _, transport, _ = _last_rank_runtime(clocked=True, policy=Rrfp())
+    assert [kind for kind, _, _ in transport.log] == ["announce", "send"] * 3
+
+
 def test_unclocked_loop_neither_ticks_nor_announces() -> None:
     _, transport, sched = _last_rank_runtime(clocked=False)
     assert [kind for kind, _, _ in transport.log] == ["send"] * 3

@@ -173,6 +173,30 @@ def test_a_busy_runtime_posts_what_it_runs_and_reads_its_producers_rank(tmp_path
     board.close()
 
 
+def test_any_policy_that_declares_use_busy_gets_the_busy_board(tmp_path) -> None:
+    """``use_busy`` is a capability of every policy (rrfp.dispatch.policies.Policy), read as an
+    attribute: the clocked runtime posts running tasks for a plain rrfp subclass that sets it, and not
+    for rrfp itself."""
+    from rrfp.dispatch.policies import Rrfp
+
+    class Busy(Rrfp):
+        use_busy = True
+
+    hint = rrfp.make_hint("1f1b", 2, 3)
+    codes = 3 * 2 * 3
+    board = StartBoard(tmp_path / "board", codes + 2, epoch=0.0, create=True)
+    ctx = RankContext(1, 1, lambda p: p, _Transport(), timeout=5, board=board, board_running=codes)  # type: ignore[arg-type]
+    try:
+        for policy, busy in ((Rrfp(), False), (Busy(), True)):
+            runtime = PipelineRuntime(
+                ctx, rrfp.RankScheduler(hint, 1, "rrfp"), None, 0, Injector("none", 0.0, 0.0, 0, 0)
+            )  # type: ignore[arg-type]
+            runtime.clock(rrfp.RankScheduler(hint, 1, policy))
+            assert (runtime._busy is not None) is busy
+    finally:
+        board.close()
+
+
 def _cfg(announce: str, policy: str = "backfill", pp: int = 4) -> SimpleNamespace:
     trial = SimpleNamespace(policy=policy, is_baseline=False)
     return SimpleNamespace(announce=announce, trials=[trial], pp=pp)

@@ -1,8 +1,9 @@
 """rrfp-run ``--send megatron``: fixed 1f1b runs Megatron-core's blocking P2P calls (exec/loop/megatron.py).
 
-In-process: the runtime's call sequence per rank is the simulator's Megatron program (rrfp.sim.megatron),
-handshakes come exactly where they should, every wait is declared to the heartbeat thread, and bad
-combinations are one line with exit 2. Real jobs (gloo, tests/execkit.py: bounded, nothing left behind):
+In-process: the runtime's call sequence per rank is the one Megatron program (rrfp.plan.megatron, which
+the simulator models too; tests/test_plan_megatron.py holds its exact calls), handshakes come exactly
+where they should, every wait is declared to the heartbeat thread, and bad combinations are one line
+with exit 2. Real jobs (gloo, tests/execkit.py: bounded, nothing left behind):
 --check is exact with equal shapes and with token mode's unequal lengths (shapes vary per message), and a
 stopped peer ends the job in one line within --timeout's bound.
 """
@@ -31,10 +32,12 @@ from execkit import (
 
 from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.errors import InternalError
+from rrfp.exec.config import variable_shapes
 from rrfp.exec.loop import megatron as meg
-from rrfp.exec.loop.megatron import P2P, Call, MegatronRuntime, megatron_program
+from rrfp.exec.loop.megatron import MegatronRuntime
 from rrfp.exec.loop.runtime import RankContext
 from rrfp.exec.models.synthetic import Injector
+from rrfp.plan.megatron import P2P, Call, call_name, megatron_program
 from rrfp.plan.sources import make_hint
 from rrfp.plan.task import Op, Task
 from rrfp.sim import megatron as sim_meg
@@ -104,16 +107,16 @@ def run_rank(rank: int, handshake: bool, vary: bool = True) -> Log:
     return log
 
 
-def sim_program(rank: int) -> list:
-    spec = make_hint("1f1b", PP, M).spec
+def program(rank: int) -> list:
+    """The one Megatron program (rrfp.plan.megatron) of ``rank`` as the fakes log it."""
     return [s if isinstance(s, Task) else ("tensor", tuple((o.peer, o.send, o.task) for o in s))
-            for s in sim_meg.megatron_program(spec, rank)]  # fmt: skip
+            for s in megatron_program(PP, M, rank)]  # fmt: skip
 
 
 @pytest.mark.parametrize("rank", range(PP))
-def test_the_runtime_runs_the_simulator_s_megatron_program_call_by_call(rank: int) -> None:
+def test_the_runtime_runs_the_megatron_program_call_by_call(rank: int) -> None:
     log = run_rank(rank, handshake=True)
-    assert [s for s in log if s[0] != "shape"] == sim_program(rank)
+    assert [s for s in log if s[0] != "shape"] == program(rank)
     # every tensor call comes right after its own handshake of the same operations (shapes vary)
     calls = [s for s in log if not isinstance(s, Task)]
     assert [k for k, _ in calls] == ["shape", "tensor"] * (len(calls) // 2)
@@ -135,7 +138,7 @@ def test_warm_up_steady_state_and_cool_down_have_megatron_s_counts(rank: int) ->
                                                                     Task(rank, Op.B, i))] + \
         [Task(rank, Op.B, i) for i in range(remaining, M)]  # fmt: skip
     calls: list[Call] = [s for s in prog if not isinstance(s, Task)]
-    names = [meg.call_name(c) for c in calls]
+    names = [call_name(c) for c in calls]
     steady = {"send_forward_recv_backward", "send_backward_recv_forward"}
     batched = sum(n in steady for n in names)
     assert batched == (remaining if first else remaining - 1 if last else 2 * remaining - 1)
@@ -153,7 +156,7 @@ def test_equal_shapes_shake_hands_once_per_channel_and_refuse_a_changed_shape() 
     assert sorted((p, snd, t.op.name) for p, snd, t in shakes) == [
         (0, False, "F"), (0, True, "B"), (2, False, "B"), (2, True, "F")
     ]  # fmt: skip
-    assert [s for s in log if s[0] != "shape"] == sim_program(1)
+    assert [s for s in log if s[0] != "shape"] == program(1)
     with pytest.raises(InternalError, match="its channel's shape"):
         run_rank(0, handshake=False, vary=True)  # a second activation of another shape, unannounced
 
@@ -193,7 +196,7 @@ def test_variable_shapes_follow_the_simulator_s_rule(tmp_path: Path) -> None:
     for extra, want in [({}, False), ({"model": "multimodal"}, True), ({"lengths": str(unequal)}, True),
                         ({"lengths": str(equal)}, False)]:  # fmt: skip
         cfg = build_config({**opts, "gpus": 2, **extra}, set(extra))
-        assert meg.variable_shapes(cfg) is want, extra
+        assert variable_shapes(cfg) is want, extra
         if cfg.tokens is not None:
             assert sim_meg.variable_shapes(cfg.tokens) is want
 

@@ -23,8 +23,9 @@ from hypothesis import strategies as st
 from rrfp.exec.config import RunConfig
 from rrfp.exec.jobs.launch import EXIT_FAIL, EXIT_OK, exit_code
 from rrfp.exec.models.check import CheckResult
-from rrfp.exec.report import as_json, as_row, compact_json, table
+from rrfp.exec.report import as_json, as_row, table
 from rrfp.exec.results import ExecMeasures, exec_result, measures, without_trace
+from rrfp.study.report import compact_json
 from rrfp.study.result import TrialResult
 from rrfp.study.trial import TrialId
 

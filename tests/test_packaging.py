@@ -36,7 +36,11 @@ def test_wheel_installs_all_three_packages(tmp_path: Path) -> None:
     )
     (wheel,) = wheels.glob("rrfp-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for module in ("rrfp/dispatch/scheduler.py", "rrfp/sim/model.py", "rrfp/exec/loop/runtime.py", "rrfp/exec/comm/transport.py"):
+    modules = (
+        "rrfp/dispatch/scheduler.py", "rrfp/sim/model.py", "rrfp/exec/loop/runtime.py",
+        "rrfp/exec/comm/transport.py",
+    )  # fmt: skip
+    for module in modules:
         assert module in names, module
     target = tmp_path / "site"
     subprocess.run(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from conftest import examples
@@ -26,6 +27,7 @@ from hypothesis import strategies as st
 
 import rrfp
 from rrfp.dispatch.backfill import Backfill, BackfillError, unit_costs
+from rrfp.dispatch.policies import Policy, Rrfp
 from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
 from rrfp.plan.hints import SEQUENCE_HINTS
 from rrfp.plan.spec import PLACEMENTS
@@ -345,3 +347,59 @@ def test_expected_costs_are_the_workload_means_per_stage_and_op() -> None:
 def test_backfill_is_registered() -> None:
     assert "backfill" in rrfp.policy_names()
     assert isinstance(rrfp.get_policy("backfill"), Backfill)
+
+
+# -- capabilities: declared on the Policy base, read as plain attributes -------------------------------
+CAPABILITIES: dict[str, Callable[[object], bool]] = {
+    "needs_clock": lambda v: type(v) is bool,
+    "use_busy": lambda v: type(v) is bool,
+    "announced_ops": lambda v: v is None or (isinstance(v, frozenset) and all(isinstance(o, Op) for o in v)),
+    "sized": lambda v: v is None or callable(v),
+}
+"""Each capability the base declares, and what a policy may hold in it."""
+
+
+def capability_errors(policy: Policy) -> list[str]:
+    """The declared capabilities ``policy`` holds a wrong kind of value in (and a knobs() that does not
+    rebuild it: ``type(p)(**p.knobs())`` must give the same knobs)."""
+    bad = [name for name, ok in CAPABILITIES.items() if not ok(getattr(policy, name))]
+    knobs = policy.knobs()
+    plain = isinstance(knobs, dict) and all(isinstance(v, (bool, int, float, str)) for v in knobs.values())
+    try:
+        same = plain and type(policy)(**knobs).knobs() == knobs
+    except TypeError:  # a knob the constructor does not take
+        same = False
+    return bad if same else [*bad, "knobs"]
+
+
+def test_the_base_declares_every_capability_with_its_default() -> None:
+    declared = {name for name in Policy.__annotations__ if name != "name"}
+    assert declared == set(CAPABILITIES), "a new capability needs its type in CAPABILITIES"
+    base = Policy()
+    assert (base.needs_clock, base.use_busy, base.announced_ops, base.sized) == (False, False, None, None)
+    assert base.knobs() == {}
+
+
+def test_every_registered_policy_holds_each_capability_with_its_type() -> None:
+    import rrfp.dispatch.guarded  # registers guarded
+
+    names = rrfp.policy_names()
+    assert {"fixed", "rrfp", "backfill", "guarded"} <= set(names)
+    for name in names:
+        assert capability_errors(rrfp.get_policy(name)) == [], name
+    assert rrfp.get_policy("backfill").needs_clock and not rrfp.get_policy("rrfp").needs_clock
+    assert Backfill(announced_ops=frozenset({Op.F})).announced_ops == frozenset({Op.F})
+    assert Backfill(sized=lambda sizes: unit_costs).sized is not None
+
+
+def test_the_capability_check_catches_a_wrong_kind_of_value() -> None:
+    class Sloppy(Rrfp):
+        use_busy = 1  # type: ignore[assignment]  # truthy, but not a bool
+
+        def __init__(self) -> None:
+            self.announced_ops = {Op.F}  # type: ignore[assignment]  # a set: callers expect a frozenset
+
+        def knobs(self) -> dict[str, Any]:
+            return {"window": 3}  # Rrfp takes no window
+
+    assert capability_errors(Sloppy()) == ["use_busy", "announced_ops", "knobs"]

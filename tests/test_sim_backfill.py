@@ -198,3 +198,35 @@ def test_replay_plans_backfill_with_the_recorded_means() -> None:
     result = run_replay(rep, policies=("backfill",), memory_budget=("1x", "2x"))
     at_1x = next(r for r in result.runs if r.key.policy == "backfill" and r.budget_label == "1x")
     assert at_1x.predicted <= result.recorded.predicted * 1.01  # it waits where fixed would
+
+
+def test_any_policy_that_declares_a_clock_is_driven_with_one() -> None:
+    """``needs_clock`` is a capability of every policy (rrfp.dispatch.policies.Policy), read as an
+    attribute: a plain rrfp subclass that sets it gets the clock and its producers' starts in the
+    simulator, and the same class without it gets neither."""
+    from rrfp.dispatch.policies import Rrfp
+
+    class Watching(Rrfp):
+        def __init__(self) -> None:
+            self.seen: list[tuple[float | None, float | None]] = []
+
+        def pick(self, s):  # type: ignore[no-untyped-def]
+            self.seen += [(s.now, s.since(p)) for p in range(len(s.tasks)) if s.awaiting(p)]
+            return super().pick(s)
+
+    class Clocked(Watching):
+        needs_clock = True
+
+    hint = rrfp.make_hint("1f1b", 3, 4)
+    shape = (3, 4)
+    half = np.full(shape, 0.5)
+    sample = IterationSample(np.full(shape, 2.0), half, half, np.ones((*shape, 2)))
+    for policy, clocked in ((Watching(), False), (Clocked(), True)):
+        model = ClusterModel(hint, policy, ClusterConfig())
+        model.run([[[sample]]])
+        assert model.clocked is clocked and policy.seen
+        starts = [since for _, since in policy.seen if since is not None]
+        if clocked:
+            assert all(now is not None for now, _ in policy.seen) and starts
+        else:
+            assert {now for now, _ in policy.seen} == {None} and not starts

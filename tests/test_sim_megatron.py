@@ -227,7 +227,7 @@ def _is_call(step: Any) -> bool:
 
 def _mutated_program(change: Callable[[list[Any]], list[Any]]) -> Callable[..., list[Any]]:
     real = mg.megatron_program
-    return lambda spec, rank: change(real(spec, rank))
+    return lambda pp, m, rank: change(real(pp, m, rank))
 
 
 def _batch_warm_up(steps: list[Any]) -> list[Any]:

@@ -235,6 +235,6 @@ def test_a_decision_log_refuses_a_busy_source() -> None:
     from rrfp.dispatch.decisions import DecisionLogError, DecisionRecorder
 
     s = RankScheduler(rrfp.make_hint("1f1b", pp=2, microbatches=3), 0, "backfill")
-    DecisionRecorder(lambda ev: None).attach(s)
+    w = DecisionRecorder(lambda ev: None).attach(s)
     with pytest.raises(DecisionLogError, match="busy"):
-        s.listen(lambda pos: None, lambda pos: None)
+        w.listen(lambda pos: None, lambda pos: None)

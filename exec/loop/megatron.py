@@ -1,26 +1,26 @@
 """``--send megatron``: a fixed trial runs Megatron-core's non-interleaved 1F1B P2P, call by call.
 
 The paper's baseline is Megatron-based fixed-order 1F1B. rrfp's own transport
-(:mod:`rrfp.exec.comm.transport`) is gentler: sends never block compute, and inputs arrive in any order through receiver threads. Under
-``--send megatron`` a ``fixed`` trial on the 1f1b order (or a class hint whose reference order is 1f1b)
-bypasses that transport and runs the P2P calls of Megatron-core's
-``forward_backward_pipelining_without_interleaving`` itself, with real blocking calls on the trial's
-pipeline process group (``docs/workload_facts.md`` §1a, NVIDIA/Megatron-LM ``d98e8a64``; the simulator's
-model of the same program is ``rrfp.sim.megatron``, whose docstring lists it: warm-up and cool-down as
-separate blocking calls, the steady state as batched exchanges, ``warmup = min(pp - r - 1, m)`` on rank r;
-:func:`megatron_program` builds it and a test holds it equal to the simulator's).
+(:mod:`rrfp.exec.comm.transport`) is gentler: sends never block compute, and inputs arrive in any order
+through receiver threads. Under ``--send megatron`` a ``fixed`` trial on the 1f1b order (or a class hint
+whose reference order is 1f1b; rrfp.exec.preflight refuses any other) bypasses that transport and runs
+the P2P calls of Megatron-core's ``forward_backward_pipelining_without_interleaving`` itself, with real
+blocking calls on the trial's pipeline process group (``docs/workload_facts.md`` §1a,
+NVIDIA/Megatron-LM ``d98e8a64``). The program -- warm-up and cool-down as separate blocking calls, the
+steady state as batched exchanges, ``warmup = min(pp - r - 1, m)`` on rank r -- is
+rrfp.plan.megatron's, the one the simulator models too (rrfp.sim.megatron).
 
 * **A call** is one ``torch.distributed.batch_isend_irecv`` of its operations, every request waited on
   before the next compute (facts 1: ``_batched_p2p_ops`` and ``_communicate``'s ``req.wait()``;
   ``batch_p2p_comm=True``), then -- on CUDA -- a device synchronize (``batch_p2p_sync=True``). Over
   gloo a send of an unbound buffer goes out once the peer announced the matching receive, so a blocking
   send waits for its receiver, as NCCL's does (facts 5).
-* **The shape handshake** (facts 4: ``_communicate_shapes``): when shapes vary (:func:`variable_shapes`:
-  token mode with unequal lengths, multimodal) each call is preceded by the same operations on 3-int64
-  shape tensors, waited on; the tensors then go with the received shapes -- so variable shapes work
-  (torch's own pipelining aborts on a shape change). With equal shapes the first message of each
-  channel still carries its shape once (Megatron computes it from its config; this runtime does not know
-  the model's), and every later send is checked against it.
+* **The shape handshake** (facts 4: ``_communicate_shapes``): when shapes vary (``handshake``, which
+  rrfp.exec.config.variable_shapes decides: token mode with unequal lengths, multimodal) each call is
+  preceded by the same operations on 3-int64 shape tensors, waited on; the tensors then go with the
+  received shapes -- so variable shapes work (torch's own pipelining aborts on a shape change). With
+  equal shapes the first message of each channel still carries its shape once (Megatron computes it
+  from its config; this runtime does not know the model's), and every later send is checked against it.
 * **Not the rrfp transport.** The tensors never touch the transport's header+payload receiver threads:
   the calls run on the pipeline group (``Groups.pp``, rrfp.exec.comm.topology), which those threads never
   receive on -- only torch's baselines use it, inside their own steps -- so a blocking receive here can
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -49,125 +48,16 @@ import torch.distributed as dist
 from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.errors import InternalError
 from rrfp.exec.comm import liveness
-from rrfp.exec.config import ExecConfigError, RunConfig
 from rrfp.exec.faults import PEER_ERRORS, LostPeerError, one_line
 from rrfp.exec.loop.runtime import LoopStats, PipelineRuntime, RankContext, Runner
 from rrfp.exec.models.synthetic import Injector
-from rrfp.plan.hints import Hint
-from rrfp.plan.sources import make_hint
-from rrfp.plan.task import Op, Task
+from rrfp.plan.megatron import P2P, Call, call_name, megatron_program, runs_megatron_order
+from rrfp.plan.task import Task
 
 SHAPE_DIMS = 3
 """Megatron's shape tensor: 3 int64 (absent dims are sent as -1 here)."""
 DTYPE = torch.float32
 """What every pipeline message of rrfp-run's models (and --synthetic's tokens) is."""
-
-
-@dataclass(frozen=True, slots=True)
-class P2P:
-    """One operation of a call: a send to, or a receive from, pipeline rank ``peer``."""
-
-    peer: int
-    send: bool
-    task: Task
-    """The message's consumer (on the receiving rank): names the message on both sides."""
-
-    @property
-    def direction(self) -> int:
-        """0: an activation (consumed by F), 1: a gradient."""
-        return 0 if self.task.op is Op.F else 1
-
-    @property
-    def name(self) -> str:
-        """Megatron's wording: ``send_forward``, ``recv_backward``, ..."""
-        return f"{'send' if self.send else 'recv'}_{'forward' if self.direction == 0 else 'backward'}"
-
-
-Call = tuple[P2P, ...]
-"""One ``_communicate``: operations posted together and waited on together."""
-
-
-def call_name(call: Call) -> str:
-    """Megatron's name of a call: ``send_forward_recv_backward``, ``recv_forward``, ..."""
-    return "_".join(op.name for op in call)
-
-
-def megatron_program(pp: int, m: int, rank: int) -> list[Task | Call]:
-    """Rank ``rank``'s computes and calls in Megatron's order (the module docstring); calls towards a
-    missing peer are left out, as Megatron's wrappers skip them."""
-    first, last = rank == 0, rank == pp - 1
-
-    def recv_forward(mb: int) -> Call:
-        return () if first else (P2P(rank - 1, False, Task(rank, Op.F, mb)),)
-
-    def send_forward(mb: int) -> Call:
-        return () if last else (P2P(rank + 1, True, Task(rank + 1, Op.F, mb)),)
-
-    def recv_backward(mb: int) -> Call:
-        return () if last else (P2P(rank + 1, False, Task(rank, Op.B, mb)),)
-
-    def send_backward(mb: int) -> Call:
-        return () if first else (P2P(rank - 1, True, Task(rank - 1, Op.B, mb)),)
-
-    warmup = min(pp - rank - 1, m)
-    remaining = m - warmup
-    out: list[Task | Call] = []
-    for i in range(warmup):
-        out += [recv_forward(i), Task(rank, Op.F, i), send_forward(i)]
-    if remaining:
-        out.append(recv_forward(warmup))
-    for i in range(remaining):
-        steady = send_forward(warmup + i) + recv_backward(i)
-        out += [Task(rank, Op.F, warmup + i), steady, Task(rank, Op.B, i)]
-        out.append(send_backward(i) + (recv_forward(warmup + i + 1) if i < remaining - 1 else ()))
-    for i in range(remaining, m):
-        out += [recv_backward(i), Task(rank, Op.B, i), send_backward(i)]
-    return [s for s in out if s != ()]
-
-
-def runs_megatron_order(hint: Hint) -> bool:
-    """Does ``fixed`` on ``hint`` run Megatron's program's computes (one loop stage per rank, unsplit,
-    every rank's order that of :func:`megatron_program`)?"""
-    spec = hint.spec
-    if spec.virtual_stages != 1 or spec.split or spec.placement != "loop":
-        return False
-    return all(
-        tuple(s for s in megatron_program(spec.pp, spec.microbatches, r) if isinstance(s, Task))
-        == tuple(hint.orders[r])
-        for r in range(spec.pp)
-    )
-
-
-def check_send(cfg: RunConfig) -> None:
-    """Refuse ``--send megatron`` where it applies to nothing or to another order (before any worker
-    starts): it needs a fixed trial, and every fixed trial must run the 1f1b order."""
-    if cfg.send != "megatron":
-        return
-    fixed = [t for t in cfg.trials if t.policy == "fixed"]
-    if not fixed:
-        raise ExecConfigError(
-            "--send megatron applies to fixed trials (Megatron-core's 1F1B) and no trial runs fixed: "
-            "add fixed/1f1b, or drop --send"
-        )
-    for t in fixed:
-        hint = make_hint(t.hint, cfg.study.pp, cfg.study.microbatches, cfg.study.virtual_stages)
-        if runs_megatron_order(hint):
-            continue
-        order = hint.reference + (" (split backward)" if hint.spec.split and hint.reference != t.hint else "")
-        runs = "its own order" if order == t.hint else f"the {order} order"
-        raise ExecConfigError(
-            f"--send megatron runs Megatron-core's non-interleaved 1F1B, so fixed must run the 1f1b order; "
-            f"fixed on hint {t.hint!r} runs {runs} (use --send eager, or leave {t.label} out)"
-        )
-
-
-def variable_shapes(cfg: RunConfig) -> bool:
-    """Would Megatron run with ``variable_seq_lengths`` (facts 2, 4)? Token mode with unequal lengths or
-    an encoder, or the multimodal model (``--synthetic``: the multimodal workload) -- the rule of
-    ``rrfp.sim.megatron.variable_shapes``, which this layer may not import."""
-    if cfg.tokens is not None:
-        return cfg.tokens.multimodal or len(np.unique(cfg.tokens.table.tokens)) > 1
-    return (cfg.preset if cfg.synthetic else cfg.model.kind) == "multimodal"
 
 
 # -- communication ---------------------------------------------------------------------------------------

@@ -35,7 +35,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
+from rrfp.dispatch.protocol import SchedulerProtocol
+from rrfp.dispatch.scheduler import SchedulerError
 from rrfp.dispatch.sizes import Sizes
 from rrfp.dispatch.tp import agree
 from rrfp.exec.comm.board import StartBoard, board_tag
@@ -110,7 +111,7 @@ class PipelineRuntime:
     """Runs iterations of one trial (hint, policy, budget) on one rank."""
 
     def __init__(
-        self, ctx: RankContext, sched: RankScheduler, runner: Runner, trial: int, injector: Injector
+        self, ctx: RankContext, sched: SchedulerProtocol, runner: Runner, trial: int, injector: Injector
     ) -> None:
         self.ctx, self.sched, self.runner = ctx, sched, runner
         self.spec = sched.hint.spec
@@ -135,7 +136,7 @@ class PipelineRuntime:
         if ctx.board is not None:
             self._slots, self._sources = board_slots(self.sched, ctx.board_base)
 
-    def clock(self, sched: RankScheduler) -> None:
+    def clock(self, sched: SchedulerProtocol) -> None:
         """From the next iteration on, drive ``sched`` -- a scheduler of the same hint and rank whose
         policy plans with measured costs -- ticking its clock and announcing producer starts. A new
         scheduler rather than a new policy in the old one: the driver contract has no policy swap."""
@@ -143,7 +144,7 @@ class PipelineRuntime:
             raise SchedulerError(f"rank {self.sched.rank}: clock() needs a scheduler of this hint and rank")
         self.sched, self.clocked = sched, True
         self._remote = {}  # who hears of a start depends on the policy's announced ops
-        if getattr(sched.policy, "use_busy", False) and self.ctx.board is not None:
+        if sched.policy.use_busy and self.ctx.board is not None:
             self._busy = BusyBoard(sched, self.ctx.board, self.ctx.board_running, self.ctx.pp_rank)
 
     # -- one iteration --------------------------------------------------------------------------
@@ -213,7 +214,7 @@ class PipelineRuntime:
             return
         remote = self._remote.get(task)
         if remote is None:
-            ops = getattr(self.sched.policy, "announced_ops", None)
+            ops = self.sched.policy.announced_ops
             heard = ops is None or task.op in ops
             wiring = self.sched.hint.plan.wiring(self.sched.rank)  # the compiled plan's message wiring
             pos = self.sched.index[task]
@@ -361,7 +362,7 @@ class PipelineRuntime:
         }
 
 
-def board_slots(sched: RankScheduler, base: int) -> tuple[list[int], list[int]]:
+def board_slots(sched: SchedulerProtocol, base: int) -> tuple[list[int], list[int]]:
     """(the board slot of each position of ``sched``'s order, the slot of each position's cross-rank
     producer or -1): slots are ``base`` + task codes (rrfp.plan.compiled), both from the hint's compiled
     plan (a task has at most one cross-rank input)."""
@@ -373,9 +374,9 @@ def board_slots(sched: RankScheduler, base: int) -> tuple[list[int], list[int]]:
 class BusyBoard:
     """What each pipeline rank runs now, on the start board (rrfp.exec.comm.board): this rank posts its
     task at each start and clears it at each end; ``busy`` is the scheduler's source for
-    ``listen(..., busy)`` (``Backfill.use_busy``)."""
+    ``listen(..., busy)`` (``Policy.use_busy``)."""
 
-    def __init__(self, sched: RankScheduler, board: StartBoard, first: int, pp_rank: int) -> None:
+    def __init__(self, sched: SchedulerProtocol, board: StartBoard, first: int, pp_rank: int) -> None:
         plan = sched.hint.plan
         self.board, self.first, self.slot = board, first, first + pp_rank
         self.codes: list[int] = plan.codes[sched.rank].tolist()

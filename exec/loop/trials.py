@@ -27,14 +27,15 @@ import torch.distributed as dist
 
 from rrfp.dispatch.backfill import Backfill
 from rrfp.dispatch.policies import get_policy
+from rrfp.dispatch.protocol import SchedulerProtocol
 from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.exec import faults
 from rrfp.exec.comm import liveness
 from rrfp.exec.comm.topology import Groups, Topology
-from rrfp.exec.config import RunConfig
+from rrfp.exec.config import RunConfig, variable_shapes
 from rrfp.exec.loop.calibrate import ANNOUNCED_OPS, calibrate
 from rrfp.exec.loop.decision_log import RankDecisionLog
-from rrfp.exec.loop.megatron import GroupComm, MegatronRuntime, align_messages, variable_shapes
+from rrfp.exec.loop.megatron import GroupComm, MegatronRuntime, align_messages
 from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
 from rrfp.exec.models.check import digest, local_grads
 from rrfp.exec.models.data import run_batch
@@ -113,16 +114,18 @@ class RrfpTrial:
         budgets = resolve_budget(None if self.bytes is not None else trial.budget, hint)
         self.policy = get_policy(trial.policy)
         """The policy asked for; backfill's clocked phase plans with a calibrated copy of it."""
-        self.sched = RankScheduler(hint, topo.pp_rank, self.policy, budgets[topo.pp_rank])
+        self.sched: SchedulerProtocol = RankScheduler(hint, topo.pp_rank, self.policy, budgets[topo.pp_rank])
+        self.decisions: RankDecisionLog | None = None
+        if cfg.decision_log is not None:  # the runtime drives a recorder of this scheduler (and of clock()'s)
+            self.decisions = RankDecisionLog(topo.coords(), topo.rank, index, trial.label)
+            self.sched = self.decisions.attach(self.sched)
         self.stages, self.runner = self._build(hint.spec)
         injector = Injector(cfg.jitter, cfg.cv, cfg.inject_ms, cfg.study.seed, topo.dp_rank)
         self.recorder = recorder(cfg, trial, topo.coords, budgets)
         loop = dataclasses.replace(ctx.loop, recorder=self.recorder)
         self.runtime = self._runtime(loop, index, injector)
-        self.decisions: RankDecisionLog | None = None
-        if cfg.decision_log is not None:  # records this scheduler and any that clock() swaps in
-            self.decisions = RankDecisionLog(topo.coords(), topo.rank, index, trial.label, self.runtime)
-            self.decisions.attach(self.sched)
+        if self.decisions is not None:
+            self.decisions.runtime = self.runtime  # lines carry its iteration from now on
         params = [p for m in self.stages.values() for p in m.parameters()]
         self.opt = torch.optim.SGD(params, lr=cfg.lr) if params else None
         self.out = TrialOutcome(topo.coords(), budget=self.sched.budget)
@@ -202,7 +205,7 @@ class RrfpTrial:
         self.out.calibration = info
         self.sched = RankScheduler(hint, self.sched.rank, policy, self.sched.budget)
         if self.decisions is not None:
-            self.decisions.attach(self.sched)
+            self.sched = self.decisions.attach(self.sched)
         self.runtime.clock(self.sched)
 
     def outcome(self) -> TrialOutcome:

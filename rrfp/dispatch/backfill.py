@@ -120,7 +120,7 @@ class Backfill(Policy):
 
     name = "backfill"
     needs_clock = True
-    use_busy: ClassVar[bool] = False
+    use_busy = False
     """Plan an unstarted producer to start no earlier than the end its rank's running task is expected
     at (``SchedulerView.producer_busy``; the simulator publishes it, and rrfp-run on its start board).
     Off: measured, it changes no decision of consequence (BENCHMARKS.md §9, foresight_study.py)."""

@@ -1,9 +1,10 @@
 """Decision logs: record what one rank's scheduler was told and what its policy picked, and replay it.
 
-A :class:`DecisionRecorder` attaches to one :class:`~rrfp.dispatch.scheduler.RankScheduler` instance by
-wrapping its driver calls on that instance (the class and every other scheduler are untouched, so a run
-without a log pays nothing). It hands its sink one plain event (JSON-ready: numbers, strings, lists) per
-call, in call order; a task is its position in the rank's order:
+A :class:`DecisionRecorder` wraps one :class:`~rrfp.dispatch.scheduler.RankScheduler` in a
+:class:`RecordingScheduler`, which speaks the scheduler protocol (rrfp.dispatch.protocol) and forwards
+every call to it; the driver holds the wrapper instead of the scheduler (the scheduler, its class and its
+policy are untouched, so a run without a log pays nothing). It hands its sink one plain event
+(JSON-ready: numbers, strings, lists) per call, in call order; a task is its position in the rank's order:
 
 * ``scheduler`` -- once per attach: the hint (:func:`hint_spec`, rebuilt by :func:`rebuild_hint`), the
   pipeline rank (``pp_rank``), its slot budget, the rank's order, and the policy (:func:`policy_spec`:
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from rrfp.dispatch.backfill import Backfill
 from rrfp.dispatch.policies import Policy, get_policy
@@ -35,6 +36,10 @@ from rrfp.errors import UserError
 from rrfp.plan.hints import CLASS_HINTS, Hint
 from rrfp.plan.sources import make_hint
 from rrfp.plan.task import Op, Task
+
+if TYPE_CHECKING:
+    from rrfp.dispatch.protocol import SchedulerProtocol
+    from rrfp.dispatch.sizes import Sizes
 
 Event = dict[str, Any]
 Sink = Callable[[Event], None]
@@ -72,11 +77,10 @@ def rebuild_hint(d: Mapping[str, Any]) -> Hint:
     return hint
 
 
-def policy_spec(policy: Policy, sched: RankScheduler) -> Event:
+def policy_spec(policy: Policy, sched: SchedulerProtocol) -> Event:
     """The policy's registered name and knobs; for backfill and its kin, its cost model on this rank
     (``sized``: it prices each iteration by its sizes, and every reset with sizes logs those costs)."""
-    knobs = getattr(policy, "knobs", None)
-    out: Event = {"name": policy.name, "knobs": dict(knobs()) if callable(knobs) else {}}
+    out: Event = {"name": policy.name, "knobs": dict(policy.knobs())}
     if isinstance(policy, Backfill):
         ops = policy.announced_ops
         out.update(
@@ -84,12 +88,12 @@ def policy_spec(policy: Policy, sched: RankScheduler) -> Event:
             latency=policy.latency,
             announce_delay=policy.announce_delay,
             announced_ops=None if ops is None else sorted(op.value for op in ops),
-            sized=getattr(policy, "sized", None) is not None,
+            sized=policy.sized is not None,
         )
     return out
 
 
-def cost_lists(model: Callable[[Task], float], sched: RankScheduler) -> Event:
+def cost_lists(model: Callable[[Task], float], sched: SchedulerProtocol) -> Event:
     """``model``'s seconds for every position of ``sched``'s order and for each position's cross-rank
     producer (None where there is none): all a backfill-family policy asks its cost model."""
     producers = sched.hint.plan.sources(sched.rank).task
@@ -132,78 +136,143 @@ def rebuild_policy(
 
 # -- recording -------------------------------------------------------------------------------------
 class DecisionRecorder:
-    """Records one scheduler's driver calls and decisions into ``sink`` (one event dict per call)."""
+    """Where recorded events go (``sink``: one event dict per call), and the count of decisions; hands
+    out a :class:`RecordingScheduler` per scheduler it is to record."""
 
     def __init__(self, sink: Sink) -> None:
         self.sink = sink
         self.decisions = 0
-        """Decisions recorded so far (``next`` and ``ready`` calls)."""
-        self._pulls: list[list[Any]] = []
+        """Decisions recorded so far (``next`` and ``ready`` calls), over every scheduler attached."""
 
-    def attach(self, sched: RankScheduler) -> RankScheduler:
-        """Record ``sched`` from now on (its state now is taken as a fresh iteration's: attach it right
-        after it is made, before the driver's first reset). Returns it."""
-        self.sink({
+    def attach(self, sched: SchedulerProtocol) -> RecordingScheduler:
+        """Record ``sched`` from now on: returns the wrapper to drive in its place (``sched``'s state now
+        is taken as a fresh iteration's: attach it right after it is made, before the driver's first
+        reset). ``sched`` itself is left as it is."""
+        return RecordingScheduler(sched, self)
+
+
+class RecordingScheduler:
+    """Speaks the scheduler protocol (rrfp.dispatch.protocol.SchedulerProtocol) by forwarding every call
+    to the scheduler it wraps, and records each driver call and decision. A wrapper, not a patch: the
+    wrapped scheduler, its class and its policy are untouched (the policy still reads the scheduler
+    itself), so a run without a log pays nothing and one with a log decides the same."""
+
+    def __init__(self, sched: SchedulerProtocol, recorder: DecisionRecorder) -> None:
+        self.sched = sched
+        """The scheduler every call is forwarded to."""
+        self._recorder, self._emit = recorder, recorder.sink
+        self._pulls: list[list[Any]] = []  # what the listen() source returned during this decision
+        self._emit({
             "ev": "scheduler", "hint": hint_spec(sched.hint), "pp_rank": sched.rank, "budget": sched.budget,
             "order": [str(t) for t in sched.tasks], "policy": policy_spec(sched.policy, sched),
         })  # fmt: skip
-        index, emit = sched.index, self.sink
-        for name in ("deliver", "complete", "start"):
-            setattr(sched, name, self._task_call(getattr(sched, name), name, index))
-        reset, use_bytes, tick, announce = sched.reset, sched.use_bytes, sched.tick, sched.announce
-        listen, nxt, ready = sched.listen, sched.next, sched.ready
 
-        def rec_reset(*args: Any, **kwargs: Any) -> None:
-            sizes = kwargs.get("sizes", args[0] if args else None)
-            reset(*args, **kwargs)
-            emit({"ev": "reset"} if sizes is None else _sized_reset(sched, sizes))
+    # -- what the driver reads: the wrapped scheduler's --------------------------------------------
+    @property
+    def hint(self) -> Hint:
+        return self.sched.hint
 
-        def rec_use_bytes(deltas: Sequence[int], budget: int) -> None:
-            use_bytes(deltas, budget)
-            emit({"ev": "bytes", "deltas": [int(d) for d in deltas], "budget": int(budget)})
+    @property
+    def rank(self) -> int:
+        return self.sched.rank
 
-        def rec_tick(now: float) -> None:
-            tick(now)
-            emit({"ev": "tick", "now": now})
+    @property
+    def policy(self) -> Policy:
+        return self.sched.policy
 
-        def rec_announce(task: Task, since: float) -> None:
-            announce(task, since)
-            emit({"ev": "announce", "pos": index[task], "since": since})
+    @property
+    def tasks(self) -> tuple[Task, ...]:
+        return self.sched.tasks
 
-        def rec_listen(source: Callable[[int], float | None] | None, busy: Any = None) -> None:
-            if busy is not None:  # its pulls are not logged, so a replay could not serve them
-                raise DecisionLogError("a decision log cannot record listen(busy=...)")
-            listen(None if source is None else self._puller(source))
-            emit({"ev": "listen", "on": source is not None})
+    @property
+    def index(self) -> dict[Task, int]:
+        return self.sched.index
 
-        def rec_next() -> Task | None:
-            self._pulls = []
-            task = nxt()
-            self._decision("next", None if task is None else index[task], sched)
-            return task
+    @property
+    def budget(self) -> int:
+        return self.sched.budget
 
-        def rec_ready() -> list[Task]:
-            self._pulls = []
-            tasks = ready()
-            self._decision("ready", [index[t] for t in tasks], sched)
-            return tasks
+    @property
+    def held(self) -> int:
+        return self.sched.held
 
-        calls = {"reset": rec_reset, "use_bytes": rec_use_bytes, "tick": rec_tick, "announce": rec_announce,
-                 "listen": rec_listen, "next": rec_next, "ready": rec_ready}  # fmt: skip
-        for name, call in calls.items():  # on the instance: the class and other schedulers stay as they are
-            setattr(sched, name, call)
-        return sched
+    @property
+    def peak(self) -> int:
+        return self.sched.peak
 
-    def _task_call(
-        self, call: Callable[[Task], None], name: str, index: Mapping[Task, int]
-    ) -> Callable[[Task], None]:
-        emit = self.sink
+    @property
+    def held_bytes(self) -> int:
+        return self.sched.held_bytes
 
-        def recorded(task: Task) -> None:
-            call(task)
-            emit({"ev": name, "pos": index[task]})
+    @property
+    def peak_bytes(self) -> int:
+        return self.sched.peak_bytes
 
-        return recorded
+    @property
+    def done(self) -> bool:
+        return self.sched.done
+
+    def ready_positions(self) -> list[int]:
+        return self.sched.ready_positions()
+
+    def waiting(self) -> list[tuple[Task, int]]:
+        return self.sched.waiting()
+
+    def running(self) -> list[Task]:
+        return self.sched.running()
+
+    # -- driver calls: forwarded, then recorded ----------------------------------------------------
+    def reset(self, sizes: Sizes | None = None) -> None:
+        self.sched.reset(sizes)
+        self._emit({"ev": "reset"} if sizes is None else _sized_reset(self.sched, sizes))
+
+    def use_bytes(self, deltas: Sequence[int], budget: int) -> None:
+        self.sched.use_bytes(deltas, budget)
+        self._emit({"ev": "bytes", "deltas": [int(d) for d in deltas], "budget": int(budget)})
+
+    def deliver(self, task: Task) -> None:
+        self.sched.deliver(task)
+        self._emit({"ev": "deliver", "pos": self.sched.index[task]})
+
+    def complete(self, task: Task) -> None:
+        self.sched.complete(task)
+        self._emit({"ev": "complete", "pos": self.sched.index[task]})
+
+    def start(self, task: Task) -> None:
+        self.sched.start(task)
+        self._emit({"ev": "start", "pos": self.sched.index[task]})
+
+    def tick(self, now: float) -> None:
+        self.sched.tick(now)
+        self._emit({"ev": "tick", "now": now})
+
+    def announce(self, task: Task, since: float) -> None:
+        self.sched.announce(task, since)
+        self._emit({"ev": "announce", "pos": self.sched.index[task], "since": since})
+
+    def listen(
+        self,
+        source: Callable[[int], float | None] | None,
+        busy: Callable[[int], tuple[Task, float] | None] | None = None,
+    ) -> None:
+        """Forwards a source that logs each value it returns (a replay serves them back); ``busy`` is
+        refused: its answers are not logged, so a replay could not serve them."""
+        if busy is not None:
+            raise DecisionLogError("a decision log cannot record listen(busy=...)")
+        self.sched.listen(None if source is None else self._puller(source))
+        self._emit({"ev": "listen", "on": source is not None})
+
+    def next(self) -> Task | None:
+        self._pulls = []
+        task = self.sched.next()
+        self._decision("next", None if task is None else self.sched.index[task])
+        return task
+
+    def ready(self) -> list[Task]:
+        self._pulls = []
+        tasks = self.sched.ready()
+        self._decision("ready", [self.sched.index[t] for t in tasks])
+        return tasks
 
     def _puller(self, source: Callable[[int], float | None]) -> Callable[[int], float | None]:
         def pulled(pos: int) -> float | None:
@@ -213,16 +282,16 @@ class DecisionRecorder:
 
         return pulled
 
-    def _decision(self, kind: str, pick: Any, sched: RankScheduler) -> None:
-        self.decisions += 1
-        self.sink({"ev": kind, "pick": pick, "ready": sched.ready_positions(), "pulls": self._pulls})
+    def _decision(self, kind: str, pick: Any) -> None:
+        self._recorder.decisions += 1
+        self._emit({"ev": kind, "pick": pick, "ready": self.sched.ready_positions(), "pulls": self._pulls})
         self._pulls = []
 
 
-def _sized_reset(sched: RankScheduler, sizes: Any) -> Event:
+def _sized_reset(sched: SchedulerProtocol, sizes: Sizes) -> Event:
     """A reset with sizes; a policy that prices iterations by their sizes adds this iteration's costs."""
     ev: Event = {"ev": "reset", "sizes": dataclasses.asdict(sizes)}
-    sized = getattr(sched.policy, "sized", None)
+    sized = sched.policy.sized
     if sized is not None:
         ev.update(cost_lists(sized(sizes), sched))
     return ev

@@ -9,14 +9,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rrfp.errors import UserError
 
 if TYPE_CHECKING:
-    from rrfp.dispatch.sizes import Sizes
+    from rrfp.dispatch.sizes import SizedCostModel, Sizes
     from rrfp.dispatch.view import SchedulerView
-    from rrfp.plan.task import Task
+    from rrfp.plan.task import Op, Task
 
 
 class PolicyError(UserError):
@@ -24,12 +24,37 @@ class PolicyError(UserError):
 
 
 class Policy:
-    """Base class: subclasses set ``name`` and override :meth:`pick` (and :meth:`candidates`)."""
+    """Base class: subclasses set ``name`` and override :meth:`pick` (and :meth:`candidates`).
+
+    A policy's *capabilities* -- what drivers and tools read off it to decide what to feed it -- are
+    declared here with their defaults; a subclass overrides the ones it uses (rrfp.dispatch.backfill,
+    rrfp.dispatch.guarded), and callers read them as plain attributes, never with ``getattr``.
+    ``tests/test_policies_plus.py`` holds every registered policy to these types."""
 
     name: ClassVar[str] = ""
     needs_clock: ClassVar[bool] = False
-    """True if the policy reads the scheduler's optional timing hooks (``tick``/``announce``): drivers
-    then call them; for the others they skip that work."""
+    """True if the policy reads the scheduler's optional timing hooks (``tick``/``announce``/``listen``):
+    drivers then call them, for the others they skip that work. Read by the simulator (sim/model.py
+    ``ClusterModel``), rrfp-run's announcement choice (exec/config.py) and benchmarks/bench_decision.py."""
+    use_busy: ClassVar[bool] = False
+    """True if the policy asks what its producers' ranks run now (``SchedulerView.producer_busy``):
+    rrfp-run then posts every running task on its start board and hands ``listen(..., busy)`` a source
+    (exec/loop/runtime.py ``PipelineRuntime.clock``); the simulator publishes it to every policy."""
+    announced_ops: frozenset[Op] | None = None
+    """The ops whose starts the driver announces to this policy (None: every op); rrfp-run announces
+    only these by message (exec/loop/runtime.py), and a decision log records them
+    (rrfp.dispatch.decisions)."""
+    sized: SizedCostModel | None = None
+    """Given an iteration's :class:`~rrfp.dispatch.sizes.Sizes`, that iteration's expected seconds per
+    task, if the policy prices iterations by their sizes; None: it does not. A decision log records each
+    sized reset's costs so a replay plans with them (rrfp.dispatch.decisions)."""
+
+    def knobs(self) -> dict[str, Any]:
+        """The parameters that are the policy's own choice (plain values): ``type(p)(**p.knobs())`` builds
+        the same policy, with a cost model and announcements passed beside them where it takes those.
+        Read by decision logs (rrfp.dispatch.decisions) and rrfp-run's calibration
+        (exec/loop/calibrate.py). Default: none."""
+        return {}
 
     def begin_iteration(self, s: SchedulerView, sizes: Sizes | None) -> None:
         """An iteration starts on ``s`` (its ``reset``), with what is known of its microbatches; a policy
