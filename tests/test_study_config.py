@@ -10,7 +10,7 @@ import pytest
 
 from rrfp.exec.cli import build_config
 from rrfp.exec.cli import main as run_main
-from rrfp.exec.config import RunConfig
+from rrfp.exec.config import JSON_ORDER, RunConfig
 from rrfp.sim import token_cli
 from rrfp.sim.cli import build_config as sim_build_config
 from rrfp.sim.cli import cli as sim_cli
@@ -133,3 +133,18 @@ def test_every_comma_list_reads_alike() -> None:
     cfg = build_config({**run_main.make_context("rrfp-run", []).params, "gpus": 2, "hints": text,
                         "trials": "fixed/1f1b, ,rrfp/bf,"})  # fmt: skip
     assert cfg.study.hints == ("1f1b", "bf") and _labels(cfg.trials) == ["fixed/1f1b", "rrfp/bf"]
+
+
+# -- the --json config keeps its keys ----------------------------------------------------------------
+def test_every_config_field_reaches_the_json_config() -> None:
+    """json_fields() lists each config's fields under the --json config's old names (goldens hold the
+    order): a field added to either config must be added there too, or this fails."""
+    sim_keys = set(ExperimentConfig().json_fields())
+    sim_own = {f.name for f in dataclasses.fields(ExperimentConfig)} - {"study"}
+    study_keys = {"stages" if f == "pp" else f for f in STUDY_FIELDS}
+    assert sim_keys == sim_own | study_keys
+    run = RunConfig(world=2, study=Study(pp=2, microbatches=4))
+    run_own = {f.name for f in dataclasses.fields(RunConfig)} - {"study", "preset"}
+    renamed = {"budgets" if f == "memory_budget" else f for f in STUDY_FIELDS} | {"workload"}
+    assert list(run.json_fields()) == list(JSON_ORDER) and set(JSON_ORDER) == run_own | renamed
+    assert run.json_fields()["budgets"] == (None,) and run.json_fields()["workload"] == "language"
