@@ -287,8 +287,9 @@ class RunConfig:
                  "policies": s.policies, "hints": s.hints, "budgets": s.budget_labels(),
                  "iterations": s.iterations, "warmup": s.warmup, "seed": s.seed,
                  "workload": self.preset}  # fmt: skip
-        own = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("study", "preset")}
-        return {name: {**own, **named}[name] for name in JSON_ORDER}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("study", "preset")}
+        values.update(named)
+        return {name: values[name] for name in JSON_ORDER}
 
 
 JSON_ORDER = ("world", "pp", "tp", "dp", "model", "microbatches", "virtual_stages", "policies", "hints",
