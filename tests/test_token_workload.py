@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from rrfp.errors import UserError
 from rrfp.plan.sources import make_hint
+from rrfp.plan.task import Op, Task
 from rrfp.sim.config import ClusterConfig, ExperimentConfig
 from rrfp.sim.experiment import draw_samples, run_experiment
 from rrfp.study.study import Study
@@ -47,6 +48,17 @@ def decoder_flops(d: float, h: int = H) -> float:
     return 24 * d * h * h + 4 * h * d * d
 
 
+def input_flops(d: float, h: int = H) -> float:
+    """One decoder layer's I for one sample: the linears' input gradients (24 d h^2, as their forward)
+    and the attention core's backward (8 h d^2, twice its forward)."""
+    return 24 * d * h * h + 8 * h * d * d
+
+
+def weight_flops(d: float, h: int = H) -> float:
+    """One decoder layer's W for one sample: the linears' weight gradients (24 d h^2)."""
+    return 24 * d * h * h
+
+
 def streams(seed: int = 0, iteration: int = 0) -> dict[str, np.random.Generator]:
     return rngs.streams(seed, 0, iteration, components=STREAM_COMPONENTS)
 
@@ -61,12 +73,66 @@ def test_durations_follow_the_flop_formula_normalised_to_the_mean_microbatch() -
         want = decoder_flops(t) / mean  # costs x pp x (layers / 2) x D(t) / (layers x mean D)
         for stage in range(2):
             assert s.F[stage, m] == pytest.approx(want, rel=1e-12)
-            assert s.I[stage, m] == pytest.approx(want, rel=1e-12)
-            assert s.W[stage, m] == pytest.approx(want, rel=1e-12)
+            assert s.I[stage, m] == pytest.approx(input_flops(t) / mean, rel=1e-12)
+            assert s.W[stage, m] == pytest.approx(weight_flops(t) / mean, rel=1e-12)
     assert np.all(s.msg_bytes[0, :, 0] == s.tokens * H * 2) and np.all(
         s.msg_bytes[1, :, 1] == s.tokens * H * 2
     )
     assert np.all(s.msg_bytes[1, :, 0] == 0) and np.all(s.msg_bytes[0, :, 1] == 0)  # no message there
+
+
+def test_the_backward_splits_into_input_and_weight_flops_exactly() -> None:
+    """Zero jitter, 1 and 2 stages: I and W last their hand-computed FLOPs over the mean forward, and
+    B = I + W = 2 F, the backward's total before the split."""
+    mean = (decoder_flops(100) + decoder_flops(300)) / 2
+    for pp in (1, 2):
+        s = workload().sample(pp, pp, 6, streams())
+        for m, t in enumerate(s.tokens.tolist()):
+            for stage in range(pp):
+                assert s.I[stage, m] == pytest.approx(input_flops(t) / mean, rel=1e-12)
+                assert s.W[stage, m] == pytest.approx(weight_flops(t) / mean, rel=1e-12)
+        assert s.I + s.W == pytest.approx(2 * s.F, rel=1e-12)
+        assert np.all(s.I > s.W)  # the attention core's backward is all I's
+    heavy = workload(base=WorkloadConfig(costs="F=2,I=1.5,W=0.5")).sample(2, 2, 6, streams())
+    for m, t in enumerate(heavy.tokens.tolist()):  # --costs multiplies each op's own FLOPs
+        assert heavy.F[:, m] == pytest.approx([2 * decoder_flops(t) / mean] * 2, rel=1e-12)
+        assert heavy.I[:, m] == pytest.approx([1.5 * input_flops(t) / mean] * 2, rel=1e-12)
+        assert heavy.W[:, m] == pytest.approx([0.5 * weight_flops(t) / mean] * 2, rel=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_recompute_is_input_gradient_work(mode: str) -> None:
+    """The forward a recompute re-runs is I's (B's unsplit), at F's cost; W keeps its own FLOPs."""
+    mean = (decoder_flops(100) + decoder_flops(300)) / 2
+    again = {"none": lambda t: 0.0, "selective": lambda t: 4 * H * t * t, "full": decoder_flops}[mode]
+    w = workload(recompute=mode)
+    s = w.sample(2, 2, 6, streams())
+    for m, t in enumerate(s.tokens.tolist()):
+        assert s.I[:, m] == pytest.approx([(input_flops(t) + again(t)) / mean] * 2, rel=1e-12)
+        assert s.W[:, m] == pytest.approx([weight_flops(t) / mean] * 2, rel=1e-12)
+    means = w.mean_costs(2, 2, 6)  # the planner's expectation follows the split too
+    expect = {"F": decoder_flops, "W": weight_flops, "I": lambda t: input_flops(t) + again(t)}
+    for op, fn in expect.items():
+        assert means[op] == pytest.approx([(fn(100) + fn(300)) / 2 / mean] * 2, rel=1e-12)
+    assert means["B"] == pytest.approx(means["I"] + means["W"], rel=1e-15)
+    sized = w.sized_costs(2, 2, 6)(s.known)  # the cluster's own cost model, per microbatch
+    for m in range(6):
+        for op in (Op.I, Op.W):
+            assert sized(Task(1, op, m)) == pytest.approx(getattr(s, op.value)[1, m], rel=1e-12)
+        assert sized(Task(1, Op.B, m)) == pytest.approx(s.I[1, m] + s.W[1, m], rel=1e-12)
+
+
+def test_one_stage_iteration_is_the_sum_of_its_flops_split_or_not() -> None:
+    """pp = 1 at zero jitter: one rank runs every task back to back, so fixed's iteration time is the sum
+    of F + I + W on zb-h1 and of F + B on 1f1b -- the same, and the hand-computed FLOPs' sum."""
+    mean = (decoder_flops(100) + decoder_flops(300)) / 2
+    study = Study(pp=1, microbatches=4, hints=("1f1b", "zb-h1"), policies=("fixed",))
+    cfg = ExperimentConfig(study=study, seeds=1, workload=workload())
+    tokens = draw_samples(cfg, make_hint("zb-h1", 1, 4), 0)[0][0][0].tokens.tolist()
+    want = sum(decoder_flops(t) + input_flops(t) + weight_flops(t) for t in tokens) / mean
+    assert want == pytest.approx(3 * sum(decoder_flops(t) for t in tokens) / mean, rel=1e-12)
+    times = [st.iteration_time[0] for st in run_experiment(cfg, progress=False).stats]
+    assert times == pytest.approx([want, want], rel=1e-12)
 
 
 def one_f_one_b_two_ranks_two_microbatches(f: list[float], b: list[float]) -> float:
@@ -219,8 +285,11 @@ def test_a_frozen_encoder_keeps_its_tasks_at_zero_backward() -> None:
     assert np.all(frozen.msg_bytes[1, :, 1] == 0) and np.any(live.msg_bytes[1, :, 1] > 0)
     first = workload(TABLE, freeze_encoder=True, encoder="first", vision_layers=2, image_size=16, patch=8)
     s = first.sample(2, 2, 8, streams(5))  # encoder on stage 0 with decoder layers: only those train
-    assert np.all(s.I[0] > 0) and np.all(s.I[0] <= s.F[0])
-    assert np.all((s.I[0] < s.F[0]) == (s.images > 0))  # the encoder's forward has no backward
+    live_first = workload(TABLE, encoder="first", vision_layers=2, image_size=16, patch=8)
+    t = live_first.sample(2, 2, 8, streams(5))
+    assert np.array_equal(s.F, t.F) and np.all(s.I[0] > 0) and np.all(s.W[0] > 0)
+    for op in ("I", "W"):  # the encoder's forward has no backward: only where there are images
+        assert np.all((getattr(s, op)[0] < getattr(t, op)[0]) == (s.images > 0))
     cfg = ExperimentConfig(
         study=Study(
             pp=4, microbatches=8, hints=("1f1b", "zb-h1", "bfw"), policies=("fixed", "rrfp", "backfill")

@@ -14,11 +14,14 @@ sequence parallelism divides all of it by tp (Korthikanti §4.2.2; without seque
 would be ``10 + 24/t``, not modelled). A ``--dtype-bytes`` other than 2 scales the whole figure by
 ``dtype_bytes / 2``.
 
-**What W still needs.** With a split backward, I frees everything but the inputs of the layer's four
-linear layers, which W needs for the weight gradients: QKV input 2sbh, attention-projection input 2sbh,
-MLP inputs 2sbh + 8sbh (Korthikanti's breakdown), i.e. ``14·h·A1`` per layer; W frees those. Under
-``full`` recompute I re-runs the forward and W keeps only what F kept (2sbh per layer); a recompute's own
-transient memory is not counted.
+**What W still needs.** With a split backward, W is the weight gradients of the layer's four linear
+layers (rrfp.workload.tokens' FLOP split: the attention core's backward is all I's), and each needs its
+input and its output's gradient. I frees the rest; W keeps, per layer, the inputs -- QKV 2sbh,
+attention projection 2sbh, MLP 2sbh + 8sbh (Korthikanti's breakdown): 14sbh -- and the output
+gradients I computed -- QKV 6sbh, projection 2sbh, MLP 8sbh + 2sbh: 18sbh --, i.e. ``32·h·A1`` per
+layer (never more than F held); W frees those. Under ``full`` recompute I re-runs the forward and W
+keeps only what F kept (2sbh per layer): the re-run's tensors W uses are a recompute's own transient
+memory, which is not counted.
 
 **The encoder.** Vision layers hold the same formula at their width over image tokens (attention within
 an image: ``5·a·P²`` per image). A frozen encoder runs under ``no_grad`` (LLaVA's vision tower) and
@@ -74,8 +77,9 @@ BYTES_PER_PARAM = 18.0
 """bf16 weights (2) + fp32 gradients (4) + fp32 master weights (4) + Adam's moments (8)."""
 FROZEN_BYTES_PER_PARAM = 2.0
 """A frozen parameter: its bf16 weight only."""
-W_KEEP_FACTOR = 14
-"""Bytes per token per hidden unit of one layer that W needs after I (its linear layers' inputs)."""
+W_KEEP_FACTOR = 32
+"""Bytes per token per hidden unit of one layer that W needs after I: its linear layers' inputs (14) and
+their outputs' gradients (18)."""
 
 
 class MemoryModelError(UserError):

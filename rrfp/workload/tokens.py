@@ -44,8 +44,23 @@ microbatch] * jitter * straggler``: the mean microbatch costs ``costs`` per rank
 meaning), heavier ones more. The expectation is exact for unpacked data (the table's moments x
 microbatch_size; drawn images by their Poisson-mixture moments) and, for packed data, the mean over
 :data:`REFERENCE_BINS` bins packed from fixed streams (the same for every seed, so runs stay paired).
-Backward ops (I, W; B = I + W) use the same FLOPs, except that a frozen encoder's layers cost nothing
-there: its stages keep their B/I/W tasks at zero duration, so every hint stays valid.
+A frozen encoder's layers cost nothing in the backward: its stages keep their B/I/W tasks at zero
+duration, so every hint stays valid.
+
+**The backward's FLOP split** (per layer; the forward's two parts, linears 24 h^2 per token and the
+attention core 4 h per token pair, from the formula above)::
+
+    I = 24 h^2 sum_i d_i + 8 h sum_i d_i^2   the linears' input gradients (as many FLOPs as their forward)
+                                             + the attention core's backward (twice its forward: dQ, dK,
+                                             dV and the scores' gradient; it has no weights)
+    W = 24 h^2 sum_i d_i                     the linears' weight gradients
+    B = I + W = 2 x forward                  (the same total as before the split)
+
+(encoder layers alike at h_v over image tokens). So I > W, and I/W = 1 + s/(3h) for one sample of s
+tokens: 1.125 at s = 1536, h = 4096. Recompute re-runs the forward inside the backward, before the
+input gradients: its FLOPs (:meth:`TokenWorkload.recompute_flops`, priced at ``costs[F]``) are I's,
+B's when the backward is not split. ``costs`` multiplies each op's own FLOPs: the default F=1,B=2
+(I = W = 1) gives these FLOPs; ``B=x`` means I = W = x/2 multipliers.
 
 **Messages.** A message carries the activation (or its gradient) at a stage boundary: ``tokens x width x
 dtype_bytes`` bytes -- decoder tokens x h after a decoder stage, image tokens x h_v inside a separate
@@ -109,6 +124,10 @@ PACK_BLOCK = 256
 REFERENCE_BINS = 4096
 """Bins packed (from fixed streams) to estimate a packed microbatch's expected FLOPs."""
 _REFERENCE_SEED = 0
+LINEAR_FLOPS = 24
+"""Forward FLOPs of a layer's four linears per token per h^2: 2 x (QKV 3 + projection 1 + MLP 8) h^2."""
+ATTENTION_FLOPS = 4
+"""Forward FLOPs of the attention core per token pair per h: Q K^T and the scores times V, 2 each."""
 TOKEN_OPTIONS = ("lengths", "layers", "hidden", "heads", "microbatch_size", "seq_len", "dtype_bytes",
                  "packing", "pack_tokens", "encoder", "encoder_stages", "freeze_encoder",
                  "vision_layers", "vision_hidden", "image_size", "patch", "images_dist", "images_mean",
@@ -424,32 +443,52 @@ class TokenWorkload:
 
     def layer_flops(self, mom: _Moments) -> tuple[np.ndarray, np.ndarray]:
         """Forward FLOPs of one (decoder, encoder) layer per microbatch of ``mom``."""
-        h, hv, p = float(self.hidden), float(self.vision_width), float(self.image_tokens)
-        return 24 * h * h * mom.A1 + 4 * h * mom.A2, 24 * hv * hv * mom.G1 + 4 * hv * p * p * mom.N
+        return self.op_layer_flops(mom)["F"]
 
-    def stage_flops(self, mom: _Moments, num_stages: int) -> tuple[np.ndarray, np.ndarray]:
-        """(forward, backward) FLOPs per (stage, microbatch), shape (num_stages, len(mom.A1)) each."""
-        dec_flops, enc_flops = self.layer_flops(mom)
+    def op_layer_flops(self, mom: _Moments) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """FLOPs of one (decoder, encoder) layer's F, I and W per microbatch of ``mom`` (see the module
+        docstring's FLOP split): F = linears + attention core; I = the linears' input gradients (as many
+        as their forward) + the attention core's backward (twice its forward, all input gradients);
+        W = the linears' weight gradients (as many as their forward). I + W = 2 F."""
+        h, hv = float(self.hidden), float(self.vision_width)
+        lin = (LINEAR_FLOPS * h * h * mom.A1, LINEAR_FLOPS * hv * hv * mom.G1)
+        core = self._core_flops(mom)
+        return {
+            "F": (lin[0] + core[0], lin[1] + core[1]),
+            "I": (lin[0] + 2 * core[0], lin[1] + 2 * core[1]),
+            "W": lin,
+        }
+
+    def _per_stage(
+        self, per_layer: tuple[np.ndarray, np.ndarray], num_stages: int, vision: bool
+    ) -> np.ndarray:
+        """Per-layer (decoder, encoder) FLOPs summed over each stage's layers, shape (num_stages, M); the
+        encoder's only when ``vision``."""
         dec, enc = self.stage_layers(num_stages)
         dec[-1] *= 1 + self.base.imbalance  # the LM head and loss (WorkloadConfig's meaning)
-        text = dec[:, None] * dec_flops[None, :]
-        vision = enc[:, None] * enc_flops[None, :]
-        return text + vision, (text if self.freeze_encoder else text + vision)
+        out = dec[:, None] * per_layer[0][None, :]
+        return out + enc[:, None] * per_layer[1][None, :] if vision else out
+
+    def stage_flops(self, mom: _Moments, num_stages: int) -> dict[str, np.ndarray]:
+        """F, I and W FLOPs per (stage, microbatch), shape (num_stages, len(mom.A1)) each; a frozen
+        encoder's I and W are zero."""
+        trained = not self.freeze_encoder
+        return {op: self._per_stage(per, num_stages, op == "F" or trained)
+                for op, per in self.op_layer_flops(mom).items()}  # fmt: skip
 
     def recompute_flops(self, mom: _Moments, num_stages: int) -> np.ndarray:
         """Forward FLOPs the backward re-runs per (stage, microbatch): the trained layers' whole forward
-        (``full``), their attention-score part, the s^2 term (``selective``), or nothing."""
+        (``full``), their attention-score part, the s^2 term (``selective``), or nothing. It runs in the
+        backward before the input gradients: it is I's (B's when the backward is not split)."""
         if self.recompute == "none":
             return np.zeros((num_stages, len(mom.A1)))
-        if self.recompute == "full":
-            return self.stage_flops(mom, num_stages)[1]
+        per = self._core_flops(mom) if self.recompute == "selective" else self.op_layer_flops(mom)["F"]
+        return self._per_stage(per, num_stages, not self.freeze_encoder)
+
+    def _core_flops(self, mom: _Moments) -> tuple[np.ndarray, np.ndarray]:
+        """Forward FLOPs of one (decoder, encoder) layer's attention core, the s^2 part."""
         h, hv, p = float(self.hidden), float(self.vision_width), float(self.image_tokens)
-        dec, enc = self.stage_layers(num_stages)
-        dec[-1] *= 1 + self.base.imbalance
-        out = dec[:, None] * (4 * h * mom.A2)[None, :]
-        if not self.freeze_encoder:
-            out = out + enc[:, None] * (4 * hv * p * p * mom.N)[None, :]
-        return out
+        return ATTENTION_FLOPS * h * mom.A2, ATTENTION_FLOPS * hv * p * p * mom.N
 
     def expected_moments(self, microbatches: int) -> _Moments:
         """E[moments] of one microbatch (exact unpacked; packed: a fixed-stream mean, see the module
@@ -538,10 +577,10 @@ class TokenWorkload:
         )  # fmt: skip
 
     def _work(self, mom: _Moments, num_stages: int) -> dict[str, np.ndarray]:
-        """Cost-weighted FLOPs of F, I and W per (stage, microbatch of ``mom``); I re-runs what the
-        recompute mode dropped of the forward."""
+        """Cost-weighted FLOPs of F, I and W per (stage, microbatch of ``mom``): each op's own FLOPs times
+        its ``costs`` multiplier; I also re-runs what the recompute mode dropped of the forward (at F's)."""
         loads = self.stage_flops(mom, num_stages)
-        work = {op: self.costs[op] * loads[op != "F"] for op in _OPS}
+        work = {op: self.costs[op] * loads[op] for op in _OPS}
         work["I"] = work["I"] + self.costs["F"] * self.recompute_flops(mom, num_stages)
         return work
 
@@ -576,11 +615,9 @@ class TokenWorkload:
     def mean_costs(self, pp: int, num_stages: int, microbatches: int) -> dict[str, np.ndarray]:
         """Expected duration per stage of F, I, W and B = I + W, shape (num_stages,) each; no stragglers
         (as rrfp.workload.model.mean_costs)."""
-        mom = self.expected_moments(microbatches)
-        fwd, bwd = self.stage_flops(mom, num_stages)
         per_flop = pp / self.normaliser(microbatches)
-        out = {op: self.costs[op] * (fwd if op == "F" else bwd)[:, 0] * per_flop for op in _OPS}
-        out["I"] = out["I"] + self.costs["F"] * self.recompute_flops(mom, num_stages)[:, 0] * per_flop
+        work = self._work(self.expected_moments(microbatches), num_stages)
+        out = {op: work[op][:, 0] * per_flop for op in _OPS}
         out["B"] = out["I"] + out["W"]
         return out
 
