@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 HINTS = (
     "gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zbv", "bf", "bfw", "fb",
@@ -68,16 +70,8 @@ def cases() -> dict[str, list[str]]:
     return out
 
 
-def run_case(args: list[str], out: Path) -> dict[str, bytes]:
-    """Run one case in this process from the repository root; its outputs by file name.
-
-    ``stdout``/``stderr`` are what it printed, ``code`` its exit status; every other key is a file
-    it wrote into ``out``.
-    """
-    from rrfp.sim.cli import main
-    from rrfp.study.options import version
-
-    argv = [a.replace("{out}", str(out)) for a in args]
+def run_from_repo(main: Callable[[list[str]], Any], argv: list[str]) -> tuple[str, str, int | str | None]:
+    """Run a CLI's ``main(argv)`` in this process from the repository root: (stdout, stderr, exit code)."""
     buf, err = io.StringIO(), io.StringIO()
     code: int | str | None = 0
     cwd = os.getcwd()
@@ -89,12 +83,26 @@ def run_case(args: list[str], out: Path) -> dict[str, bytes]:
         code = e.code
     finally:
         os.chdir(cwd)
-    stdout = buf.getvalue().replace(str(out), "{out}")
+    return buf.getvalue(), err.getvalue(), code
+
+
+def run_case(args: list[str], out: Path) -> dict[str, bytes]:
+    """Run one case in this process from the repository root; its outputs by file name.
+
+    ``stdout``/``stderr`` are what it printed, ``code`` its exit status; every other key is a file
+    it wrote into ``out``.
+    """
+    from rrfp.sim.cli import main
+    from rrfp.study.options import version
+
+    argv = [a.replace("{out}", str(out)) for a in args]
+    printed, errors, code = run_from_repo(main, argv)
+    stdout = printed.replace(str(out), "{out}")
     stdout = stdout.replace(f'"rrfp_version": "{version()}"', '"rrfp_version": "{version}"')
     stdout = stdout.replace(f"rrfp-sim {version()}\n", "rrfp-sim {version}\n")
     files = {
         "stdout": stdout.encode(),
-        "stderr": err.getvalue().replace(str(out), "{out}").encode(),
+        "stderr": errors.replace(str(out), "{out}").encode(),
         "code": f"{code}\n".encode(),
     }
     for path in sorted(out.iterdir()):

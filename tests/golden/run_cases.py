@@ -9,8 +9,6 @@ trial names, peaks, losses' presence and verdicts -- everything but the clock.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import os
 import re
@@ -18,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from cases import run_from_repo
 
 REPO = Path(__file__).resolve().parents[2]
 RUN_DATA = Path(__file__).resolve().parent / "run"
@@ -128,18 +128,7 @@ def mask_json(text: str) -> str:
 def _run_in_process(args: list[str]) -> tuple[str, str, int | str | None]:
     from rrfp.exec.cli import main
 
-    buf, err = io.StringIO(), io.StringIO()
-    code: int | str | None = 0
-    cwd = os.getcwd()
-    os.chdir(REPO)
-    try:
-        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err):
-            main.main(args, prog_name="rrfp-run", standalone_mode=True)
-    except SystemExit as e:
-        code = e.code
-    finally:
-        os.chdir(cwd)
-    return buf.getvalue(), err.getvalue(), code
+    return run_from_repo(lambda argv: main.main(argv, prog_name="rrfp-run", standalone_mode=True), args)
 
 
 def _run_job(args: list[str]) -> tuple[str, str, int]:
