@@ -14,3 +14,20 @@ mode), ``baseline`` (torch.distributed.pipelining beside rrfp), ``results`` (a t
 
 Importing ``rrfp.exec`` itself stays light; torch is imported by the modules that need it.
 """
+
+from typing import Any
+
+_LIBRARY = ("ScheduleReadiness", "ReadinessPipeline", "microbatch_seed")
+
+
+def __getattr__(name: str) -> Any:
+    """``rrfp.exec.ScheduleReadiness`` and ``ReadinessPipeline`` (rrfp.exec.pipelining), imported on first
+    use so that ``import rrfp.exec`` stays light."""
+    if name in _LIBRARY:
+        from rrfp.exec import pipelining
+
+        return getattr(pipelining, name)
+    raise AttributeError(f"module 'rrfp.exec' has no attribute {name!r}")
+
+
+__all__ = list(_LIBRARY)

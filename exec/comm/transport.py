@@ -55,6 +55,7 @@ import torch.distributed as dist
 from rrfp.exec.comm.wire import (  # the wire format, re-exported: transport users import it from here
     HEADER_BYTES,
     HEADER_LEN,
+    KIND_ABORT,
     KIND_ANNOUNCE,
     KIND_CLOSE,
     KIND_PACKED,
@@ -236,6 +237,17 @@ class Transport:
         out, self.sent = self.sent, []
         return out
 
+    def abort(self) -> None:
+        """Tell every peer this rank stopped on an error (header only, posted now, not waited for): each
+        peer's receiver reports its channel failed, so a peer waiting for this rank's input stops at once.
+        The channels carry nothing more afterwards."""
+        values = [KIND_ABORT] + [0] * (HEADER_LEN - 1)
+        for _, group, group_peer in self._out.values():
+            try:
+                group.send([torch.tensor(values, dtype=torch.int64, device=self.device)], group_peer, 0)
+            except Exception:
+                continue
+
     def close(self, timeout: float) -> None:
         """Tell every peer this rank sends nothing more, and wait for the receiver threads to finish."""
         self.flush(timeout)
@@ -274,6 +286,8 @@ class Transport:
         start = time.monotonic()
         if values[0] == KIND_CLOSE:
             return -1
+        if values[0] == KIND_ABORT:  # reported as this channel's failure (the thread ends)
+            raise TransportError(f"rank {peer} stopped on an error")
         if values[0] == KIND_ANNOUNCE:
             trial, iteration, task, since_us = decode_announce(values)
             # Not through the inbox: an announcement never makes a task runnable, and it only brings an
