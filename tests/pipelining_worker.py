@@ -190,92 +190,332 @@ def stage_indices(hint: str, pp: int, rank: int, n: int) -> tuple[list[int], int
     return list(spec.stages_of(rank)), spec.num_stages
 
 
-def run_case(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
-    """One schedule; compares losses and grads with the reference (and torch's schedule if named)."""
-    from torch.distributed.pipelining import PipelineStage
+def model_of(case: dict[str, Any], num_stages: int) -> tuple[list[nn.Module], Any, Any]:
+    """(the whole model's stages, the batch maker, the loss) of a case."""
+    if case.get("model") == "gpt":
+        return gpt_stages(num_stages), gpt_batch, xent
+    return mlp_stages(num_stages, dropout=case.get("dropout", 0.0)), mlp_batch, mse
+
+
+def run_grad(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
+    """step() on a whole batch; losses and grads against the reference (and torch's schedule if named).
+    ``accumulate``: grads are not zeroed between steps (they must ADD)."""
 
     from rrfp.exec import ScheduleReadiness
 
     rank, pp = dist.get_rank(), dist.get_world_size()
-    hint, n, model = case["hint"], case.get("n", 4), case.get("model", "mlp")
-    mine, num_stages = stage_indices(hint, pp, rank, n)
-    build = gpt_stages if model == "gpt" else mlp_stages
-    batch = gpt_batch if model == "gpt" else mlp_batch
-    loss_fn = xent if model == "gpt" else mse
-    kwargs = {k: case[k] for k in ("policy", "memory_budget") if k in case}
-    ref = build(num_stages) if model == "gpt" else mlp_stages(num_stages, dropout=case.get("dropout", 0.0))
+    hint, n = case.get("csv") or case["hint"], case.get("n", 4)
+    mine, num_stages = stage_indices(case["hint"], pp, rank, n)
+    ref, batch, loss_fn = model_of(case, num_stages)
     local = copies(ref, mine)
-    stages = [PipelineStage(local[s], s, num_stages, torch.device("cpu")) for s in mine]
-    sched = ScheduleReadiness(
-        stages, n, loss_fn, hint=hint, pipeline=pipe, seed=case.get("seed", 0), **kwargs
-    )
-    worst, loss_err, torch_err = 0.0, 0.0, 0.0
-    for step in range(case.get("steps", 2)):
+    stages = [stage_class(case, s)(local[s], s, num_stages, torch.device("cpu")) for s in mine]
+    opts = {k: case[k] for k in ("policy", "memory_budget", "seed") if k in case}
+    sched = ScheduleReadiness(stages, n, loss_fn, hint=hint, pipeline=pipe, **opts)
+    worst = loss_err = torch_err = 0.0
+    for step in range(case.get("steps", 1)):
         args, tgt = batch(2 * n, step)
-        for mod in [*ref, *local.values()]:
-            mod.zero_grad(set_to_none=True)
+        if step == 0 or not case.get("accumulate"):
+            for mod in [*ref, *local.values()]:
+                mod.zero_grad(set_to_none=True)
         arg_mbs = [tuple(a.chunk(n)[m] for a in args) for m in range(n)]
         ref_losses = reference(
             ref, arg_mbs, list(tgt.chunk(n)), loss_fn, True, step, seed=case.get("seed", 0)
         )
         losses: list[torch.Tensor] = []
-        out = sched.step(
-            *(args if 0 in mine else ()), target=tgt if num_stages - 1 in mine else None, losses=losses
-        )
+        first, last = 0 in mine, num_stages - 1 in mine
+        out = sched.step(*(args if first else ()), target=tgt if last else None, losses=losses)
         worst = max(worst, compare(local, ref))
-        if num_stages - 1 in mine:
-            loss_err = max(
-                loss_err, max(abs(float(a) - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
-            )
-            assert out is not None and out.shape[0] == 2 * n
+        if last:
+            errs = [abs(float(a) - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
+            loss_err = max(loss_err, *errs)
+            assert out is not None and out.shape[0] == 2 * n, "the merged output"
     if case.get("torch"):
         torch_err = torch_check(case, ref, mine, num_stages, batch, loss_fn, n)
-    return {"worst": worst, "loss": loss_err, "torch": torch_err, "notes": sched.split_notes}
+    row = {"worst": worst, "loss": loss_err, "torch": torch_err, "notes": sched.split_notes}
+    row["split"] = sorted(s for s, on in sched.compute.split.items() if on)
+    if case.get("perturb"):  # the checker catches a wrong gradient
+        p = next(local[mine[0]].parameters())
+        p.grad[(0,) * p.grad.dim()] += 1e-3 * float(p.grad.abs().max())
+        row["perturbed"] = compare(local, ref)
+    return row
 
 
 def torch_check(case: dict[str, Any], ref: list[nn.Module], mine: list[int], num_stages: int, batch: Any,
                 loss_fn: Any, n: int) -> float:  # fmt: skip
-    """torch's own schedule on copies of the same stages: its grads against the reference's (last step)."""
+    """torch's own schedule on copies of the same stages: its grads against the reference's (last step,
+    whose reference grads are still in ``ref``)."""
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as ts
 
     local = copies(ref, mine)
     stages = [PipelineStage(local[s], s, num_stages, torch.device("cpu")) for s in mine]
     cls = getattr(ts, case["torch"])
-    sched = (
-        cls(stages[0], n, loss_fn) if issubclass(cls, ts.PipelineScheduleSingle) else cls(stages, n, loss_fn)
-    )
-    step = case.get("steps", 2) - 1
-    args, tgt = batch(2 * n, step)
+    single = issubclass(cls, ts.PipelineScheduleSingle)
+    sched = cls(stages[0], n, loss_fn) if single else cls(stages, n, loss_fn)
+    args, tgt = batch(2 * n, case.get("steps", 1) - 1)
     sched.step(*(args if 0 in mine else ()), target=tgt if num_stages - 1 in mine else None)
     return compare(local, ref)
 
 
-SUITES: dict[str, list[dict[str, Any]]] = {}
+def stage_class(case: dict[str, Any], s: int) -> Any:
+    """torch's PipelineStage, or (``broken``) one whose split backward is wrong on the last stage."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class WrongWeight(PipelineStage):  # W adds a wrong amount: the first-step check must catch it
+        def backward_maybe_with_nosync(self, kind: str, kw: dict, last_backward: bool = False) -> Any:
+            out = super().backward_maybe_with_nosync(kind, kw, last_backward)
+            if kind == "weight":
+                for p in self.submod.parameters():
+                    p.grad += 1e-2
+            return out
+
+    class NoSplit(PipelineStage):  # the input backward raises, like a region that cannot split
+        def backward_maybe_with_nosync(self, kind: str, kw: dict, last_backward: bool = False) -> Any:
+            if kind == "input":
+                raise RuntimeError("cannot split this module")
+            return super().backward_maybe_with_nosync(kind, kw, last_backward)
+
+    broken = case.get("broken")
+    if broken and s == int(case.get("broken_stage", 1)):
+        return {"weight": WrongWeight, "input": NoSplit}[broken]
+    return PipelineStage
 
 
-def matrix() -> list[dict[str, Any]]:
+def run_varlen(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
+    """step_microbatches on GPT microbatches of lognormal lengths (CV 1), unpadded, against the unpadded
+    single-process reference; ``scale``: scale_grads=True with a mean loss, else a sum loss normalised
+    by the global token count through loss_kwargs."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp.exec import ScheduleReadiness
+
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    n, scale = case.get("n", 6), case["scale"]
+    mine, num_stages = stage_indices(case["hint"], pp, rank, n)
+    ref = gpt_stages(num_stages)
+    local = copies(ref, mine)
+    lengths = lognormal_lengths(n)
+    mbs = [gpt_batch(2, 50 + m, seq=t) for m, t in enumerate(lengths)]
+    arg_mbs, tgt_mbs = [a for a, _ in mbs], [t for _, t in mbs]
+    tokens = sum(t.numel() for t in tgt_mbs)
+    kw = None if scale else {"total": tokens}
+
+    def summed(out: torch.Tensor, tgt: torch.Tensor, total: int) -> torch.Tensor:
+        flat = out.reshape(-1, out.shape[-1])
+        return nn.functional.cross_entropy(flat, tgt.reshape(-1), reduction="sum") / total
+
+    loss_fn = xent if scale else summed
+    ref_losses = reference(ref, arg_mbs, tgt_mbs, loss_fn, scale, 0, loss_kwargs=kw)
+    stages = [PipelineStage(local[s], s, num_stages, torch.device("cpu")) for s in mine]
+    sched = ScheduleReadiness(
+        stages, n, loss_fn, hint=case["hint"], policy=case.get("policy", "rrfp"), pipeline=pipe,
+        scale_grads=scale,
+    )  # fmt: skip
+    losses: list[torch.Tensor] = []
+    first, last = 0 in mine, num_stages - 1 in mine
+    out = sched.step_microbatches(
+        arg_mbs if first else None, tgt_mbs if last else None, losses=losses, loss_kwargs=kw
+    )
+    row: dict[str, Any] = {"worst": compare(local, ref), "loss": 0.0, "torch": 0.0, "lengths": lengths}
+    if last:
+        row["loss"] = max(abs(float(a) - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+        assert isinstance(out, list) and [o.shape[1] for o in out] == lengths, "per-microbatch outputs"
+    return row
+
+
+def run_kwargs(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
+    """Per-microbatch keyword arguments (a row mask) passed to step() on every rank reach every stage."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp.exec import ScheduleReadiness
+
+    class Masked(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) * mask
+
+    rank, pp, n = dist.get_rank(), dist.get_world_size(), 4
+    mine, num_stages = stage_indices(case["hint"], pp, rank, n)
+    ref = [Masked(m) for m in mlp_stages(num_stages)]
+    local = copies(ref, mine)
+    args, tgt = mlp_batch(2 * n, 0)
+    mask = (torch.arange(2 * n) % 3 != 0).float().unsqueeze(1)
+    losses, total = [], 0.0
+    for m in range(n):
+        x = args[0].chunk(n)[m]
+        for mod in ref:
+            x = mod(x, mask=mask.chunk(n)[m])
+        loss = mse(x, tgt.chunk(n)[m])
+        losses.append(float(loss))
+        total = total + loss
+    (total / n).backward()  # type: ignore[operator]
+    stages = [PipelineStage(local[s], s, num_stages, torch.device("cpu")) for s in mine]
+    sched = ScheduleReadiness(stages, n, mse, hint=case["hint"], policy="rrfp", pipeline=pipe)
+    got: list[torch.Tensor] = []
+    first, last = 0 in mine, num_stages - 1 in mine
+    sched.step(*(args if first else ()), target=tgt if last else None, losses=got, mask=mask)
+    loss_err = 0.0
+    if last:
+        loss_err = max(abs(float(a) - b) / abs(b) for a, b in zip(got, losses, strict=True))
+    return {"worst": compare(local, ref), "loss": loss_err, "torch": 0.0}
+
+
+def run_eval(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
+    """Forward-only steps (schedule.eval(), and step() under torch.no_grad): outputs and losses equal the
+    reference forward, no gradients anywhere."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp.exec import ScheduleReadiness
+
+    rank, pp, n = dist.get_rank(), dist.get_world_size(), 4
+    mine, num_stages = stage_indices(case["hint"], pp, rank, n)
+    ref = mlp_stages(num_stages)
+    local = copies(ref, mine)
+    args, tgt = mlp_batch(2 * n, 0)
+    with torch.no_grad():
+        want = args[0]
+        for mod in ref:
+            want = mod(want)
+    stages = [PipelineStage(local[s], s, num_stages, torch.device("cpu")) for s in mine]
+    sched = ScheduleReadiness(stages, n, mse, hint=case["hint"], policy="rrfp", pipeline=pipe)
+    first, last = 0 in mine, num_stages - 1 in mine
+    losses: list[torch.Tensor] = []
+    out1 = sched.eval(*(args if first else ()), target=tgt if last else None, losses=losses)
+    with torch.no_grad():
+        out2 = sched.step(*(args if first else ()))
+    err = 0.0
+    if last:
+        err = max(rel_err(out1, want), rel_err(out2, want))
+        assert len(losses) == n
+    grads = [p.grad for m in local.values() for p in m.parameters() if p.grad is not None]
+    return {"worst": err, "loss": 0.0, "torch": 0.0, "grads": len(grads)}
+
+
+def run_error(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
+    """A bad input or a raising rank: every rank must raise the named UserError, within the timeout."""
+    import time
+
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp.errors import UserError
+    from rrfp.exec import ReadinessPipeline, ScheduleReadiness
+
+    rank, pp, what = dist.get_rank(), dist.get_world_size(), case["error"]
+    pipe = ReadinessPipeline(timeout=case.get("timeout", 10.0))
+    n = 2 if what == "n_disagree" and rank == 1 else 4
+    mine, num_stages = stage_indices("1f1b", pp, rank, 4)
+    if what == "order":
+        mine = [pp - 1 - rank]
+    if what == "count":
+        mine, num_stages = ([0] if rank == 0 else [1, 2]), 3
+    ref = mlp_stages(4 if num_stages == 3 else num_stages)
+    if what == "raises" and rank == pp - 1:
+        ref[mine[0]] = Raising(ref[mine[0]])
+    stages = [PipelineStage(ref[s], s, num_stages, torch.device("cpu")) for s in mine]
+    loss_fn = None if what == "loss_one_rank" and rank == 0 else mse
+    args, tgt = mlp_batch(8 if what != "rows" else 3, 0)
+    start = time.monotonic()
+    try:
+        budget = 1 if what == "budget" else "1x"
+        sched = ScheduleReadiness(
+            stages, n, loss_fn, hint="1f1b", policy="rrfp", pipeline=pipe, memory_budget=budget
+        )
+        first, last = 0 in mine, num_stages - 1 in mine
+        if what == "mbs":
+            arg_mbs = list(args[0].chunk(4))[: 3 if first else 4]
+            sched.step_microbatches(arg_mbs if first else None, list(tgt.chunk(4)) if last else None)
+        else:
+            no_target = what == "no_target"
+            sched.step(*(args if first else ()), target=tgt if last and not no_target else None)
+    except UserError as e:
+        return {"raised": type(e).__name__, "text": str(e), "seconds": time.monotonic() - start}
+    except Exception as e:
+        return {"raised": f"not a UserError: {type(e).__name__}", "text": str(e)}
+    return {"raised": None}
+
+
+class Raising(nn.Module):
+    """Raises in the forward of the third microbatch (a user bug on one rank)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("boom in the user's module")
+        return self.inner(x)
+
+
+KINDS = {"grad": run_grad, "varlen": run_varlen, "kwargs": run_kwargs, "eval": run_eval, "error": run_error}
+
+
+def matrix(models: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Every hint x policy; fixed also against torch's schedule where torch has it; backfill and guarded
+    run two steps (the second one clocked with the first one's measured costs)."""
     torch_of = {
-        "1f1b": "Schedule1F1B",
-        "interleaved-1f1b": "ScheduleInterleaved1F1B",
-        "zbv": "ScheduleZBVZeroBubble",
-    }
+        "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
+    }  # fmt: skip
     cases = []
-    for model in ("mlp", "gpt"):
+    for model in models:
         for hint in ("1f1b", "zb-h1", "bfw", "interleaved-1f1b", "zbv"):
             for policy in ("fixed", "rrfp", "backfill", "guarded"):
-                case = {"model": model, "hint": hint, "policy": policy}
+                case: dict[str, Any] = {"model": model, "hint": hint, "policy": policy}
+                case["steps"] = 2 if policy in ("backfill", "guarded") else 1
                 if policy == "fixed" and hint in torch_of:
                     case["torch"] = torch_of[hint]
                 cases.append(case)
     return cases
 
 
-SUITES["smoke"] = [
-    {"hint": "1f1b", "policy": "fixed", "torch": "Schedule1F1B"},
-    {"hint": "1f1b", "policy": "rrfp"},
+TWO: list[dict[str, Any]] = [
+    *matrix(("mlp", "gpt")),
+    {"hint": "1f1b", "policy": "rrfp", "steps": 2, "accumulate": True},
+    {"hint": "zb-h1", "policy": "rrfp", "memory_budget": "2x"},
+    {"hint": "interleaved-1f1b", "policy": "rrfp", "memory_budget": 6},
+    {"hint": "interleaved-1f1b", "policy": "rrfp", "csv": "torch:Interleaved1F1B"},
+    {"hint": "zb-h1", "policy": "rrfp", "csv": "CSV"},
+    {"hint": "zb-h1", "policy": "fixed", "dropout": 0.3, "seed": 5},
+    {"hint": "zb-h1", "policy": "rrfp", "dropout": 0.3, "seed": 5},
+    {"hint": "zbv", "policy": "backfill", "dropout": 0.3, "seed": 5, "steps": 2},
+    {"hint": "zb-h1", "policy": "rrfp", "broken": "weight", "steps": 2},
+    {"hint": "zbv", "policy": "rrfp", "broken": "input", "broken_stage": 2, "steps": 2},
+    {"hint": "1f1b", "policy": "fixed", "perturb": True},
+    {"kind": "varlen", "hint": "1f1b", "scale": True},
+    {"kind": "varlen", "hint": "zbv", "scale": False, "policy": "backfill"},
+    {"kind": "varlen", "hint": "interleaved-1f1b", "scale": False},
+    {"kind": "kwargs", "hint": "1f1b"},
+    {"kind": "eval", "hint": "zbv"},
+    *(
+        {"kind": "error", "error": e}
+        for e in (
+            "budget",
+            "order",
+            "count",
+            "n_disagree",
+            "loss_one_rank",
+            "rows",
+            "mbs",
+            "no_target",
+            "raises",
+        )
+    ),
 ]
-SUITES["matrix"] = matrix()
+FOUR: list[dict[str, Any]] = [
+    {"hint": "1f1b", "policy": "fixed", "torch": "Schedule1F1B"},
+    {"hint": "1f1b", "policy": "rrfp", "model": "gpt"},
+    {"hint": "interleaved-1f1b", "policy": "rrfp", "torch": "ScheduleInterleaved1F1B"},
+    {"hint": "zbv", "policy": "backfill", "steps": 2},
+    {"hint": "zb-h1", "policy": "guarded", "model": "gpt", "steps": 2},
+    {"hint": "bfw", "policy": "rrfp"},
+    {"kind": "varlen", "hint": "zbv", "scale": True},
+    {"kind": "error", "error": "raises"},
+]
+SUITES = {"two": TWO, "four": FOUR, "smoke": TWO[:2]}
 
 
 # -- launch ---------------------------------------------------------------------------------------
@@ -287,10 +527,18 @@ def rank_main(rank: int, world: int, port: int, suite: str, out: str) -> None:
 
     rows = []
     pipe = ReadinessPipeline(timeout=30.0)
+    if rank == 0:  # the CSV hint: zb-h1's orders in torch's CSV format
+        from rrfp.plan.csvio import save_orders_csv
+        from rrfp.plan.sources import make_hint
+
+        save_orders_csv(csv_path(out), make_hint("zb-h1", world, 4).orders)
+    dist.barrier()
     try:
         for case in SUITES[suite]:
+            if case.get("csv") == "CSV":
+                case = {**case, "csv": csv_path(out)}
             try:
-                row = {"case": case, **run_case(case, pipe)}
+                row = {"case": case, **KINDS[case.get("kind", "grad")](case, pipe)}
             except Exception as e:
                 row = {
                     "case": case,
@@ -305,7 +553,13 @@ def rank_main(rank: int, world: int, port: int, suite: str, out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump([{"rank": r, **row} for r, rs in enumerate(gathered) for row in rs], f)
-    dist.destroy_process_group()
+    # Failed steps (the error cases) leave their pipelines' receiver threads to the process's end; exit
+    # without tearing down groups they may still block in.
+    os._exit(0)
+
+
+def csv_path(out: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(out)), "hint.csv")
 
 
 def free_port() -> int:

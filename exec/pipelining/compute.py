@@ -11,11 +11,11 @@ a task start; it returns the messages the task produces as ``(consumer task, pay
 * ``B``: torch's ``stage_backward`` through the stage's ``backward_maybe_with_nosync`` (so DDP/FSDP-wrapped
   modules get torch's own handling): parameter gradients ADD into ``.grad``; the input gradients go back.
 * ``I`` / ``W``: torch's ``stage_backward_input`` / ``stage_backward_weight``; stage 0 (no differentiable
-  input) does nothing at I and the full backward at W, as torch's zero-bubble schedules do. The first I
-  and W a stage runs are checked against a full backward of the same microbatch (relative 1e-5); a
-  stage whose split differs or raises (compiled regions, custom autograd that hides its weights) keeps
-  the correct full-backward result and runs B at I (W does nothing) from then on, with one
-  ``warnings.warn``.
+  input) does nothing at I and the full backward at W, as torch's zero-bubble schedules do. A stage's
+  first I runs I and W at once and checks them against a full backward of the same microbatch
+  (relative 1e-5) before any other microbatch splits; a stage whose split differs or raises (compiled
+  regions, custom autograd that hides its weights) keeps the full backward's gradients and runs B at I
+  (W does nothing) from then on, saying so once with ``warnings.warn``.
 * Outputs that do not require grad (an integer mask passed through) get a None gradient; a None
   gradient skips its output in the backward.
 """
@@ -59,7 +59,7 @@ class StageCompute:
         self.loss_fn, self.fork_rng = loss_fn, fork_rng
         self.split = dict.fromkeys(stages, spec.split)
         """Per stage: I/W run split (False after the check found they cannot)."""
-        self._checked: set[tuple[int, Op]] = set()  # (stage, I or W) checks done
+        self._checked: set[int] = set()  # stages whose split was checked
         self.notes: list[str] = []
         """What the split check found (also warned once per stage)."""
         self.begin([], [], None, None, training=False, outputs=False, seed=0, step=0)
@@ -197,45 +197,49 @@ class StageCompute:
         if not roots:
             self.w_state[(s, m)] = ("none", None)
             return (None,) * len(args)
-        check = (s, Op.I) not in self._checked
+        if s not in self._checked:
+            self._checked.add(s)
+            return self._checked_split(task, args, roots, grads)
+        kw = {"stage_output": list(roots), "output_grads": grads, "input_values": list(args)}
+        dinputs, groups = stage.backward_maybe_with_nosync("input", kw)
+        _drop_input_grads(args)
+        self.w_state[(s, m)] = ("weight", (groups, roots))
+        return dinputs
+
+    def _checked_split(self, task: Task, args: tuple[Any, ...], roots: list[Any], grads: Any) -> Any:
+        """The stage's first I: a full backward of the microbatch (kept), then I and W at once, compared
+        with it before any other microbatch splits. W of this microbatch then does nothing. On a
+        mismatch or an error the full backward's gradients stand and the stage runs B from now on."""
+        s, m = task.stage, task.mb
+        stage = self.stages[s]
         params = [p for p in stage.submod.parameters() if p.requires_grad]
-        ref = None
-        if check:  # the full backward of this microbatch, to hold I and W against (once per stage)
-            self._checked.add((s, Op.I))
-            wrt = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad] + params
-            ref = torch.autograd.grad(roots, wrt, grads, retain_graph=True, allow_unused=True)
+        wanted = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+        ref = torch.autograd.grad(roots, wanted + params, grads, retain_graph=True, allow_unused=True)
+        ref_in, ref_w = list(ref[: len(wanted)]), list(ref[len(wanted) :])
+        before = [None if p.grad is None else p.grad.clone() for p in params]
+        self.w_state[(s, m)] = ("none", None)
         kw = {"stage_output": list(roots), "output_grads": grads, "input_values": list(args)}
         try:
             dinputs, groups = stage.backward_maybe_with_nosync("input", kw)
-        except Exception as e:  # cannot split (e.g. a compiled region): B from now on
-            if ref is None:
-                raise
-            return self._fall_back(task, args, params, ref, f"the input backward raised {type(e).__name__}")
-        for a in args:  # stage_backward_input leaves the input grads in .grad; they only travel
-            if isinstance(a, torch.Tensor) and a.requires_grad:
-                a.grad = None
-        if ref is not None:
-            got = [
+            _drop_input_grads(args)
+            got_in = [
                 d
                 for a, d in zip(args, dinputs, strict=True)
                 if isinstance(a, torch.Tensor) and a.requires_grad
             ]
-            if not _close(got, ref[: len(got)]):
-                return self._fall_back(task, args, params, ref, "I's input gradients differ from B's")
-            self.w_state[(s, m)] = ("check", (groups, params, ref[len(got) :], roots))
-        else:
-            self.w_state[(s, m)] = ("weight", (groups, roots))
-        return dinputs
-
-    def _fall_back(self, task: Task, args: tuple[Any, ...], params: list[Any], ref: Any, why: str) -> Any:
-        """Stage ``task.stage`` cannot split: add the full backward's weight gradients (``ref``) now, W
-        does nothing, and the stage runs B at I from now on."""
-        s = task.stage
-        n_in = len(ref) - len(params)
-        _add_grads(params, ref[n_in:])
-        self.w_state[(s, task.mb)] = ("none", None)
+            stage.backward_maybe_with_nosync("weight", {"stage_output": roots, "param_groups": groups})
+            got_w = [_delta(p.grad, b) for p, b in zip(params, before, strict=True)]
+            why = "" if _close(got_in, ref_in) else "I's input gradients differ from B's"
+            why = why or ("" if _close(got_w, ref_w) else "W's weight gradients differ from B's")
+        except Exception as e:  # cannot split (e.g. a compiled region)
+            why = f"the split backward raised {type(e).__name__}"
+        if not why:
+            return dinputs
+        for p, b in zip(params, before, strict=True):  # B's gradients instead
+            p.grad = b
+        _add_grads(params, ref_w)
         self._split_off(s, why)
-        it = iter(ref[:n_in])
+        it = iter(ref_in)
         return tuple(next(it) if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args)
 
     def _split_off(self, s: int, why: str) -> None:
@@ -249,37 +253,25 @@ class StageCompute:
         kind, state = self.w_state.pop((s, m))
         stage = self.stages[s]
         last = self._last_backward(s, Op.W)
-        if kind == "none":
-            return
         if kind == "full":
             args, roots, grads = state
             self._full(stage, args, roots, grads, last=last)
-            return
-        groups, *rest = state
-        if kind == "weight":
-            stage.backward_maybe_with_nosync(
-                "weight", {"stage_output": rest[0], "param_groups": groups}, last
-            )
-            return
-        params, ref, roots = rest
-        before = [None if p.grad is None else p.grad.clone() for p in params]
-        try:
+        elif kind == "weight":
+            groups, roots = state
             stage.backward_maybe_with_nosync("weight", {"stage_output": roots, "param_groups": groups}, last)
-            got = [
-                (torch.zeros_like(p) if p.grad is None else p.grad) - (0 if b is None else b)
-                for p, b in zip(params, before, strict=True)
-            ]
-            ok = _close(
-                got, [torch.zeros_like(p) if r is None else r for p, r in zip(params, ref, strict=True)]
-            )
-            why = "W's weight gradients differ from B's"
-        except Exception as e:
-            ok, why = False, f"the weight backward raised {type(e).__name__}"
-        if not ok:  # put back B's weight gradients
-            for p, b in zip(params, before, strict=True):
-                p.grad = b
-            _add_grads(params, ref)
-            self._split_off(s, why)
+
+
+def _drop_input_grads(args: tuple[Any, ...]) -> None:
+    """stage_backward_input leaves the input gradients in the inputs' .grad: they only travel."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            a.grad = None
+
+
+def _delta(now: torch.Tensor | None, before: torch.Tensor | None) -> torch.Tensor | None:
+    if now is None:
+        return None
+    return now if before is None else now - before
 
 
 def _disagree(sender: int, me: int, mb: int, sender_trains: bool) -> str:

@@ -61,7 +61,6 @@ from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 from rrfp.dispatch.backfill import Backfill
 from rrfp.dispatch.policies import DEFAULT_POLICY, Policy, get_policy
 from rrfp.dispatch.scheduler import RankScheduler
-from rrfp.errors import UserError
 from rrfp.exec.comm.wire import one_line
 from rrfp.exec.faults import LostPeerError, WaitTimeoutError
 from rrfp.exec.loop.calibrate import CostMeter, calibrate
@@ -89,7 +88,8 @@ class ScheduleReadiness(PipelineScheduleMulti):
     policy, the activation budget (module docstring). ``pipeline``: a :class:`ReadinessPipeline` to share
     (default: one of its own, closed by :meth:`close`). ``seed``: the dropout streams' seed.
     ``fork_rng=False`` skips the per-forward RNG fork (a little faster; dropout then depends on the
-    order). ``timeout``: the most seconds a rank waits for an input or for the others after a failure.
+    order). ``timeout``: the most seconds a rank waits for an input (default: the pipeline's, 120 s for one
+    made here); after a failure the others are waited for up to the pipeline's timeout.
     The chunk and merge specs are torch's.
     """
 
@@ -106,7 +106,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
         pipeline: ReadinessPipeline | None = None,
         seed: int = 0,
         fork_rng: bool = True,
-        timeout: float = 120.0,
+        timeout: float | None = None,
         args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
         kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
         output_merge_spec: Any = None,
@@ -119,13 +119,14 @@ class ScheduleReadiness(PipelineScheduleMulti):
             scale_grads=scale_grads,
         )  # fmt: skip
         self._owns_pipeline = pipeline is None
-        self.pipeline = pipeline or ReadinessPipeline(stages[0].group, stages[0].device, timeout)
+        self.pipeline = pipeline or ReadinessPipeline(stages[0].group, stages[0].device, timeout or 120.0)
         pipe = self.pipeline
         pipe.check_open()
         if [s.group_size for s in stages] != [pipe.pp] * len(stages):
             raise StageLayoutError("the stages' process group is not the pipeline's")
         self.policy_name = policy if isinstance(policy, str) else policy.name
-        self.hint_name, self.timeout, self.seed = hint, float(timeout), int(seed)
+        self.hint_name, self.seed = hint, int(seed)
+        self.timeout = pipe.timeout if timeout is None else float(timeout)
         self._agree(stages, hint, memory_budget)
         v = stages[0].num_stages // pipe.pp
         self.hint = make_hint(hint, pipe.pp, n_microbatches, v)
@@ -268,6 +269,8 @@ class ScheduleReadiness(PipelineScheduleMulti):
             has_last = any(s.is_last for s in self._stages)
             if training and has_last and target_mbs is None:
                 raise LossError("a training step needs target= on the last stage's rank")
+            if has_last and target_mbs is not None and self._loss_fn is None:
+                raise LossError("a target was given but the schedule has no loss_fn")
             calibrating = training and self._template is not None and not self.runtime.clocked
             if calibrating:
                 self.runtime.meter = CostMeter()  # this step's costs only (no forward-only step's)
@@ -318,8 +321,6 @@ class ScheduleReadiness(PipelineScheduleMulti):
             ) from e
         origins = [v for v in views if v[1]] or views
         rank, _, what = origins[0]
-        if isinstance(e, UserError) and rank == pipe.rank:
-            raise StageFailed(f"rank {rank}: {what}") from e
         raise StageFailed(f"rank {rank} raised {what}") from e
 
     def close(self) -> None:
