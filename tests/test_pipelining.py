@@ -17,7 +17,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from execkit import assert_no_leftovers
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
