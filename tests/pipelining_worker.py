@@ -15,6 +15,7 @@ import math
 import os
 import socket
 import sys
+import time
 import traceback
 import warnings
 from typing import Any
@@ -394,8 +395,13 @@ def run_eval(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     return {"worst": err, "loss": 0.0, "torch": 0.0, "grads": len(grads)}
 
 
-def run_error(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
-    """A bad input or a raising rank: every rank must raise the named UserError, within the timeout."""
+SETUP_ERRORS = ("budget", "order", "count", "n_disagree", "loss_one_rank")
+"""Refused while building the schedule: the shared pipeline stays usable."""
+
+
+def run_error(case: dict[str, Any], shared: Any) -> dict[str, Any]:
+    """A bad input or a raising rank: every rank must raise the named UserError, within the timeout.
+    A failed step leaves its pipeline unusable, so those cases get a pipeline of their own."""
     import time
 
     from torch.distributed.pipelining import PipelineStage
@@ -404,7 +410,7 @@ def run_error(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     from rrfp.exec import ReadinessPipeline, ScheduleReadiness
 
     rank, pp, what = dist.get_rank(), dist.get_world_size(), case["error"]
-    pipe = ReadinessPipeline(timeout=case.get("timeout", 10.0))
+    pipe = shared if what in SETUP_ERRORS else ReadinessPipeline(timeout=case.get("timeout", 10.0))
     n = 2 if what == "n_disagree" and rank == 1 else 4
     mine, num_stages = stage_indices("1f1b", pp, rank, 4)
     if what == "order":
@@ -515,11 +521,12 @@ FOUR: list[dict[str, Any]] = [
     {"kind": "varlen", "hint": "zbv", "scale": True},
     {"kind": "error", "error": "raises"},
 ]
-SUITES = {"two": TWO, "four": FOUR, "smoke": TWO[:2]}
+SUITES = {"two": TWO, "four": FOUR, "smoke": TWO[:2], "errors": [c for c in TWO if c.get("kind") == "error"] * 3}
 
 
 # -- launch ---------------------------------------------------------------------------------------
 def rank_main(rank: int, world: int, port: int, suite: str, out: str) -> None:
+    started = time.monotonic()
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -527,6 +534,7 @@ def rank_main(rank: int, world: int, port: int, suite: str, out: str) -> None:
 
     rows = []
     pipe = ReadinessPipeline(timeout=30.0)
+    rows.append({"case": {"kind": "setup"}, "case_s": time.monotonic() - started})
     if rank == 0:  # the CSV hint: zb-h1's orders in torch's CSV format
         from rrfp.plan.csvio import save_orders_csv
         from rrfp.plan.sources import make_hint
@@ -537,6 +545,7 @@ def rank_main(rank: int, world: int, port: int, suite: str, out: str) -> None:
         for case in SUITES[suite]:
             if case.get("csv") == "CSV":
                 case = {**case, "csv": csv_path(out)}
+            t0 = time.monotonic()
             try:
                 row = {"case": case, **KINDS[case.get("kind", "grad")](case, pipe)}
             except Exception as e:
@@ -545,6 +554,7 @@ def rank_main(rank: int, world: int, port: int, suite: str, out: str) -> None:
                     "error": f"{type(e).__name__}: {e}",
                     "tb": traceback.format_exc()[-2000:],
                 }
+            row["case_s"] = time.monotonic() - t0
             rows.append(row)
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, rows)

@@ -27,13 +27,25 @@ HINTS = ("1f1b", "zb-h1", "bfw", "interleaved-1f1b", "zbv")
 POLICIES = ("fixed", "rrfp", "backfill", "guarded")
 
 
-def launch(suite: str, world: int, tmp: Path) -> list[dict[str, Any]]:
-    out = tmp / f"{suite}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(WORKER.parents[1])}
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKER), suite, str(world), str(out)], env=env, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+class Launch:
+    """One worker launch in its own session, started at once (both launches overlap their start-up)."""
+
+    def __init__(self, suite: str, world: int, tmp: Path) -> None:
+        self.suite, self.out = suite, tmp / f"{suite}.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), suite, str(world), str(self.out)], env=env, start_new_session=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        self.rows: list[dict[str, Any]] | None = None
+
+    def result(self) -> list[dict[str, Any]]:
+        if self.rows is None:
+            self.rows = finish(self.proc, self.suite, self.out)
+        return self.rows
+
+
+def finish(proc: subprocess.Popen[str], suite: str, out: Path) -> list[dict[str, Any]]:
     try:
         log, _ = proc.communicate(timeout=240)
     except subprocess.TimeoutExpired:
@@ -43,17 +55,30 @@ def launch(suite: str, world: int, tmp: Path) -> list[dict[str, Any]]:
     finally:
         assert_no_leftovers(proc.pid)
     assert proc.returncode == 0, log[-3000:]
-    return json.loads(out.read_text())
+    return [r for r in json.loads(out.read_text()) if r["case"].get("kind") != "setup"]
 
 
 @pytest.fixture(scope="module")
-def two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return launch("two", 2, tmp_path_factory.mktemp("two"))
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp = tmp_path_factory.mktemp("pipelining")
+    started = {"two": Launch("two", 2, tmp), "four": Launch("four", 4, tmp)}
+    yield started
+    for launch in started.values():  # a test that failed before asking still reaps its launch
+        if launch.rows is None:
+            try:
+                launch.result()
+            except BaseException:  # the failing test reported it already
+                pass
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return launch("four", 4, tmp_path_factory.mktemp("four"))
+def two(launches: dict[str, Launch]) -> list[dict[str, Any]]:
+    return launches["two"].result()
+
+
+@pytest.fixture(scope="module")
+def four(launches: dict[str, Launch]) -> list[dict[str, Any]]:
+    return launches["four"].result()
 
 
 def rows(all_rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:

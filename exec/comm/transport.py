@@ -237,15 +237,22 @@ class Transport:
         out, self.sent = self.sent, []
         return out
 
-    def abort(self) -> None:
-        """Tell every peer this rank stopped on an error (header only, posted now, not waited for): each
-        peer's receiver reports its channel failed, so a peer waiting for this rank's input stops at once.
-        The channels carry nothing more afterwards."""
+    def abort(self, timeout: float = 5.0) -> None:
+        """Tell every peer this rank stopped on an error (header only, posted now; each waited for up to
+        ``timeout`` seconds): each peer's receiver reports its channel failed, so a peer waiting for this
+        rank's input stops at once. The channels carry nothing more afterwards."""
         values = [KIND_ABORT] + [0] * (HEADER_LEN - 1)
+        posted = []
         for _, group, group_peer in self._out.values():
+            head = torch.tensor(values, dtype=torch.int64, device=self.device)
             try:
-                group.send([torch.tensor(values, dtype=torch.int64, device=self.device)], group_peer, 0)
-            except Exception:
+                posted.append((group.send([head], group_peer, 0), head))
+            except Exception:  # that peer is gone already: nothing to tell it
+                continue
+        for work, _ in posted:
+            try:
+                work.wait(timedelta(seconds=timeout))
+            except Exception:  # gone, or not reading: it stops at its own timeout instead
                 continue
 
     def close(self, timeout: float) -> None:

@@ -38,7 +38,8 @@ class ReadinessPipeline:
 
     ``group``: the pipeline's process group (the ``group`` of its ``PipelineStage`` objects; None: the
     default group). ``device``: where activations live (CUDA: NCCL channels; CPU: gloo).
-    ``timeout``: seconds any control collective (set-up checks, failure reports) may wait.
+    ``timeout``: seconds a schedule's rank waits for an input (its default); control collectives (set-up
+    checks, failure reports) wait up to twice that, so a rank that had to time out still reports in.
     """
 
     def __init__(self, group: Any = None, device: torch.device | str = "cpu", timeout: float = 120.0) -> None:
@@ -59,7 +60,7 @@ class ReadinessPipeline:
         mine: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(mine, self.ranks)  # every rank's pipeline, to build them all in one order
         pipelines = list(dict.fromkeys(tuple(r) for r in mine))
-        wait = timedelta(seconds=self.timeout)
+        wait = timedelta(seconds=2 * self.timeout + 5)
         channels: dict[tuple[int, int], Any] = {}
         self._groups: list[Any] = []
         self.ctrl: Any = None

@@ -89,7 +89,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
     (default: one of its own, closed by :meth:`close`). ``seed``: the dropout streams' seed.
     ``fork_rng=False`` skips the per-forward RNG fork (a little faster; dropout then depends on the
     order). ``timeout``: the most seconds a rank waits for an input (default: the pipeline's, 120 s for one
-    made here); after a failure the others are waited for up to the pipeline's timeout.
+    made here); after a failure the others are waited for up to twice the pipeline's timeout.
     The chunk and merge specs are torch's.
     """
 
