@@ -12,6 +12,13 @@ mode), ``baseline`` (torch.distributed.pipelining beside rrfp), ``results`` (a t
     rrfp-run --gpus 4 --check
     torchrun --standalone --nproc-per-node 2 -m rrfp.exec --check
 
+The library API (``pipelining``): :class:`ScheduleReadiness`, a drop-in for torch.distributed.pipelining's
+schedules on the user's own ``PipelineStage`` objects, and :class:`ReadinessPipeline`, its channels::
+
+    from rrfp.exec import ScheduleReadiness
+    schedule = ScheduleReadiness(stage, n_microbatches, loss_fn, hint="1f1b")  # for Schedule1F1B(...)
+    schedule.step(x, target=y, losses=losses)
+
 Importing ``rrfp.exec`` itself stays light; torch is imported by the modules that need it.
 """
 

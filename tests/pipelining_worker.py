@@ -457,7 +457,46 @@ class Raising(nn.Module):
         return self.inner(x)
 
 
-KINDS = {"grad": run_grad, "varlen": run_varlen, "kwargs": run_kwargs, "eval": run_eval, "error": run_error}
+def run_dp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
+    """Two pipeline replicas of pp 2 on 4 ranks (each its own ReadinessPipeline on its own group): each
+    steps on its half of the microbatches, then the user's all-reduce averages the stage grads over the
+    replicas -- equal to the single-process reference on all microbatches."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp.exec import ReadinessPipeline, ScheduleReadiness
+
+    rank, n = dist.get_rank(), 4
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, pp_rank = divmod(rank, 2)
+    pipe = ReadinessPipeline(group=pp_groups[replica], timeout=30.0)
+    ref = mlp_stages(2)
+    local = copies(ref, [pp_rank])
+    args, tgt = mlp_batch(4 * n, 0)
+    arg_mbs = [(c,) for c in args[0].chunk(2 * n)]
+    reference(ref, arg_mbs, list(tgt.chunk(2 * n)), mse, True, 0)
+    stage = PipelineStage(local[pp_rank], pp_rank, 2, torch.device("cpu"), group=pp_groups[replica])
+    sched = ScheduleReadiness(
+        stage, n, mse, hint=case["hint"], policy=case.get("policy", "rrfp"), pipeline=pipe
+    )
+    half = slice(replica * 2 * n, (replica + 1) * 2 * n)
+    sched.step(*((args[0][half],) if pp_rank == 0 else ()), target=tgt[half] if pp_rank == 1 else None)
+    for p in local[pp_rank].parameters():  # the user's DP all-reduce of the stage grads
+        dist.all_reduce(p.grad, group=dp_groups[pp_rank])
+        p.grad /= 2
+    worst = compare(local, ref)
+    pipe.close()
+    return {"worst": worst, "loss": 0.0, "torch": 0.0}
+
+
+KINDS = {
+    "grad": run_grad,
+    "varlen": run_varlen,
+    "kwargs": run_kwargs,
+    "eval": run_eval,
+    "error": run_error,
+    "dp": run_dp,
+}
 
 
 def matrix(models: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -519,9 +558,22 @@ FOUR: list[dict[str, Any]] = [
     {"hint": "zb-h1", "policy": "guarded", "model": "gpt", "steps": 2},
     {"hint": "bfw", "policy": "rrfp"},
     {"kind": "varlen", "hint": "zbv", "scale": True},
+    {"kind": "dp", "hint": "zb-h1", "policy": "rrfp"},
     {"kind": "error", "error": "raises"},
 ]
-SUITES = {"two": TWO, "four": FOUR, "smoke": TWO[:2], "errors": [c for c in TWO if c.get("kind") == "error"] * 3}
+ONE: list[dict[str, Any]] = [  # pp 1: every stage on one rank, local hand-offs only, no channels
+    {"hint": "1f1b", "policy": "fixed"},
+    {"hint": "interleaved-1f1b", "policy": "rrfp", "model": "gpt"},
+    {"hint": "zbv", "policy": "backfill", "steps": 2},
+    {"kind": "varlen", "hint": "zbv", "scale": False},
+]
+SUITES = {
+    "one": ONE,
+    "two": TWO,
+    "four": FOUR,
+    "smoke": TWO[:2],
+    "errors": [c for c in TWO if c.get("kind") == "error"] * 3,
+}
 
 
 # -- launch ---------------------------------------------------------------------------------------

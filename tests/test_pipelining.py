@@ -61,7 +61,7 @@ def finish(proc: subprocess.Popen[str], suite: str, out: Path) -> list[dict[str,
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("pipelining")
-    started = {"two": Launch("two", 2, tmp), "four": Launch("four", 4, tmp)}
+    started = {"two": Launch("two", 2, tmp), "four": Launch("four", 4, tmp), "one": Launch("one", 1, tmp)}
     yield started
     for launch in started.values():  # a test that failed before asking still reaps its launch
         if launch.rows is None:
@@ -74,6 +74,11 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def two(launches: dict[str, Launch]) -> list[dict[str, Any]]:
     return launches["two"].result()
+
+
+@pytest.fixture(scope="module")
+def one(launches: dict[str, Launch]) -> list[dict[str, Any]]:
+    return launches["one"].result()
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +119,17 @@ def test_four_ranks(four: list[dict[str, Any]]) -> None:
     failed = rows(four, kind="error")
     assert {r["raised"] for r in failed} == {"StageFailed"}, failed
     assert all("rank 3 raised RuntimeError: boom" in r["text"] for r in failed), failed
+
+
+def test_one_rank_holds_every_stage(one: list[dict[str, Any]]) -> None:
+    assert {r["case"]["hint"] for r in one} == {"1f1b", "interleaved-1f1b", "zbv"}
+    assert_equal_to_reference(one)
+
+
+def test_data_parallel_replicas_all_reduced(four: list[dict[str, Any]]) -> None:
+    found = rows(four, kind="dp")
+    assert len(found) == 4
+    assert_equal_to_reference(found)
 
 
 def test_budgets_and_hint_sources(two: list[dict[str, Any]]) -> None:

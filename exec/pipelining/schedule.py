@@ -44,8 +44,13 @@ Rules this schedule follows (torch's where torch has one):
   raises :class:`StageFailed` naming the rank and its error; no rank waits longer than ``timeout``. The
   pipeline is then unusable (build a new one).
 
-Not yet: byte budgets, ``trace_out``, a tensor-parallel group, and DP tests (DDP/FSDP-wrapped stage
-modules go through torch's own ``backward_maybe_with_nosync``/``perform_reduce_grad``, untested here).
+Data parallel: one :class:`ReadinessPipeline` per replica, each on its own pipeline group (every rank
+builds its own at the same time), and the user all-reduces the stage gradients over the replicas after
+``step`` (tests/test_pipelining.py does). DDP/FSDP-wrapped stage modules go through torch's own
+``backward_maybe_with_nosync``/``perform_reduce_grad``, untested here.
+
+Not yet: byte budgets, ``trace_out``, a tensor-parallel group (``tp_group``), CUDA runs (the transport's
+NCCL path is rrfp-run's, itself not yet run on a GPU).
 """
 
 from __future__ import annotations
