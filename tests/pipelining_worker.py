@@ -489,6 +489,40 @@ def run_dp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     return {"worst": worst, "loss": 0.0, "torch": 0.0}
 
 
+def run_trace(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
+    """trace_out: three training steps (and an eval step, not recorded) written by close(); the
+    simulator replays the trace and asks a what-if."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp.exec import ScheduleReadiness
+
+    rank, pp, n = dist.get_rank(), dist.get_world_size(), 4
+    mine, num_stages = stage_indices(case["hint"], pp, rank, n)
+    ref = mlp_stages(num_stages)
+    stages = [PipelineStage(ref[s], s, num_stages, torch.device("cpu")) for s in mine]
+    path = os.path.join(case["dir"], "library.parquet")
+    sched = ScheduleReadiness(
+        stages, n, mse, hint=case["hint"], policy=case["policy"], pipeline=pipe, trace_out=path
+    )
+    first, last = 0 in mine, num_stages - 1 in mine
+    for step in range(3):
+        args, tgt = mlp_batch(2 * n, step)
+        sched.step(*(args if first else ()), target=tgt if last else None)
+        if step == 1:
+            sched.eval(*(args if first else ()), target=tgt if last else None)
+    sched.close()
+    row: dict[str, Any] = {"worst": 0.0, "loss": 0.0, "torch": 0.0}
+    if rank == 0:
+        from rrfp.sim.replay import run_replay
+        from rrfp.traces.replay import load_replay
+
+        rep = load_replay(path)
+        result = run_replay(rep, policies=("rrfp",))
+        row.update(iterations=list(rep.iterations), error_pct=result.fidelity()["error_pct"])
+        row["whatif"] = [r.predicted for r in result.runs]
+    return row
+
+
 KINDS = {
     "grad": run_grad,
     "varlen": run_varlen,
@@ -496,6 +530,7 @@ KINDS = {
     "eval": run_eval,
     "error": run_error,
     "dp": run_dp,
+    "trace": run_trace,
 }
 
 
@@ -535,6 +570,7 @@ TWO: list[dict[str, Any]] = [
     {"kind": "varlen", "hint": "interleaved-1f1b", "scale": False},
     {"kind": "kwargs", "hint": "1f1b"},
     {"kind": "eval", "hint": "zbv"},
+    {"kind": "trace", "hint": "1f1b", "policy": "fixed", "dir": "DIR"},
     *(
         {"kind": "error", "error": e}
         for e in (
@@ -572,6 +608,7 @@ SUITES = {
     "two": TWO,
     "four": FOUR,
     "smoke": TWO[:2],
+    "trace": [c for c in TWO if c.get("kind") == "trace"],
     "errors": [c for c in TWO if c.get("kind") == "error"] * 3,
 }
 
@@ -597,6 +634,8 @@ def rank_main(rank: int, world: int, port: int, suite: str, out: str) -> None:
         for case in SUITES[suite]:
             if case.get("csv") == "CSV":
                 case = {**case, "csv": csv_path(out)}
+            if case.get("dir") == "DIR":
+                case = {**case, "dir": os.path.dirname(os.path.abspath(out))}
             t0 = time.monotonic()
             try:
                 row = {"case": case, **KINDS[case.get("kind", "grad")](case, pipe)}

@@ -172,6 +172,14 @@ def test_forward_only_steps(two: list[dict[str, Any]]) -> None:
     assert all(r["grads"] == 0 for r in found)
 
 
+def test_trace_out_replays(two: list[dict[str, Any]]) -> None:
+    """The recorded training steps (not the eval step) replay in the simulator, with a what-if."""
+    (row,) = [r for r in rows(two, kind="trace") if r["rank"] == 0]
+    assert "error" not in row, row.get("tb")
+    assert row["iterations"] == [0, 1, 3]  # step 2 was the eval step
+    assert abs(row["error_pct"]) < 50.0 and len(row["whatif"]) == 2 and min(row["whatif"]) > 0
+
+
 def test_split_check_falls_back_to_b(two: list[dict[str, Any]]) -> None:
     """A stage whose W is wrong, or whose I raises, is caught on its first microbatch: the gradients
     stay right (B's), the stage runs B from then on, and it says so."""

@@ -114,9 +114,8 @@ class StageCompute:
                     raise MicrobatchError(_disagree(s - 1, s, m, training))
             args = tuple(_leaf(a, self.training) for a in got)  # type: ignore[union-attr]
         kwargs = self.kwarg_mbs[m] if self.kwarg_mbs else {}
-        with torch.set_grad_enabled(self.training), _rng(self.fork_rng, stage.device) as fork:
-            if fork:
-                torch.manual_seed(microbatch_seed(self.seed, self.step, s, m))
+        seed = microbatch_seed(self.seed, self.step, s, m) if self.fork_rng else None
+        with torch.set_grad_enabled(self.training), _rng(seed, stage.device):
             out = stage.forward_maybe_with_nosync(*args, **kwargs)
         outs = _as_tuple(out, s)
         if s < self.last:
@@ -322,18 +321,25 @@ def _add_grads(params: list[Any], grads: Any) -> None:
 
 
 class _rng:
-    """Context: fork torch's RNG (CPU, and the stage's CUDA device) when ``on``; yields ``on``."""
+    """Context: this forward's own RNG stream -- the CPU generator (and the stage's CUDA device's) seeded
+    with ``seed`` inside, each put back as it was after (what ``torch.random.fork_rng`` does, on the
+    default generators only: ``torch.manual_seed`` would also visit every other device's); ``seed``
+    None: no fork."""
 
-    def __init__(self, on: bool, device: torch.device) -> None:
-        self.on = on
-        devices = [device] if device.type == "cuda" else []
-        self._fork = torch.random.fork_rng(devices=devices) if on else None
+    def __init__(self, seed: int | None, device: torch.device) -> None:
+        self.seed = seed
+        self.gens: list[torch.Generator] = []
+        if seed is not None:
+            self.gens.append(torch.default_generator)
+            if device.type == "cuda":
+                self.gens.append(torch.cuda.default_generators[device.index or 0])
+        self._states: list[torch.Tensor] = []
 
-    def __enter__(self) -> bool:
-        if self._fork is not None:
-            self._fork.__enter__()
-        return self.on
+    def __enter__(self) -> None:
+        self._states = [g.get_state() for g in self.gens]
+        for g in self.gens:
+            g.manual_seed(self.seed)
 
     def __exit__(self, *exc: object) -> None:
-        if self._fork is not None:
-            self._fork.__exit__(*exc)
+        for g, st in zip(self.gens, self._states, strict=True):
+            g.set_state(st)

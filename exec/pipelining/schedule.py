@@ -49,12 +49,17 @@ builds its own at the same time), and the user all-reduces the stage gradients o
 ``step`` (tests/test_pipelining.py does). DDP/FSDP-wrapped stage modules go through torch's own
 ``backward_maybe_with_nosync``/``perform_reduce_grad``, untested here.
 
-Not yet: byte budgets, ``trace_out``, a tensor-parallel group (``tp_group``), CUDA runs (the transport's
+``trace_out=PATH``: the training steps' tasks, waits and messages as a trace (schema v3) written by
+``close()`` (or :meth:`ScheduleReadiness.write_trace`) that ``rrfp-sim --replay PATH`` replays.
+
+Not yet: byte budgets, a tensor-parallel group (``tp_group``), CUDA runs (the transport's
 NCCL path is rrfp-run's, itself not yet run on a GPU).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,11 +80,13 @@ from rrfp.exec.pipelining.compute import StageCompute
 from rrfp.exec.pipelining.errors import (
     LossError,
     MicrobatchError,
+    PipeliningError,
     StageFailed,
     StageLayoutError,
 )
 from rrfp.plan.budget import resolve_budget
 from rrfp.plan.sources import make_hint
+from rrfp.traces.trace import TraceRecorder
 
 _TARGET_SPEC = TensorChunkSpec(0)
 
@@ -112,6 +119,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
         seed: int = 0,
         fork_rng: bool = True,
         timeout: float | None = None,
+        trace_out: str | None = None,
         args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
         kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
         output_merge_spec: Any = None,
@@ -132,7 +140,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self.policy_name = policy if isinstance(policy, str) else policy.name
         self.hint_name, self.seed = hint, int(seed)
         self.timeout = pipe.timeout if timeout is None else float(timeout)
-        self._agree(stages, hint, memory_budget)
+        self._agree(stages, hint, memory_budget, trace_out)
         v = stages[0].num_stages // pipe.pp
         self.hint = make_hint(hint, pipe.pp, n_microbatches, v)
         self._check_placement()
@@ -142,23 +150,59 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self.sched = RankScheduler(self.hint, pipe.pp_rank, policy_obj, self.budget)
         by_index = {s.stage_index: s for s in stages}
         self.compute = StageCompute(by_index, self.hint.spec, pipe.pp_rank, loss_fn, fork_rng)
+        self.trace_out = trace_out
+        self.recorder = None if trace_out is None else self._recorder(memory_budget)
         ctx = RankContext(
             rank=pipe.rank, pp_rank=pipe.pp_rank, to_global=pipe.to_global, transport=pipe.transport,
-            timeout=self.timeout, early=pipe.early,
+            timeout=self.timeout, early=pipe.early, recorder=self.recorder, origin=self._views[0]["now"],
         )  # fmt: skip
+        self._ctx = ctx
         self.runtime = PipelineRuntime(ctx, self.sched, self.compute, pipe.next_schedule())
         self._steps = 0
         self.calibration: dict[str, Any] | None = None
         """backfill/guarded: the merged mean costs (ms) once calibrated."""
 
     # -- set-up checks ---------------------------------------------------------------------------
-    def _agree(self, stages: list[Any], hint: str, budget: Any) -> None:
+    def _recorder(self, budget: Any) -> TraceRecorder:
+        """Trace rows of this rank's training steps (schema v3; the run label carries the budget)."""
+        ranks = self.pipeline.ranks
+        return TraceRecorder(
+            run=f"library/{self.policy_name}/{self.hint_name}@{budget}", policy=self.policy_name,
+            hint=self.hint_name, seed=self.seed, coords=lambda r: (ranks.index(r), 0, 0),
+            budget=resolve_budget(budget, self.hint),
+        )  # fmt: skip
+
+    def write_trace(self, path: str | None = None) -> None:
+        """Write the trace of the training steps so far to ``path`` (default ``trace_out``), merged from
+        every rank of the pipeline (collective: every rank calls it; the pipeline's first rank writes).
+        Times are seconds since the schedule was built, on the first rank's clock: the ranks must share
+        one host's CLOCK_MONOTONIC (rrfp-run measures offsets across hosts; this does not yet).
+        ``rrfp-sim --replay PATH`` replays it, and ``--policy``/``--hint`` ask what-ifs."""
+        import pandas as pd
+
+        from rrfp.traces.trace import write_trace
+
+        if self.recorder is None:
+            raise PipeliningError("write_trace needs a schedule built with trace_out=")
+        pipe = self.pipeline
+        frames: list[Any] = [None] * pipe.pp
+        dist.all_gather_object(frames, self.recorder.frame(), group=pipe.ctrl)
+        if pipe.pp_rank != 0:
+            return
+        frame = pd.concat(frames, ignore_index=True)
+        for col in ("start", "end"):
+            frame[col] = frame[col].clip(lower=0.0)
+        frame = frame.sort_values(["run", "iteration", "rank", "start"], kind="stable").reset_index(drop=True)
+        write_trace(frame, path or self.trace_out)
+
+    def _agree(self, stages: list[Any], hint: str, budget: Any, trace_out: Any) -> None:
         """Gather every rank's arguments once and refuse, on every rank alike, what does not fit."""
         pipe = self.pipeline
         mine = {
             "stages": sorted(s.stage_index for s in stages), "num_stages": stages[0].num_stages,
             "n": self._n_microbatches, "hint": hint, "policy": self.policy_name, "budget": repr(budget),
-            "loss": self._loss_fn is not None, "rank": pipe.rank,
+            "loss": self._loss_fn is not None, "rank": pipe.rank, "trace": trace_out is not None,
+            "now": time.monotonic(),
         }  # fmt: skip
         views: list[Any] = [None] * pipe.pp
         dist.all_gather_object(views, mine, group=pipe.ctrl)
@@ -167,6 +211,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
             ("n", "n_microbatches", MicrobatchError), ("num_stages", "num_stages", StageLayoutError),
             ("hint", "hint", StageLayoutError), ("policy", "policy", StageLayoutError),
             ("budget", "memory_budget", StageLayoutError), ("loss", "loss_fn given", LossError),
+            ("trace", "trace_out given", StageLayoutError),
         ):  # fmt: skip
             values = {v["rank"]: v[key] for v in views}
             if len(set(values.values())) > 1:
@@ -279,6 +324,8 @@ class ScheduleReadiness(PipelineScheduleMulti):
             calibrating = training and self._template is not None and not self.runtime.clocked
             if calibrating:
                 self.runtime.meter = CostMeter()  # this step's costs only (no forward-only step's)
+            # Only training steps go into the trace (a forward-only step's backward tasks cost nothing).
+            self.runtime.ctx = self._ctx if training else dataclasses.replace(self._ctx, recorder=None)
             self.compute.begin(
                 arg_mbs, kwarg_mbs, target_mbs, loss_kwargs,
                 training=training, outputs=keep and has_last, seed=self.seed, step=step,
@@ -329,7 +376,11 @@ class ScheduleReadiness(PipelineScheduleMulti):
         raise StageFailed(f"rank {rank} raised {what}") from e
 
     def close(self) -> None:
-        """Free the channels if this schedule created them (collective over the pipeline)."""
+        """Write the trace (``trace_out``), then free the channels if this schedule created them
+        (collective over the pipeline)."""
+        if self.trace_out is not None and self.pipeline.broken is None and not self.pipeline.closed:
+            self.write_trace()
+            self.trace_out = None
         if self._owns_pipeline:
             self.pipeline.close()
 
