@@ -523,6 +523,41 @@ def run_trace(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     return row
 
 
+def run_bytes(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
+    """byte_budget on GPT microbatches of uneven lengths: the first step measures (slots), the second
+    admits by predicted bytes within the budget; gradients still equal the reference."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from rrfp.exec import ScheduleReadiness
+
+    rank, pp, n = dist.get_rank(), dist.get_world_size(), 6
+    mine, num_stages = stage_indices(case["hint"], pp, rank, n)
+    ref = gpt_stages(num_stages)
+    local = copies(ref, mine)
+    stages = [PipelineStage(local[s], s, num_stages, torch.device("cpu")) for s in mine]
+    sched = ScheduleReadiness(
+        stages, n, xent, hint=case["hint"], policy="rrfp", pipeline=pipe, byte_budget=case["bytes"]
+    )
+    first, last = 0 in mine, num_stages - 1 in mine
+    worst, modes, peaks, budgets = 0.0, [], [], []
+    for step in range(2):
+        lengths = lognormal_lengths(n, seed=11 + step)
+        mbs = [gpt_batch(2, 70 + 10 * step + m, seq=t) for m, t in enumerate(lengths)]
+        arg_mbs, tgt_mbs = [a for a, _ in mbs], [t for _, t in mbs]
+        for mod in [*ref, *local.values()]:
+            mod.zero_grad(set_to_none=True)
+        reference(ref, arg_mbs, tgt_mbs, xent, True, step)
+        sched.step_microbatches(arg_mbs if first else None, tgt_mbs if last else None)
+        worst = max(worst, compare(local, ref))
+        memory = sched.runtime.memory
+        modes.append(memory is not None)
+        peaks.append(sched.peak_bytes)
+        budgets.append(memory[1] if memory is not None else 0)
+    fit = sched.compute.bytes.fit
+    return {"worst": worst, "loss": 0.0, "torch": 0.0, "modes": modes, "peaks": peaks, "budgets": budgets,
+            "fit": {str(s): list(v) for s, v in fit.items()}}  # fmt: skip
+
+
 KINDS = {
     "grad": run_grad,
     "varlen": run_varlen,
@@ -531,6 +566,7 @@ KINDS = {
     "error": run_error,
     "dp": run_dp,
     "trace": run_trace,
+    "bytes": run_bytes,
 }
 
 
@@ -571,6 +607,8 @@ TWO: list[dict[str, Any]] = [
     {"kind": "kwargs", "hint": "1f1b"},
     {"kind": "eval", "hint": "zbv"},
     {"kind": "trace", "hint": "1f1b", "policy": "fixed", "dir": "DIR"},
+    {"kind": "bytes", "hint": "1f1b", "bytes": "1x"},
+    {"kind": "bytes", "hint": "zbv", "bytes": "1.5x"},
     *(
         {"kind": "error", "error": e}
         for e in (
@@ -608,7 +646,7 @@ SUITES = {
     "two": TWO,
     "four": FOUR,
     "smoke": TWO[:2],
-    "trace": [c for c in TWO if c.get("kind") == "trace"],
+    "trace": [c for c in TWO if c.get("kind") in ("trace", "bytes")],
     "errors": [c for c in TWO if c.get("kind") == "error"] * 3,
 }
 

@@ -180,6 +180,18 @@ def test_trace_out_replays(two: list[dict[str, Any]]) -> None:
     assert abs(row["error_pct"]) < 50.0 and len(row["whatif"]) == 2 and min(row["whatif"]) > 0
 
 
+def test_byte_budgets_fitted_from_the_first_step(two: list[dict[str, Any]]) -> None:
+    """byte_budget: step 1 measures on slots, step 2 admits by predicted bytes and stays within them;
+    the fitted bytes grow with the microbatch size; gradients unchanged."""
+    found = rows(two, kind="bytes")
+    assert {r["case"]["bytes"] for r in found} == {"1x", "1.5x"}
+    assert_equal_to_reference(found)
+    for r in found:
+        assert r["modes"] == [False, True], r
+        assert 0 < r["peaks"][1] <= r["budgets"][1], r
+        assert all(a > 0 for a, _ in r["fit"].values()), r
+
+
 def test_split_check_falls_back_to_b(two: list[dict[str, Any]]) -> None:
     """A stage whose W is wrong, or whose I raises, is caught on its first microbatch: the gradients
     stay right (B's), the stage runs B from then on, and it says so."""

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_map_only
 
 from rrfp.exec.pipelining.codec import forward_only, pack, unpack
 from rrfp.exec.pipelining.errors import LossError, MicrobatchError, StageIOError
+from rrfp.exec.pipelining.memory import ForwardBytes
 from rrfp.plan.spec import PipelineSpec
 from rrfp.plan.task import Op, Task
 
@@ -60,6 +61,12 @@ class StageCompute:
         self.split = dict.fromkeys(stages, spec.split)
         """Per stage: I/W run split (False after the check found they cannot)."""
         self._checked: set[int] = set()  # stages whose split was checked
+        self.bytes: ForwardBytes | None = None
+        """Byte budgets: the measured bytes of forwards (rrfp.exec.pipelining.memory); None: slots."""
+        self.measure = False
+        """Count this step's forwards' saved bytes into :attr:`bytes`."""
+        self.sizes: list[int] = []
+        """Byte budgets: this step's microbatch sizes (the same on every rank)."""
         self.notes: list[str] = []
         """What the split check found (also warned once per stage)."""
         self.begin([], [], None, None, training=False, outputs=False, seed=0, step=0)
@@ -116,7 +123,12 @@ class StageCompute:
         kwargs = self.kwarg_mbs[m] if self.kwarg_mbs else {}
         seed = microbatch_seed(self.seed, self.step, s, m) if self.fork_rng else None
         with torch.set_grad_enabled(self.training), _rng(seed, stage.device):
-            out = stage.forward_maybe_with_nosync(*args, **kwargs)
+            if self.measure and self.bytes is not None and self.training:
+                with self.bytes.counters[s].counting() as counter:
+                    out = stage.forward_maybe_with_nosync(*args, **kwargs)
+                self.bytes.record(s, self.sizes[m], counter.total)
+            else:
+                out = stage.forward_maybe_with_nosync(*args, **kwargs)
         outs = _as_tuple(out, s)
         if s < self.last:
             if self.training:

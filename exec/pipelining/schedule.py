@@ -52,8 +52,12 @@ builds its own at the same time), and the user all-reduces the stage gradients o
 ``trace_out=PATH``: the training steps' tasks, waits and messages as a trace (schema v3) written by
 ``close()`` (or :meth:`ScheduleReadiness.write_trace`) that ``rrfp-sim --replay PATH`` replays.
 
-Not yet: byte budgets, a tensor-parallel group (``tp_group``), CUDA runs (the transport's
-NCCL path is rrfp-run's, itself not yet run on a GPU).
+``byte_budget=`` (``"1.5x"`` of the hint order's byte peak, or bytes like ``"64MiB"``) admits forwards
+by the bytes their activations hold instead of slots: fitted per stage from the first training step's
+saved tensors (rrfp.exec.pipelining.memory), which runs on slots.
+
+Not yet: microbatch sizes for sized policies and ``mb_order``, a tensor-parallel group (``tp_group``),
+CUDA runs (the transport's NCCL path is rrfp-run's, itself not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -84,7 +88,8 @@ from rrfp.exec.pipelining.errors import (
     StageFailed,
     StageLayoutError,
 )
-from rrfp.plan.budget import resolve_budget
+from rrfp.exec.pipelining.memory import ForwardBytes, microbatch_size
+from rrfp.plan.budget import ByteBudget, parse_byte_item, position_bytes, resolve_budget
 from rrfp.plan.sources import make_hint
 from rrfp.traces.trace import TraceRecorder
 
@@ -114,6 +119,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
         hint: str = "1f1b",
         policy: str | Policy = DEFAULT_POLICY,
         memory_budget: str | int = "1x",
+        byte_budget: str | None = None,
         scale_grads: bool = True,
         pipeline: ReadinessPipeline | None = None,
         seed: int = 0,
@@ -140,7 +146,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self.policy_name = policy if isinstance(policy, str) else policy.name
         self.hint_name, self.seed = hint, int(seed)
         self.timeout = pipe.timeout if timeout is None else float(timeout)
-        self._agree(stages, hint, memory_budget, trace_out)
+        self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget))
         v = stages[0].num_stages // pipe.pp
         self.hint = make_hint(hint, pipe.pp, n_microbatches, v)
         self._check_placement()
@@ -150,6 +156,12 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self.sched = RankScheduler(self.hint, pipe.pp_rank, policy_obj, self.budget)
         by_index = {s.stage_index: s for s in stages}
         self.compute = StageCompute(by_index, self.hint.spec, pipe.pp_rank, loss_fn, fork_rng)
+        self.byte_budget: ByteBudget | None = None
+        if byte_budget is not None:
+            if memory_budget != "1x":
+                raise StageLayoutError("give memory_budget (slots) or byte_budget (bytes), not both")
+            self.byte_budget = parse_byte_item(str(byte_budget), pipe.pp)
+            self.compute.bytes = ForwardBytes(by_index)
         self.trace_out = trace_out
         self.recorder = None if trace_out is None else self._recorder(memory_budget)
         ctx = RankContext(
@@ -195,13 +207,13 @@ class ScheduleReadiness(PipelineScheduleMulti):
         frame = frame.sort_values(["run", "iteration", "rank", "start"], kind="stable").reset_index(drop=True)
         write_trace(frame, path or self.trace_out)
 
-    def _agree(self, stages: list[Any], hint: str, budget: Any, trace_out: Any) -> None:
+    def _agree(self, stages: list[Any], hint: str, budget: Any, extras: Any) -> None:
         """Gather every rank's arguments once and refuse, on every rank alike, what does not fit."""
         pipe = self.pipeline
         mine = {
             "stages": sorted(s.stage_index for s in stages), "num_stages": stages[0].num_stages,
             "n": self._n_microbatches, "hint": hint, "policy": self.policy_name, "budget": repr(budget),
-            "loss": self._loss_fn is not None, "rank": pipe.rank, "trace": trace_out is not None,
+            "loss": self._loss_fn is not None, "rank": pipe.rank, "extras": extras,
             "now": time.monotonic(),
         }  # fmt: skip
         views: list[Any] = [None] * pipe.pp
@@ -211,7 +223,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
             ("n", "n_microbatches", MicrobatchError), ("num_stages", "num_stages", StageLayoutError),
             ("hint", "hint", StageLayoutError), ("policy", "policy", StageLayoutError),
             ("budget", "memory_budget", StageLayoutError), ("loss", "loss_fn given", LossError),
-            ("trace", "trace_out given", StageLayoutError),
+            ("extras", "(trace_out given, byte_budget)", StageLayoutError),
         ):  # fmt: skip
             values = {v["rank"]: v[key] for v in views}
             if len(set(values.values())) > 1:
@@ -330,7 +342,12 @@ class ScheduleReadiness(PipelineScheduleMulti):
                 arg_mbs, kwarg_mbs, target_mbs, loss_kwargs,
                 training=training, outputs=keep and has_last, seed=self.seed, step=step,
             )  # fmt: skip
+            self._use_bytes(training, arg_mbs)
             self.runtime.run_iteration(step)
+            if self.compute.measure:
+                assert self.compute.bytes is not None
+                self.compute.bytes.fit_now()
+                self.compute.measure = False
             if calibrating:
                 self._calibrate()
         except Exception as e:
@@ -346,6 +363,31 @@ class ScheduleReadiness(PipelineScheduleMulti):
         outputs = [self.compute.outputs[m] for m in range(self._n_microbatches)] if keep else None
         self.compute.outputs = {}
         return outputs
+
+    def _use_bytes(self, training: bool, arg_mbs: list[Any]) -> None:
+        """Byte budgets: learn this step's microbatch sizes from the first stage's rank (a collective),
+        then measure the forwards (the first training step: slots) or admit by their predicted bytes."""
+        self.runtime.memory = None
+        model = self.compute.bytes
+        if model is None or self.byte_budget is None or not training:
+            return
+        pipe = self.pipeline
+        sizes = [microbatch_size(a) for a in arg_mbs] if pipe.pp_rank == 0 else None
+        box = [sizes]
+        dist.broadcast_object_list(box, src=pipe.ranks[0], group=pipe.ctrl)
+        self.compute.sizes = box[0]  # type: ignore[assignment]
+        if not model.fit:
+            self.compute.measure = True
+            return
+        sched = self.runtime.sched
+        act = model.table(self._num_stages, self.compute.sizes)
+        deltas = position_bytes(sched.hint.plan.wiring(sched.rank), act)
+        self.runtime.memory = (deltas, self.byte_budget.resolve(sched.rank, deltas, self.hint_name))
+
+    @property
+    def peak_bytes(self) -> int:
+        """Byte budgets: the most predicted activation bytes this rank held at once in the last step."""
+        return self.runtime.sched.peak_bytes
 
     def _calibrate(self) -> None:
         assert self._template is not None
