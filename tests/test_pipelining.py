@@ -27,16 +27,23 @@ HINTS = ("1f1b", "zb-h1", "bfw", "interleaved-1f1b", "zbv")
 POLICIES = ("fixed", "rrfp", "backfill", "guarded")
 
 
+EXAMPLE = Path(__file__).parents[1] / "examples" / "train_gpt_varlen.py"
+EXAMPLE_ARGS = ["--steps", "2", "--microbatches", "4", "--mean-len", "8", "--dim", "16", "--vocab", "32"]
+
+
 class Launch:
-    """One worker launch in its own session, started at once (both launches overlap their start-up)."""
+    """One worker launch in its own session, started at once (the launches overlap their start-up)."""
 
     def __init__(self, suite: str, world: int, tmp: Path) -> None:
         self.suite, self.out = suite, tmp / f"{suite}.json"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, str(WORKER), suite, str(world), str(self.out)]
+        if suite == "example":  # the example, as its docstring starts it (at a tiny size)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   str(EXAMPLE), *EXAMPLE_ARGS]  # fmt: skip
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), suite, str(world), str(self.out)], env=env, start_new_session=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         self.rows: list[dict[str, Any]] | None = None
 
     def result(self) -> list[dict[str, Any]]:
@@ -55,13 +62,16 @@ def finish(proc: subprocess.Popen[str], suite: str, out: Path) -> list[dict[str,
     finally:
         assert_no_leftovers(proc.pid)
     assert proc.returncode == 0, log[-3000:]
+    if suite == "example":
+        return [{"log": log}]
     return [r for r in json.loads(out.read_text()) if r["case"].get("kind") != "setup"]
 
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("pipelining")
-    started = {"two": Launch("two", 2, tmp), "four": Launch("four", 4, tmp), "one": Launch("one", 1, tmp)}
+    started = {"two": Launch("two", 2, tmp), "four": Launch("four", 4, tmp), "one": Launch("one", 1, tmp),
+               "example": Launch("example", 2, tmp)}  # fmt: skip
     yield started
     for launch in started.values():  # a test that failed before asking still reaps its launch
         if launch.rows is None:
@@ -119,6 +129,13 @@ def test_four_ranks(four: list[dict[str, Any]]) -> None:
     failed = rows(four, kind="error")
     assert {r["raised"] for r in failed} == {"StageFailed"}, failed
     assert all("rank 3 raised RuntimeError: boom" in r["text"] for r in failed), failed
+
+
+def test_the_example_trains(launches: dict[str, Launch]) -> None:
+    log = launches["example"].result()[0]["log"]
+    lines = [x for x in log.splitlines() if x.startswith("step ")]
+    assert [x.split(":")[0] for x in lines] == ["step 0", "step 1"], log[-2000:]
+    assert all("tokens/s" in x for x in lines)
 
 
 def test_one_rank_holds_every_stage(one: list[dict[str, Any]]) -> None:

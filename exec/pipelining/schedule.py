@@ -147,6 +147,24 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self.hint_name, self.seed = hint, int(seed)
         self.timeout = pipe.timeout if timeout is None else float(timeout)
         self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget))
+        try:  # every rank checked the same arguments: what fails now fails on every rank alike
+            self._build(stages, policy, memory_budget, byte_budget, fork_rng, trace_out)
+        except Exception:
+            if self._owns_pipeline:  # collective, as every rank is here
+                self.pipeline.close()
+            raise
+
+    def _build(
+        self, stages: list[Any], policy: str | Policy, memory_budget: Any, byte_budget: str | None,
+        fork_rng: bool, trace_out: str | None,
+    ) -> None:  # fmt: skip
+        """The hint, scheduler, compute and runtime loop of this rank (after the agreement)."""
+        pipe, hint, n_microbatches, loss_fn = (
+            self.pipeline,
+            self.hint_name,
+            self._n_microbatches,
+            self._loss_fn,
+        )
         v = stages[0].num_stages // pipe.pp
         self.hint = make_hint(hint, pipe.pp, n_microbatches, v)
         self._check_placement()
