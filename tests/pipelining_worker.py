@@ -230,10 +230,28 @@ def run_grad(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
             errs = [abs(float(a) - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
             loss_err = max(loss_err, *errs)
             assert out is not None and out.shape[0] == 2 * n, "the merged output"
+    bitwise = None
     if case.get("torch"):
-        torch_err = torch_check(case, ref, mine, num_stages, batch, loss_fn, n)
-    row = {"worst": worst, "loss": loss_err, "torch": torch_err, "notes": sched.split_notes}
+        torch_err, theirs = torch_check(case, ref, mine, num_stages, batch, loss_fn, n)
+        bitwise = all(
+            torch.equal(p.grad, q.grad)
+            for s in mine
+            for p, q in zip(local[s].parameters(), theirs[s].parameters(), strict=True)
+        )
+    row = {
+        "worst": worst,
+        "loss": loss_err,
+        "torch": torch_err,
+        "notes": sched.split_notes,
+        "bitwise": bitwise,
+    }
     row["split"] = sorted(s for s, on in sched.compute.split.items() if on)
+    if case.get("torch") and os.environ.get("PL_DEBUG"):
+        row["diffs"] = [
+            (s, n_, float((p.grad - q.grad).abs().max()))
+            for s in mine
+            for (n_, p), q in zip(local[s].named_parameters(), theirs[s].parameters(), strict=True)
+        ]
     if case.get("perturb"):  # the checker catches a wrong gradient
         p = next(local[mine[0]].parameters())
         p.grad[(0,) * p.grad.dim()] += 1e-3 * float(p.grad.abs().max())
@@ -242,7 +260,7 @@ def run_grad(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
 
 
 def torch_check(case: dict[str, Any], ref: list[nn.Module], mine: list[int], num_stages: int, batch: Any,
-                loss_fn: Any, n: int) -> float:  # fmt: skip
+                loss_fn: Any, n: int) -> tuple[float, dict[int, nn.Module]]:  # fmt: skip
     """torch's own schedule on copies of the same stages: its grads against the reference's (last step,
     whose reference grads are still in ``ref``)."""
     from torch.distributed.pipelining import PipelineStage
@@ -255,7 +273,7 @@ def torch_check(case: dict[str, Any], ref: list[nn.Module], mine: list[int], num
     sched = cls(stages[0], n, loss_fn) if single else cls(stages, n, loss_fn)
     args, tgt = batch(2 * n, case.get("steps", 1) - 1)
     sched.step(*(args if 0 in mine else ()), target=tgt if num_stages - 1 in mine else None)
-    return compare(local, ref)
+    return compare(local, ref), local
 
 
 def stage_class(case: dict[str, Any], s: int) -> Any:
@@ -646,6 +664,7 @@ SUITES = {
     "two": TWO,
     "four": FOUR,
     "smoke": TWO[:2],
+    "bitwise": [c for c in TWO if c.get("torch")],
     "trace": [c for c in TWO if c.get("kind") in ("trace", "bytes")],
     "errors": [c for c in TWO if c.get("kind") == "error"] * 3,
 }

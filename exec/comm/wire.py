@@ -123,8 +123,12 @@ def pack_message(head: list[int], payload: torch.Tensor) -> torch.Tensor:
 
 
 def receive_buffer(nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
-    """A uint8 CPU receive buffer of ``nbytes``, as (tensor for gloo, numpy view of the same memory)."""
-    raw = np.empty(nbytes, dtype=np.uint8)
+    """A uint8 CPU receive buffer of ``nbytes``, as (tensor for gloo, numpy view of the same memory),
+    starting on a 64-byte boundary as torch's own CPU tensors do (numpy gives 16), so a payload at a
+    multiple of 64 bytes into it can be computed on in place like any tensor (rrfp.exec.pipelining)."""
+    block = np.empty(nbytes + 64, dtype=np.uint8)
+    start = -block.ctypes.data % 64
+    raw = block[start : start + nbytes]
     return torch.from_numpy(raw), raw
 
 

@@ -3,9 +3,12 @@
 rrfp's transport (rrfp.exec.comm.transport) carries one tensor of any shape per message, keyed by the
 consumer task. A stage's activations (or the gradients of its inputs) are a tuple as users write it --
 ``(hidden, mask)``, or ``(grad_hidden, None)`` where an output is not differentiable -- so each message
-packs the tuple: a small int64 table of contents, then every entry's bytes, each padded to 8 bytes so the
-receiver views them in place (no copy) with their own dtype and shape. The shapes travel with every
-message: nothing is inferred up front, and microbatches of different shapes need nothing else.
+packs the tuple: a small int64 table of contents, then every entry's bytes, each starting at a multiple
+of 64 bytes, so the receiver views them in place with their own dtype and shape -- without a copy where
+the buffer starts on 64 bytes as torch's tensors do (rrfp's gloo receive buffers do; an entry that lands
+elsewhere is copied: kernels can take other paths on other alignments, and results stay bitwise those
+of torch's own schedules). The shapes travel with every message: nothing is inferred up front, and
+microbatches of different shapes need nothing else.
 
     >>> import torch
     >>> out, training = unpack(pack((torch.ones(2, 3), None, torch.arange(4)), training=True))
@@ -29,6 +32,8 @@ DTYPES = (
     torch.int8, torch.uint8, torch.bool, torch.complex64,
 )  # fmt: skip
 """The dtypes a stage may send (an index into this tuple goes on the wire)."""
+ALIGN = 64
+"""Bytes of alignment a received entry needs to be used in place (torch's CPU allocator gives 64)."""
 FORWARD_ONLY = -1
 """Table-of-contents length of the message a forward-only step's backward task sends: no gradients."""
 
@@ -50,10 +55,11 @@ def pack(values: Sequence[torch.Tensor | None], training: bool) -> torch.Tensor:
         device = v.device if device is None else device
         toc += [DTYPES.index(v.dtype), v.dim(), *v.shape]
         raw = v.detach().contiguous().reshape(-1).view(torch.uint8)
-        pad = -raw.numel() % 8
+        pad = -raw.numel() % ALIGN
         parts.append(raw)
         if pad:
             parts.append(torch.zeros(pad, dtype=torch.uint8, device=v.device))
+    toc += [0] * (-len(toc) % (ALIGN // 8))  # the entries start on the alignment too
     toc[0] = len(toc)
     head = torch.tensor(toc, dtype=torch.int64, device=device or "cpu").view(torch.uint8)
     return torch.cat([head, *parts]).view(torch.int64)
@@ -84,8 +90,11 @@ def unpack(buf: torch.Tensor) -> tuple[tuple[torch.Tensor | None, ...] | None, b
         shape = tuple(toc[pos + 2 : pos + 2 + ndim])
         pos += 2 + ndim
         nbytes = dtype.itemsize * _numel(shape)
-        out.append(raw[offset : offset + nbytes].view(dtype).view(shape))
-        offset += nbytes + (-nbytes % 8)
+        value = raw[offset : offset + nbytes].view(dtype).view(shape)
+        # A view off torch's 64-byte alignment can take other (vectorised) kernel paths than the
+        # sender's tensor would: a copy keeps results bitwise those of torch's own schedules.
+        out.append(value if value.data_ptr() % ALIGN == 0 else value.clone())
+        offset += nbytes + (-nbytes % ALIGN)
     return tuple(out), bool(toc[2])
 
 
