@@ -246,12 +246,6 @@ def run_grad(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
         "bitwise": bitwise,
     }
     row["split"] = sorted(s for s, on in sched.compute.split.items() if on)
-    if case.get("torch") and os.environ.get("PL_DEBUG"):
-        row["diffs"] = [
-            (s, n_, float((p.grad - q.grad).abs().max()))
-            for s in mine
-            for (n_, p), q in zip(local[s].named_parameters(), theirs[s].parameters(), strict=True)
-        ]
     if case.get("perturb"):  # the checker catches a wrong gradient
         p = next(local[mine[0]].parameters())
         p.grad[(0,) * p.grad.dim()] += 1e-3 * float(p.grad.abs().max())
