@@ -141,8 +141,13 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self.pipeline = pipeline or ReadinessPipeline(stages[0].group, stages[0].device, timeout or 120.0)
         pipe = self.pipeline
         pipe.check_open()
-        if [s.group_size for s in stages] != [pipe.pp] * len(stages):
-            raise StageLayoutError("the stages' process group is not the pipeline's")
+        world = list(range(dist.get_world_size()))
+        for s in stages:
+            ranks = world if s.group is None else dist.get_process_group_ranks(s.group)
+            if ranks != pipe.ranks:
+                raise StageLayoutError(
+                    f"stage {s.stage_index}'s process group has ranks {ranks}, the pipeline's {pipe.ranks}"
+                )
         self.policy_name = policy if isinstance(policy, str) else policy.name
         self.hint_name, self.seed = hint, int(seed)
         self.timeout = pipe.timeout if timeout is None else float(timeout)
