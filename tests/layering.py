@@ -41,13 +41,14 @@ EXEC_ROOMS = (
     ("rrfp.exec.models",),
     ("rrfp.exec.comm",),
     ("rrfp.exec.loop",),
+    ("rrfp.exec.pipelining",),
     ("rrfp.exec.results", "rrfp.exec.report"),
     ("rrfp.exec.jobs",),
     ("rrfp.exec.preflight", "rrfp.exec.cli", "rrfp.exec.__main__", "rrfp.exec"),
 )
 """The rooms of ``exec/`` in import order (docs/design.md §2): each imports only the rooms before it
 (and itself). The package ``rrfp.exec`` itself belongs to the last room."""
-PLAIN_ARGUMENTS = ("rrfp.exec.comm", "rrfp.exec.loop")
+PLAIN_ARGUMENTS = ("rrfp.exec.comm", "rrfp.exec.loop", "rrfp.exec.pipelining")
 """Rooms that take plain arguments -- never a RunConfig -- so a library API can build on them..."""
 RUN_CONFIG_USERS = frozenset({"rrfp.exec.loop.trials", "rrfp.exec.loop.baseline"})
 """...except these modules, the CLI's trial runner and its baselines (rebuilt on the library API later)."""

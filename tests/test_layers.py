@@ -42,7 +42,7 @@ def test_exec_rooms_import_only_the_rooms_before_them() -> None:
     assert room_violations() == []
     homeless = sorted(m for m in modules() if m.startswith("rrfp.exec") and room_of(m) is None)
     assert not homeless, f"exec modules outside every room: {homeless}"
-    assert len(EXEC_ROOMS) == 7
+    assert len(EXEC_ROOMS) == 8
 
 
 @pytest.mark.parametrize(
@@ -52,6 +52,8 @@ def test_exec_rooms_import_only_the_rooms_before_them() -> None:
         (Edge("rrfp.exec.models.model", "rrfp.exec.jobs.worker", 1, False), "a later room"),
         (Edge("rrfp.exec.comm.board", "rrfp.exec.config", 1, False), "plain arguments"),
         (Edge("rrfp.exec.loop.runtime", "rrfp.exec.config", 1, True), "plain arguments"),
+        (Edge("rrfp.exec.pipelining.schedule", "rrfp.exec.config", 1, True), "plain arguments"),
+        (Edge("rrfp.exec.pipelining.schedule", "rrfp.exec.jobs.worker", 1, False), "a later room"),
     ],
 )
 def test_the_room_check_fails_on_a_planted_violation(planted: Edge, complaint: str) -> None:

@@ -28,6 +28,7 @@ import torch
 
 from rrfp.exec.comm.wire import (
     HEADER_LEN,
+    KIND_ABORT,
     KIND_ANNOUNCE,
     KIND_CLOSE,
     Announce,
@@ -94,6 +95,8 @@ class PolledChannel:
                 raise TransportError(f"a header of {len(values)} values from rank {self.peer}")
             if values[0] == KIND_CLOSE:
                 self.closed = True
+            elif values[0] == KIND_ABORT:  # the peer stopped on an error: this channel failed
+                raise TransportError(f"rank {self.peer} stopped on an error")
             elif values[0] == KIND_ANNOUNCE:
                 trial, iteration, task, since_us = decode_announce(values)
                 out.append(Announce(self.peer, trial, iteration, task, self.local_time(since_us)))

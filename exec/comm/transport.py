@@ -55,6 +55,7 @@ import torch.distributed as dist
 from rrfp.exec.comm.wire import (  # the wire format, re-exported: transport users import it from here
     HEADER_BYTES,
     HEADER_LEN,
+    KIND_ABORT,
     KIND_ANNOUNCE,
     KIND_CLOSE,
     KIND_PACKED,
@@ -236,6 +237,24 @@ class Transport:
         out, self.sent = self.sent, []
         return out
 
+    def abort(self, timeout: float = 5.0) -> None:
+        """Tell every peer this rank stopped on an error (header only, posted now; each waited for up to
+        ``timeout`` seconds): each peer's receiver reports its channel failed, so a peer waiting for this
+        rank's input stops at once. The channels carry nothing more afterwards."""
+        values = [KIND_ABORT] + [0] * (HEADER_LEN - 1)
+        posted = []
+        for _, group, group_peer in self._out.values():
+            head = torch.tensor(values, dtype=torch.int64, device=self.device)
+            try:
+                posted.append((group.send([head], group_peer, 0), head))
+            except Exception:  # that peer is gone already: nothing to tell it
+                continue
+        for work, _ in posted:
+            try:
+                work.wait(timedelta(seconds=timeout))
+            except Exception:  # gone, or not reading: it stops at its own timeout instead
+                continue
+
     def close(self, timeout: float) -> None:
         """Tell every peer this rank sends nothing more, and wait for the receiver threads to finish."""
         self.flush(timeout)
@@ -274,6 +293,8 @@ class Transport:
         start = time.monotonic()
         if values[0] == KIND_CLOSE:
             return -1
+        if values[0] == KIND_ABORT:  # reported as this channel's failure (the thread ends)
+            raise TransportError(f"rank {peer} stopped on an error")
         if values[0] == KIND_ANNOUNCE:
             trial, iteration, task, since_us = decode_announce(values)
             # Not through the inbox: an announcement never makes a task runnable, and it only brings an

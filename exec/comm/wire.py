@@ -18,8 +18,10 @@ from rrfp.plan.task import OPS, Task
 HEADER_LEN = 16
 HEADER_BYTES = HEADER_LEN * 8
 MAX_DIMS = HEADER_LEN - 10
-# SPLIT: the payload follows as its own message; ANNOUNCE: header only, a producer started.
-KIND_CLOSE, KIND_SPLIT, KIND_PACKED, KIND_ANNOUNCE = 0, 1, 2, 3
+# SPLIT: the payload follows as its own message; ANNOUNCE: header only, a producer started; ABORT: header
+# only, the sender stopped on an error (its receiver reports the channel failed, so a waiting loop stops
+# at once instead of at its timeout -- rrfp.exec.pipelining).
+KIND_CLOSE, KIND_SPLIT, KIND_PACKED, KIND_ANNOUNCE, KIND_ABORT = 0, 1, 2, 3, 4
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 # gloo messages are built and read through numpy (one torch call each way, not six to eight): every
 # message is handled right after a thread wake-up, when a torch call costs ~10 us of CPU here against
@@ -121,8 +123,12 @@ def pack_message(head: list[int], payload: torch.Tensor) -> torch.Tensor:
 
 
 def receive_buffer(nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
-    """A uint8 CPU receive buffer of ``nbytes``, as (tensor for gloo, numpy view of the same memory)."""
-    raw = np.empty(nbytes, dtype=np.uint8)
+    """A uint8 CPU receive buffer of ``nbytes``, as (tensor for gloo, numpy view of the same memory),
+    starting on a 64-byte boundary as torch's own CPU tensors do (numpy gives 16), so a payload at a
+    multiple of 64 bytes into it can be computed on in place like any tensor (rrfp.exec.pipelining)."""
+    block = np.empty(nbytes + 64, dtype=np.uint8)
+    start = -block.ctypes.data % 64
+    raw = block[start : start + nbytes]
     return torch.from_numpy(raw), raw
 
 

@@ -111,8 +111,14 @@ class PipelineRuntime:
     """Runs iterations of one trial (hint, policy, budget) on one rank."""
 
     def __init__(
-        self, ctx: RankContext, sched: SchedulerProtocol, runner: Runner, trial: int, injector: Injector
+        self,
+        ctx: RankContext,
+        sched: SchedulerProtocol,
+        runner: Runner,
+        trial: int,
+        injector: Injector | None = None,
     ) -> None:
+        """``injector``: the delays injected after each task (None: none)."""
         self.ctx, self.sched, self.runner = ctx, sched, runner
         self.spec = sched.hint.spec
         self.trial, self.injector = trial, injector
@@ -157,7 +163,8 @@ class PipelineRuntime:
         self._tag = board_tag(self.trial, iteration)
         if self.clocked and self.ctx.board is not None:
             sched.listen(self._board_since, None if self._busy is None else self._busy.busy)
-        self.injector.begin(iteration, self.spec.num_stages, self.spec.microbatches)
+        if self.injector is not None:
+            self.injector.begin(iteration, self.spec.num_stages, self.spec.microbatches)
         t0 = time.monotonic()
         for arrival in self.ctx.early.pop((self.trial, iteration), []):
             self._accept(arrival)
@@ -186,7 +193,8 @@ class PipelineRuntime:
         if self._busy is not None:
             self._busy.post(task, start)
         outputs = runner.run(task)
-        self.injector.sleep(task)
+        if self.injector is not None:
+            self.injector.sleep(task)
         end = time.monotonic()
         sched.complete(task)
         if self._busy is not None:

@@ -1,0 +1,39 @@
+"""rrfp.exec.pipelining: rrfp's readiness dispatch on the user's own ``torch.distributed.pipelining`` stages.
+
+    from rrfp.exec import ScheduleReadiness
+    stage = PipelineStage(module, stage_index, num_stages, device)
+    schedule = ScheduleReadiness(stage, n_microbatches=8, loss_fn=loss_fn, hint="1f1b", policy="rrfp")
+    schedule.step(x, target=y, losses=losses)        # as torch's Schedule1F1B
+    schedule.step_microbatches(xs, target_mbs=ys)    # microbatches of different shapes, no padding
+    schedule.close()
+
+Modules: ``schedule`` (:class:`ScheduleReadiness`, its rules), ``channels`` (:class:`ReadinessPipeline`,
+the collective set-up shared by schedules), ``compute`` (F/B/I/W of torch stages as runtime tasks),
+``codec`` (tuples of tensors as one message), ``errors`` (the one-line errors).
+"""
+
+from rrfp.exec.pipelining.channels import ReadinessPipeline
+from rrfp.exec.pipelining.compute import microbatch_seed
+from rrfp.exec.pipelining.errors import (
+    ClosedError,
+    LossError,
+    MicrobatchError,
+    PipeliningError,
+    StageFailed,
+    StageIOError,
+    StageLayoutError,
+)
+from rrfp.exec.pipelining.schedule import ScheduleReadiness
+
+__all__ = [
+    "ClosedError",
+    "LossError",
+    "MicrobatchError",
+    "PipeliningError",
+    "ReadinessPipeline",
+    "ScheduleReadiness",
+    "StageFailed",
+    "StageIOError",
+    "StageLayoutError",
+    "microbatch_seed",
+]

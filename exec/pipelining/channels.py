@@ -1,0 +1,123 @@
+"""The per-pipeline set-up of :class:`~rrfp.exec.pipelining.schedule.ScheduleReadiness`: channel groups,
+the transport, a control group.
+
+rrfp's transport (rrfp.exec.comm.transport) gives every directed pair of neighbouring pipeline ranks its
+own process group, so a receive pending on one channel never blocks another, and receiver threads take
+messages of any shape in any order. Creating groups is collective, so this is built once per pipeline,
+by every rank of the job at the same time (``torch.distributed.new_group`` is collective over the default
+group, even for ranks outside the new group), and shared by any number of schedules on the same stages'
+process group. A schedule creates one implicitly when none is given (and closes it in its ``close()``).
+
+    pipe = ReadinessPipeline(group=pp_group, device=device)     # once, on every rank
+    train = ScheduleReadiness(stages, 8, loss_fn, pipeline=pipe)
+    evals = ScheduleReadiness(stages, 8, loss_fn, pipeline=pipe, policy="fixed")
+    ...
+    pipe.close()                                                # frees the groups and threads
+
+Several pipelines (data parallel replicas, each with its own pipeline group) are fine: every rank
+gathers every rank's pipeline group once, and all of them are built in one agreed order.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rrfp.exec.comm.topology import CHANNEL_TIMEOUT, ring_channels
+from rrfp.exec.comm.transport import Transport
+from rrfp.exec.pipelining.errors import ClosedError, StageLayoutError
+
+
+class ReadinessPipeline:
+    """Channels and control group of one pipeline (this rank's), shared by the schedules built on it.
+
+    ``group``: the pipeline's process group (the ``group`` of its ``PipelineStage`` objects; None: the
+    default group). ``device``: where activations live (CUDA: NCCL channels; CPU: gloo).
+    ``timeout``: seconds a schedule's rank waits for an input (its default); control collectives (set-up
+    checks, failure reports) wait up to twice that, so a rank that had to time out still reports in.
+    """
+
+    def __init__(self, group: Any = None, device: torch.device | str = "cpu", timeout: float = 120.0) -> None:
+        if not dist.is_initialized():
+            raise StageLayoutError("torch.distributed is not initialised: call init_process_group first")
+        self.device = torch.device(device)
+        self.group = group
+        self.ranks: list[int] = (
+            dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+        )
+        self.rank = dist.get_rank()
+        if self.rank not in self.ranks:
+            raise StageLayoutError(f"rank {self.rank} is not in the stages' process group {self.ranks}")
+        self.pp = len(self.ranks)
+        self.pp_rank = self.ranks.index(self.rank)
+        self.timeout = float(timeout)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        mine: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(mine, self.ranks)  # every rank's pipeline, to build them all in one order
+        pipelines = list(dict.fromkeys(tuple(r) for r in mine))
+        wait = timedelta(seconds=2 * self.timeout + 5)
+        channels: dict[tuple[int, int], Any] = {}
+        self._groups: list[Any] = []
+        self.ctrl: Any = None
+        """gloo over this pipeline: set-up agreement and failure reports (CPU objects, also with NCCL)."""
+        for ranks in pipelines:
+            ours = ranks == tuple(self.ranks)
+            ctrl = dist.new_group(list(ranks), timeout=wait, backend="gloo")
+            if ours:
+                self.ctrl = ctrl
+            for src, dst in ring_channels(len(ranks)):
+                pair = sorted((ranks[src], ranks[dst]))
+                ch = dist.new_group(pair, timeout=CHANNEL_TIMEOUT, backend=backend)
+                if ours and self.pp_rank in (src, dst):
+                    channels[(src, dst)] = ch
+                    self._groups.append(ch)
+        self.transport: Transport | None = None
+        if self.pp > 1:
+            self.transport = Transport(channels, self.pp_rank, self.to_global, self.device)
+        self.early: dict[tuple[int, int], list[Any]] = defaultdict(list)
+        """Messages for a schedule's later step (a peer ran ahead), shared by every schedule's loop."""
+        self._trials = itertools.count()
+        self.closed = False
+        self.broken: str | None = None
+        """Why the channels carry nothing more (a step failed), or None."""
+
+    def to_global(self, pp_rank: int) -> int:
+        """Global rank of pipeline rank ``pp_rank``."""
+        return self.ranks[pp_rank]
+
+    def next_schedule(self) -> int:
+        """A number for the next schedule built on this pipeline: its messages carry it. Schedules must be
+        built in the same order on every rank."""
+        self.check_open()
+        return next(self._trials)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise ClosedError("this ReadinessPipeline was closed")
+        if self.broken is not None:
+            raise ClosedError(f"this pipeline stopped after a failed step ({self.broken}); build a new one")
+
+    def abort(self, why: str) -> None:
+        """Tell the neighbours this rank stopped (they stop waiting for it at once); the channels are
+        unusable afterwards."""
+        if self.broken is None and self.transport is not None:
+            self.transport.abort()
+        self.broken = self.broken or why
+
+    def close(self) -> None:
+        """Stop the receiver threads and free the channel groups (collective: every rank of the pipeline
+        calls it). After a failed step the threads are left to the process's end instead (daemons)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.transport is not None and self.broken is None:
+            self.transport.close(self.timeout)
+            dist.barrier(group=self.ctrl)  # every peer's threads took our close before the groups go
+            for g in self._groups:
+                dist.destroy_process_group(g)
+        self._groups = []

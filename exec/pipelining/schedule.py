@@ -1,0 +1,475 @@
+"""``ScheduleReadiness``: rrfp's readiness dispatch as a torch.distributed.pipelining schedule.
+
+Where a torch user writes ``Schedule1F1B(stage, n_microbatches, loss_fn)``, they write
+``ScheduleReadiness(stage, n_microbatches, loss_fn, hint="1f1b")`` and keep the rest of their loop:
+``step(x, target=y, losses=losses)`` on every rank (inputs on the first stage's rank, targets on the
+last's), then their optimizer. A subclass of torch's ``PipelineScheduleMulti`` (torchtitan tells
+single- from multi-stage schedules with ``issubclass``; one stage per rank is the multi case with one
+stage), overriding ``step``; torch's ``eval()`` works on it unchanged. What differs underneath:
+
+* the order: the hint (a built-in name, ``torch:<Name>``, or a CSV path; rrfp.plan.sources.make_hint) is
+  the reference order and the policy (rrfp.dispatch.policies) may run a ready task ahead of it
+  (``fixed``: exactly the hint), within the activation budget (``memory_budget``: ``"1x"`` the hint's own
+  peak, ``"2x"``, or a count of microbatches);
+* the messages: rrfp's transport (one group per channel, receiver threads, rrfp.exec.pipelining.channels)
+  carries every stage output and input gradient with its shapes, so microbatches of different shapes
+  need no padding and no shape inference (:meth:`ScheduleReadiness.step_microbatches`).
+
+Rules this schedule follows (torch's where torch has one):
+
+* Training or forward-only: a step trains when the schedule has a ``loss_fn`` (on every rank, as torch
+  requires), is not inside ``eval()``, and grad mode is on; otherwise it runs forward-only (torch raises
+  under ``torch.no_grad``; this schedule runs the forward instead). Modules' ``train()``/``eval()`` modes
+  only change what the modules do (dropout), not whether a backward runs -- as in torch. Ranks that
+  disagree are caught at the first message (MicrobatchError on every rank).
+* Gradients ADD into ``.grad`` (as torch's stage backward does); after the step each stage's
+  ``perform_reduce_grad`` divides by ``n_microbatches`` when ``scale_grads`` (match a mean loss), else
+  leaves them (a sum loss, or a loss the user normalises -- e.g. by the global token count passed in
+  ``loss_kwargs``, as torchtitan does with uneven microbatches).
+* ``losses`` is cleared and given one loss per microbatch, in microbatch order (torch's
+  ``_update_losses``), on the last stage's rank.
+* Keyword arguments given to ``step`` on a rank are split like the inputs and passed to every stage on
+  that rank (torch passes them to every stage too); stage 0 also gets the positional inputs, later
+  stages get the previous stage's outputs (a tensor or a tuple of tensors; integer tensors such as masks
+  pass through and get a None gradient).
+* Dropout: each forward of (stage, microbatch) runs under its own RNG stream, seeded from (``seed``, step,
+  stage, microbatch) (rrfp.exec.pipelining.compute.microbatch_seed), so any dispatch order draws the same.
+* ``backfill`` and ``guarded`` plan with measured costs: the first training step runs their no-clock rule
+  while every rank meters its tasks; then the costs are merged over the pipeline (a collective) and the
+  loop ticks their clock and announces producer starts from the next step on (rrfp.exec.loop.calibrate,
+  as rrfp-run does).
+* Errors are one-line ``UserError`` subclasses (rrfp.exec.pipelining.errors). Set-up errors are found from
+  every rank's arguments gathered once, so every rank raises the same one. A rank that raises during a
+  step tells its neighbours (they stop waiting at once; the word spreads rank by rank), then every rank
+  raises :class:`StageFailed` naming the rank and its error; no rank waits longer than ``timeout``. The
+  pipeline is then unusable (build a new one).
+
+Data parallel: one :class:`ReadinessPipeline` per replica, each on its own pipeline group (every rank
+builds its own at the same time), and the user all-reduces the stage gradients over the replicas after
+``step`` (tests/test_pipelining.py does). DDP/FSDP-wrapped stage modules go through torch's own
+``backward_maybe_with_nosync``/``perform_reduce_grad``, untested here.
+
+``trace_out=PATH``: the training steps' tasks, waits and messages as a trace (schema v3) written by
+``close()`` (or :meth:`ScheduleReadiness.write_trace`) that ``rrfp-sim --replay PATH`` replays.
+
+``byte_budget=`` (``"1.5x"`` of the hint order's byte peak, or bytes like ``"64MiB"``) admits forwards
+by the bytes their activations hold instead of slots: fitted per stage from the first training step's
+saved tensors (rrfp.exec.pipelining.memory), which runs on slots.
+
+Not yet: microbatch sizes for sized policies and ``mb_order``, a tensor-parallel group (``tp_group``),
+CUDA runs (the transport's NCCL path is rrfp-run's, itself not yet run on a GPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining.microbatch import TensorChunkSpec, _split_tensor
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+from rrfp.dispatch.backfill import Backfill
+from rrfp.dispatch.policies import DEFAULT_POLICY, Policy, get_policy
+from rrfp.dispatch.scheduler import RankScheduler
+from rrfp.exec.comm.wire import one_line
+from rrfp.exec.faults import LostPeerError, WaitTimeoutError
+from rrfp.exec.loop.calibrate import CostMeter, calibrate
+from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
+from rrfp.exec.pipelining.channels import ReadinessPipeline
+from rrfp.exec.pipelining.compute import StageCompute
+from rrfp.exec.pipelining.errors import (
+    LossError,
+    MicrobatchError,
+    PipeliningError,
+    StageFailed,
+    StageLayoutError,
+)
+from rrfp.exec.pipelining.memory import ForwardBytes, microbatch_size
+from rrfp.plan.budget import ByteBudget, parse_byte_item, position_bytes, resolve_budget
+from rrfp.plan.sources import make_hint
+from rrfp.traces.trace import TraceRecorder
+
+_TARGET_SPEC = TensorChunkSpec(0)
+
+
+class ScheduleReadiness(PipelineScheduleMulti):
+    """A readiness-driven pipeline schedule over torch ``PipelineStage`` objects.
+
+    ``stages``: this rank's ``PipelineStage`` (or a list of them: interleaved ``loop`` placement, stage
+    ``chunk * pp + rank``, or the ``v`` placement of zbv, stages ``r`` and ``2 pp - 1 - r``; they must be
+    where the hint puts them). ``hint``/``policy``/``memory_budget``: the reference order, the dispatch
+    policy, the activation budget (module docstring). ``pipeline``: a :class:`ReadinessPipeline` to share
+    (default: one of its own, closed by :meth:`close`). ``seed``: the dropout streams' seed.
+    ``fork_rng=False`` skips the per-forward RNG fork (a little faster; dropout then depends on the
+    order). ``timeout``: the most seconds a rank waits for an input (default: the pipeline's, 120 s for one
+    made here); after a failure the others are waited for up to twice the pipeline's timeout.
+    The chunk and merge specs are torch's.
+    """
+
+    def __init__(
+        self,
+        stages: Any,
+        n_microbatches: int,
+        loss_fn: Any = None,
+        *,
+        hint: str = "1f1b",
+        policy: str | Policy = DEFAULT_POLICY,
+        memory_budget: str | int = "1x",
+        byte_budget: str | None = None,
+        scale_grads: bool = True,
+        pipeline: ReadinessPipeline | None = None,
+        seed: int = 0,
+        fork_rng: bool = True,
+        timeout: float | None = None,
+        trace_out: str | None = None,
+        args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
+        kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
+        output_merge_spec: Any = None,
+    ) -> None:
+        stages = _stage_list(stages)
+        if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
+            raise MicrobatchError(f"n_microbatches must be an integer >= 1, got {n_microbatches!r}")
+        super().__init__(
+            stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+            scale_grads=scale_grads,
+        )  # fmt: skip
+        self._owns_pipeline = pipeline is None
+        self.pipeline = pipeline or ReadinessPipeline(stages[0].group, stages[0].device, timeout or 120.0)
+        pipe = self.pipeline
+        pipe.check_open()
+        world = list(range(dist.get_world_size()))
+        for s in stages:
+            ranks = world if s.group is None else dist.get_process_group_ranks(s.group)
+            if ranks != pipe.ranks:
+                raise StageLayoutError(
+                    f"stage {s.stage_index}'s process group has ranks {ranks}, the pipeline's {pipe.ranks}"
+                )
+        self.policy_name = policy if isinstance(policy, str) else policy.name
+        self.hint_name, self.seed = hint, int(seed)
+        self.timeout = pipe.timeout if timeout is None else float(timeout)
+        self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget))
+        try:  # every rank checked the same arguments: what fails now fails on every rank alike
+            self._build(stages, policy, memory_budget, byte_budget, fork_rng, trace_out)
+        except Exception:
+            if self._owns_pipeline:  # collective, as every rank is here
+                self.pipeline.close()
+            raise
+
+    def _build(
+        self, stages: list[Any], policy: str | Policy, memory_budget: Any, byte_budget: str | None,
+        fork_rng: bool, trace_out: str | None,
+    ) -> None:  # fmt: skip
+        """The hint, scheduler, compute and runtime loop of this rank (after the agreement)."""
+        pipe, hint, n_microbatches, loss_fn = (
+            self.pipeline,
+            self.hint_name,
+            self._n_microbatches,
+            self._loss_fn,
+        )
+        v = stages[0].num_stages // pipe.pp
+        self.hint = make_hint(hint, pipe.pp, n_microbatches, v)
+        self._check_placement()
+        policy_obj = get_policy(policy) if isinstance(policy, str) else policy
+        self._template = policy_obj if isinstance(policy_obj, Backfill) else None
+        self.budget = resolve_budget(memory_budget, self.hint)[pipe.pp_rank]
+        self.sched = RankScheduler(self.hint, pipe.pp_rank, policy_obj, self.budget)
+        by_index = {s.stage_index: s for s in stages}
+        self.compute = StageCompute(by_index, self.hint.spec, pipe.pp_rank, loss_fn, fork_rng)
+        self.byte_budget: ByteBudget | None = None
+        if byte_budget is not None:
+            if memory_budget != "1x":
+                raise StageLayoutError("give memory_budget (slots) or byte_budget (bytes), not both")
+            self.byte_budget = parse_byte_item(str(byte_budget), pipe.pp)
+            self.compute.bytes = ForwardBytes(by_index)
+        self.trace_out = trace_out
+        self.recorder = None if trace_out is None else self._recorder(memory_budget)
+        ctx = RankContext(
+            rank=pipe.rank, pp_rank=pipe.pp_rank, to_global=pipe.to_global, transport=pipe.transport,
+            timeout=self.timeout, early=pipe.early, recorder=self.recorder, origin=self._views[0]["now"],
+        )  # fmt: skip
+        self._ctx = ctx
+        self.runtime = PipelineRuntime(ctx, self.sched, self.compute, pipe.next_schedule())
+        self._steps = 0
+        self.calibration: dict[str, Any] | None = None
+        """backfill/guarded: the merged mean costs (ms) once calibrated."""
+
+    # -- set-up checks ---------------------------------------------------------------------------
+    def _recorder(self, budget: Any) -> TraceRecorder:
+        """Trace rows of this rank's training steps (schema v3; the run label carries the budget)."""
+        ranks = self.pipeline.ranks
+        return TraceRecorder(
+            run=f"library/{self.policy_name}/{self.hint_name}@{budget}", policy=self.policy_name,
+            hint=self.hint_name, seed=self.seed, coords=lambda r: (ranks.index(r), 0, 0),
+            budget=resolve_budget(budget, self.hint),
+        )  # fmt: skip
+
+    def write_trace(self, path: str | None = None) -> None:
+        """Write the trace of the training steps so far to ``path`` (default ``trace_out``), merged from
+        every rank of the pipeline (collective: every rank calls it; the pipeline's first rank writes).
+        Times are seconds since the schedule was built, on the first rank's clock: the ranks must share
+        one host's CLOCK_MONOTONIC (rrfp-run measures offsets across hosts; this does not yet).
+        ``rrfp-sim --replay PATH`` replays it, and ``--policy``/``--hint`` ask what-ifs."""
+        import pandas as pd
+
+        from rrfp.traces.trace import write_trace
+
+        if self.recorder is None:
+            raise PipeliningError("write_trace needs a schedule built with trace_out=")
+        pipe = self.pipeline
+        frames: list[Any] = [None] * pipe.pp
+        dist.all_gather_object(frames, self.recorder.frame(), group=pipe.ctrl)
+        if pipe.pp_rank != 0:
+            return
+        frame = pd.concat(frames, ignore_index=True)
+        for col in ("start", "end"):
+            frame[col] = frame[col].clip(lower=0.0)
+        frame = frame.sort_values(["run", "iteration", "rank", "start"], kind="stable").reset_index(drop=True)
+        write_trace(frame, path or self.trace_out)
+
+    def _agree(self, stages: list[Any], hint: str, budget: Any, extras: Any) -> None:
+        """Gather every rank's arguments once and refuse, on every rank alike, what does not fit."""
+        pipe = self.pipeline
+        mine = {
+            "stages": sorted(s.stage_index for s in stages), "num_stages": stages[0].num_stages,
+            "n": self._n_microbatches, "hint": hint, "policy": self.policy_name, "budget": repr(budget),
+            "loss": self._loss_fn is not None, "rank": pipe.rank, "extras": extras,
+            "now": time.monotonic(),
+        }  # fmt: skip
+        views: list[Any] = [None] * pipe.pp
+        dist.all_gather_object(views, mine, group=pipe.ctrl)
+        self._views = views
+        for key, what, err in (
+            ("n", "n_microbatches", MicrobatchError), ("num_stages", "num_stages", StageLayoutError),
+            ("hint", "hint", StageLayoutError), ("policy", "policy", StageLayoutError),
+            ("budget", "memory_budget", StageLayoutError), ("loss", "loss_fn given", LossError),
+            ("extras", "(trace_out given, byte_budget)", StageLayoutError),
+        ):  # fmt: skip
+            values = {v["rank"]: v[key] for v in views}
+            if len(set(values.values())) > 1:
+                raise err(
+                    f"ranks disagree on {what}: " + ", ".join(f"rank {r}: {x}" for r, x in values.items())
+                )
+        num_stages = views[0]["num_stages"]
+        held = [s for v in views for s in v["stages"]]
+        if sorted(held) != list(range(num_stages)):
+            where = ", ".join(f"rank {v['rank']}: {v['stages']}" for v in views)
+            raise StageLayoutError(
+                f"the ranks' stage indices ({where}) are not 0..{num_stages - 1} once each"
+            )
+        if num_stages % pipe.pp:
+            raise StageLayoutError(f"{num_stages} stages on {pipe.pp} ranks: not the same count per rank")
+
+    def _check_placement(self) -> None:
+        spec = self.hint.spec
+        if spec.num_stages != self._num_stages:
+            raise StageLayoutError(
+                f"hint {self.hint_name!r} has {spec.num_stages} stages, the pipeline {self._num_stages}"
+            )
+        for pp_rank, v in enumerate(self._views):
+            want = list(spec.stages_of(pp_rank))
+            if v["stages"] != want:
+                raise StageLayoutError(
+                    f"hint {self.hint_name!r} ({spec.placement} placement) puts stages {want} on pipeline "
+                    f"rank {pp_rank}, but it holds {v['stages']}"
+                )
+
+    # -- steps -------------------------------------------------------------------------------------
+    def step(
+        self, *args: Any, target: Any = None, losses: list | None = None, return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None, **kwargs: Any,
+    ) -> Any:  # fmt: skip
+        """One step on a whole batch (torch's contract): ``args`` (first stage's rank) and ``target``
+        (last stage's rank) are split into ``n_microbatches`` along dim 0; returns the merged output on
+        the last stage's rank (None elsewhere or with ``return_outputs=False``)."""
+        has_first = any(s.is_first for s in self._stages)
+        has_last = any(s.is_last for s in self._stages)
+
+        def split() -> tuple[list[Any], list[Any], list[Any] | None]:
+            if has_first and not args and not kwargs:
+                raise MicrobatchError("the first stage's rank must pass the batch to step()")
+            try:
+                arg_mbs, kwarg_mbs = self._split_inputs(args, kwargs)
+                targets = None
+                if target is not None and has_last:
+                    targets = list(_split_tensor(target, _TARGET_SPEC, self._n_microbatches))
+            except (AssertionError, ValueError, RuntimeError) as e:
+                n = self._n_microbatches
+                raise MicrobatchError(
+                    f"cannot split the batch into {n} microbatches: {one_line(e)}"
+                ) from None
+            if has_first and len(arg_mbs) != self._n_microbatches:
+                n = self._n_microbatches
+                raise MicrobatchError(
+                    f"the batch split into {len(arg_mbs)} microbatches, not n_microbatches={n}"
+                )
+            return arg_mbs, kwarg_mbs, targets
+
+        outputs = self._run(split, losses, return_outputs, loss_kwargs)
+        if outputs is None:
+            return None
+        return self._merge_outputs(outputs)
+
+    def step_microbatches(
+        self, arg_mbs: Sequence[Any] | None = None, target_mbs: Sequence[Any] | None = None,
+        losses: list | None = None, kwarg_mbs: Sequence[dict[str, Any]] | None = None,
+        return_outputs: bool = True, loss_kwargs: dict[str, Any] | None = None,
+    ) -> Any:  # fmt: skip
+        """One step on microbatches the caller split -- of any shapes (variable sequence lengths), with
+        no padding: ``arg_mbs`` (first stage's rank; each a tensor or a tuple of tensors) and
+        ``target_mbs`` (last stage's rank), ``n_microbatches`` of each; ``kwarg_mbs``: per-microbatch
+        keyword arguments for this rank's stages. Returns, on the last stage's rank, the outputs merged
+        along dim 0 when their shapes allow it, else the list of per-microbatch outputs."""
+        n = self._n_microbatches
+
+        def prepared() -> tuple[list[Any], list[Any], list[Any] | None]:
+            for what, mbs in (("arg_mbs", arg_mbs), ("target_mbs", target_mbs), ("kwarg_mbs", kwarg_mbs)):
+                if mbs is not None and len(mbs) != n:
+                    raise MicrobatchError(f"{what} has {len(mbs)} microbatches, not n_microbatches={n}")
+            if any(s.is_first for s in self._stages) and arg_mbs is None:
+                raise MicrobatchError("the first stage's rank must pass arg_mbs")
+            args = [tuple(a) if isinstance(a, (tuple, list)) else (a,) for a in (arg_mbs or [()] * n)]
+            return args, list(kwarg_mbs or [{}] * n), None if target_mbs is None else list(target_mbs)
+
+        outputs = self._run(prepared, losses, return_outputs, loss_kwargs)
+        if outputs is None:
+            return None
+        try:
+            return self._merge_outputs(outputs)
+        except (RuntimeError, ValueError, AssertionError):  # shapes differ beyond dim 0
+            return outputs
+
+    def _run(self, prepare: Any, losses: list | None, keep: bool, loss_kwargs: dict[str, Any] | None) -> Any:
+        """Prepare the microbatches and run every task of this rank; any error becomes a StageFailed on
+        every rank."""
+        self.pipeline.check_open()
+        training = self._has_backward and torch.is_grad_enabled()
+        step = self._steps
+        self._steps += 1
+        try:
+            arg_mbs, kwarg_mbs, target_mbs = prepare()
+            has_last = any(s.is_last for s in self._stages)
+            if training and has_last and target_mbs is None:
+                raise LossError("a training step needs target= on the last stage's rank")
+            if has_last and target_mbs is not None and self._loss_fn is None:
+                raise LossError("a target was given but the schedule has no loss_fn")
+            calibrating = training and self._template is not None and not self.runtime.clocked
+            if calibrating:
+                self.runtime.meter = CostMeter()  # this step's costs only (no forward-only step's)
+            # Only training steps go into the trace (a forward-only step's backward tasks cost nothing).
+            self.runtime.ctx = self._ctx if training else dataclasses.replace(self._ctx, recorder=None)
+            self.compute.begin(
+                arg_mbs, kwarg_mbs, target_mbs, loss_kwargs,
+                training=training, outputs=keep and has_last, seed=self.seed, step=step,
+            )  # fmt: skip
+            self._use_bytes(training, arg_mbs)
+            self.runtime.run_iteration(step)
+            if self.compute.measure:
+                assert self.compute.bytes is not None
+                self.compute.bytes.fit_now()
+                self.compute.measure = False
+            if calibrating:
+                self._calibrate()
+        except Exception as e:
+            self._fail(e)
+        if training:
+            for stage in self._stages:
+                stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
+        if not any(s.is_last for s in self._stages):
+            return None
+        if losses is not None:
+            losses.clear()
+            losses.extend(self.compute.losses[m] for m in sorted(self.compute.losses))
+        outputs = [self.compute.outputs[m] for m in range(self._n_microbatches)] if keep else None
+        self.compute.outputs = {}
+        return outputs
+
+    def _use_bytes(self, training: bool, arg_mbs: list[Any]) -> None:
+        """Byte budgets: learn this step's microbatch sizes from the first stage's rank (a collective),
+        then measure the forwards (the first training step: slots) or admit by their predicted bytes."""
+        self.runtime.memory = None
+        model = self.compute.bytes
+        if model is None or self.byte_budget is None or not training:
+            return
+        pipe = self.pipeline
+        sizes = [microbatch_size(a) for a in arg_mbs] if pipe.pp_rank == 0 else None
+        box = [sizes]
+        dist.broadcast_object_list(box, src=pipe.ranks[0], group=pipe.ctrl)
+        self.compute.sizes = box[0]  # type: ignore[assignment]
+        if not model.fit:
+            self.compute.measure = True
+            return
+        sched = self.runtime.sched
+        act = model.table(self._num_stages, self.compute.sizes)
+        deltas = position_bytes(sched.hint.plan.wiring(sched.rank), act)
+        self.runtime.memory = (deltas, self.byte_budget.resolve(sched.rank, deltas, self.hint_name))
+
+    @property
+    def peak_bytes(self) -> int:
+        """Byte budgets: the most predicted activation bytes this rank held at once in the last step."""
+        return self.runtime.sched.peak_bytes
+
+    def _calibrate(self) -> None:
+        assert self._template is not None
+        hint = self.hint
+        ops = {t.op for order in hint.orders.values() for t in order}
+        policy, info = calibrate(
+            self.runtime.meter, self.pipeline.ctrl, self._template, hint.spec.num_stages, ops
+        )
+        self.calibration = info
+        self.sched = RankScheduler(hint, self.sched.rank, policy, self.budget)
+        self.runtime.clock(self.sched)
+
+    def _fail(self, e: Exception) -> None:
+        """Stop this step on every rank: tell the neighbours, learn who raised first, raise StageFailed."""
+        pipe = self.pipeline
+        pipe.abort(one_line(e))
+        follower = isinstance(e, (LostPeerError, WaitTimeoutError))
+        me = (pipe.rank, not follower, f"{type(e).__name__}: {one_line(e)}")
+        views: list[Any] = [None] * pipe.pp
+        try:
+            dist.all_gather_object(views, me, group=pipe.ctrl)
+        except Exception as ge:
+            raise StageFailed(
+                f"this rank stopped ({me[2]}); the other ranks did not answer: {one_line(ge)}"
+            ) from e
+        origins = [v for v in views if v[1]] or views
+        rank, _, what = origins[0]
+        raise StageFailed(f"rank {rank} raised {what}") from e
+
+    def close(self) -> None:
+        """Write the trace (``trace_out``), then free the channels if this schedule created them
+        (collective over the pipeline)."""
+        if self.trace_out is not None and self.pipeline.broken is None and not self.pipeline.closed:
+            self.write_trace()
+            self.trace_out = None
+        if self._owns_pipeline:
+            self.pipeline.close()
+
+    def __enter__(self) -> ScheduleReadiness:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def split_notes(self) -> list[str]:
+        """What the first split backward check found (empty: I + W matched B, or no split)."""
+        return list(self.compute.notes)
+
+
+def _stage_list(stages: Any) -> list[Any]:
+    items = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+    if not items:
+        raise StageLayoutError("ScheduleReadiness needs at least one PipelineStage")
+    for s in items:
+        if not all(hasattr(s, a) for a in ("submod", "stage_index", "num_stages", "group_size", "device")):
+            raise StageLayoutError(f"expected torch PipelineStage objects, got {type(s).__name__}")
+    if len({s.num_stages for s in items}) > 1:
+        raise StageLayoutError("this rank's stages disagree on num_stages")
+    if len({s.stage_index for s in items}) != len(items):
+        raise StageLayoutError("this rank holds the same stage index twice")
+    return items

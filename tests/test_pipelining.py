@@ -1,0 +1,298 @@
+"""rrfp.exec.ScheduleReadiness on torch PipelineStages: gloo launches of tests/pipelining_worker.py.
+
+Two launches (2 ranks: the hint x policy matrix on an MLP and a small GPT, variable lengths, dropout, the
+split check, kwargs, forward-only steps, errors; 4 ranks: a few of each) -- each in its own session under a
+hard timeout, leaving no process behind. Every case compares with the single-process reference at relative
+1e-5 (losses and every parameter's gradient), and with torch's own schedule where torch has it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from execkit import assert_no_leftovers
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+WORKER = Path(__file__).with_name("pipelining_worker.py")
+RTOL = 1e-5
+HINTS = ("1f1b", "zb-h1", "bfw", "interleaved-1f1b", "zbv")
+POLICIES = ("fixed", "rrfp", "backfill", "guarded")
+
+
+EXAMPLE = Path(__file__).parents[1] / "examples" / "train_gpt_varlen.py"
+EXAMPLE_ARGS = ["--steps", "2", "--microbatches", "4", "--mean-len", "8", "--dim", "16", "--vocab", "32"]
+
+
+class Launch:
+    """One worker launch in its own session, started at once (the launches overlap their start-up)."""
+
+    def __init__(self, suite: str, world: int, tmp: Path) -> None:
+        self.suite, self.out = suite, tmp / f"{suite}.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, str(WORKER), suite, str(world), str(self.out)]
+        if suite == "example":  # the example, as its docstring starts it (at a tiny size)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                   str(EXAMPLE), *EXAMPLE_ARGS]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.rows: list[dict[str, Any]] | None = None
+
+    def result(self) -> list[dict[str, Any]]:
+        if self.rows is None:
+            self.rows = finish(self.proc, self.suite, self.out)
+        return self.rows
+
+
+def finish(proc: subprocess.Popen[str], suite: str, out: Path) -> list[dict[str, Any]]:
+    try:
+        log, _ = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        log, _ = proc.communicate()
+        pytest.fail(f"the {suite} launch timed out:\n{log[-3000:]}")
+    finally:
+        assert_no_leftovers(proc.pid)
+    assert proc.returncode == 0, log[-3000:]
+    if suite == "example":
+        return [{"log": log}]
+    return [r for r in json.loads(out.read_text()) if r["case"].get("kind") != "setup"]
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp = tmp_path_factory.mktemp("pipelining")
+    started = {"two": Launch("two", 2, tmp), "four": Launch("four", 4, tmp), "one": Launch("one", 1, tmp),
+               "example": Launch("example", 2, tmp)}  # fmt: skip
+    yield started
+    for launch in started.values():  # a test that failed before asking still reaps its launch
+        if launch.rows is None:
+            try:
+                launch.result()
+            except BaseException:  # the failing test reported it already
+                pass
+
+
+@pytest.fixture(scope="module")
+def two(launches: dict[str, Launch]) -> list[dict[str, Any]]:
+    return launches["two"].result()
+
+
+@pytest.fixture(scope="module")
+def one(launches: dict[str, Launch]) -> list[dict[str, Any]]:
+    return launches["one"].result()
+
+
+@pytest.fixture(scope="module")
+def four(launches: dict[str, Launch]) -> list[dict[str, Any]]:
+    return launches["four"].result()
+
+
+def rows(all_rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
+    out = [r for r in all_rows if all(r["case"].get(k) == v for k, v in match.items())]
+    assert out, f"no case {match}"
+    return out
+
+
+def assert_equal_to_reference(found: list[dict[str, Any]]) -> None:
+    for r in found:
+        assert "error" not in r, f"{r['case']} rank {r['rank']}: {r['error']}\n{r.get('tb', '')}"
+        where = f"{r['case']} rank {r['rank']}"
+        assert r["worst"] <= RTOL, f"{where}: gradient off by {r['worst']:.2e} (relative)"
+        assert r["loss"] <= RTOL, f"{where}: loss off by {r['loss']:.2e}"
+        assert r["torch"] <= RTOL, f"{where}: torch's schedule off by {r['torch']:.2e}"
+
+
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+@pytest.mark.parametrize("hint", HINTS)
+def test_matrix_equals_reference_and_torch(two: list[dict[str, Any]], model: str, hint: str) -> None:
+    found = rows(two, model=model, hint=hint)
+    assert {r["case"]["policy"] for r in found} == set(POLICIES)
+    assert_equal_to_reference(found)
+    if hint in ("1f1b", "interleaved-1f1b", "zbv"):  # torch has the schedule: fixed equals it bitwise
+        beside = [r for r in found if r["case"].get("torch")]
+        assert beside and all(r["bitwise"] for r in beside), beside
+    if hint in ("zb-h1", "bfw", "zbv"):  # the split backward really ran, on every stage
+        split = {s for r in found if r["case"]["policy"] == "fixed" for s in r["split"]}
+        assert split == set(range(2 if hint != "zbv" else 4)), split
+
+
+def test_four_ranks(four: list[dict[str, Any]]) -> None:
+    assert_equal_to_reference([r for r in four if r["case"].get("kind") != "error"])
+    failed = rows(four, kind="error")
+    assert {r["raised"] for r in failed} == {"StageFailed"}, failed
+    assert all("rank 3 raised RuntimeError: boom" in r["text"] for r in failed), failed
+
+
+def test_the_example_trains(launches: dict[str, Launch]) -> None:
+    log = launches["example"].result()[0]["log"]
+    lines = [x for x in log.splitlines() if x.startswith("step ")]
+    assert [x.split(":")[0] for x in lines] == ["step 0", "step 1"], log[-2000:]
+    assert all("tokens/s" in x for x in lines)
+
+
+def test_one_rank_holds_every_stage(one: list[dict[str, Any]]) -> None:
+    assert {r["case"]["hint"] for r in one} == {"1f1b", "interleaved-1f1b", "zbv"}
+    assert_equal_to_reference(one)
+
+
+def test_data_parallel_replicas_all_reduced(four: list[dict[str, Any]]) -> None:
+    found = rows(four, kind="dp")
+    assert len(found) == 4
+    assert_equal_to_reference(found)
+
+
+def test_budgets_and_hint_sources(two: list[dict[str, Any]]) -> None:
+    assert_equal_to_reference(rows(two, memory_budget="2x") + rows(two, memory_budget=6))
+    assert_equal_to_reference(rows(two, csv="torch:Interleaved1F1B"))
+    csv = [r for r in two if str(r["case"].get("csv", "")).endswith(".csv")]
+    assert len(csv) == 2
+    assert_equal_to_reference(csv)
+
+
+def test_gradients_add_across_steps(two: list[dict[str, Any]]) -> None:
+    assert_equal_to_reference(rows(two, accumulate=True))
+
+
+def test_dropout_same_under_any_order(two: list[dict[str, Any]]) -> None:
+    """Dropout 0.3: fixed, rrfp and backfill all equal the reference drawn with the same per-(stage,
+    microbatch) streams, so readiness changes no result."""
+    found = rows(two, dropout=0.3)
+    assert {r["case"]["policy"] for r in found} == {"fixed", "rrfp", "backfill"}
+    assert_equal_to_reference(found)
+
+
+def test_variable_lengths_unpadded_both_scalings(two: list[dict[str, Any]]) -> None:
+    found = rows(two, kind="varlen")
+    assert {r["case"]["scale"] for r in found} == {True, False}
+    lengths = found[0]["lengths"]
+    mean = sum(lengths) / len(lengths)
+    cv = (sum((x - mean) ** 2 for x in lengths) / len(lengths)) ** 0.5 / mean
+    assert len(set(lengths)) > 3 and cv > 0.6, lengths  # really uneven
+    assert_equal_to_reference(found)
+
+
+def test_kwargs_reach_every_stage(two: list[dict[str, Any]]) -> None:
+    assert_equal_to_reference(rows(two, kind="kwargs"))
+
+
+def test_forward_only_steps(two: list[dict[str, Any]]) -> None:
+    found = rows(two, kind="eval")
+    assert_equal_to_reference(found)
+    assert all(r["grads"] == 0 for r in found)
+
+
+def test_trace_out_replays(two: list[dict[str, Any]]) -> None:
+    """The recorded training steps (not the eval step) replay in the simulator, with a what-if."""
+    (row,) = [r for r in rows(two, kind="trace") if r["rank"] == 0]
+    assert "error" not in row, row.get("tb")
+    assert row["iterations"] == [0, 1, 3]  # step 2 was the eval step
+    assert abs(row["error_pct"]) < 50.0 and len(row["whatif"]) == 2 and min(row["whatif"]) > 0
+
+
+def test_byte_budgets_fitted_from_the_first_step(two: list[dict[str, Any]]) -> None:
+    """byte_budget: step 1 measures on slots, step 2 admits by predicted bytes and stays within them;
+    the fitted bytes grow with the microbatch size; gradients unchanged."""
+    found = rows(two, kind="bytes")
+    assert {r["case"]["bytes"] for r in found} == {"1x", "1.5x"}
+    assert_equal_to_reference(found)
+    for r in found:
+        assert r["modes"] == [False, True], r
+        assert 0 < r["peaks"][1] <= r["budgets"][1], r
+        assert all(a > 0 for a, _ in r["fit"].values()), r
+
+
+def test_split_check_falls_back_to_b(two: list[dict[str, Any]]) -> None:
+    """A stage whose W is wrong, or whose I raises, is caught on its first microbatch: the gradients
+    stay right (B's), the stage runs B from then on, and it says so."""
+    for broken, stage, why in (("weight", 1, "W's weight gradients differ"), ("input", 2, "raised")):
+        found = rows(two, broken=broken)
+        assert_equal_to_reference(found)
+        notes = [n for r in found for n in r["notes"]]
+        assert len(notes) == 1 and notes[0].startswith(f"stage {stage}: split backward") and why in notes[0]
+
+
+def test_checker_catches_a_wrong_gradient(two: list[dict[str, Any]]) -> None:
+    found = rows(two, perturb=True)
+    assert_equal_to_reference(found)
+    assert all(r["perturbed"] > 10 * RTOL for r in found)
+
+
+ERRORS = {
+    "budget": ("BudgetError", "below the peak"),
+    "order": ("StageLayoutError", "puts stages [0] on pipeline rank 0, but it holds [1]"),
+    "count": ("StageLayoutError", "3 stages on 2 ranks"),
+    "n_disagree": ("MicrobatchError", "ranks disagree on n_microbatches: rank 0: 4, rank 1: 2"),
+    "loss_one_rank": ("LossError", "ranks disagree on loss_fn"),
+    "rows": ("StageFailed", "rank 0 raised MicrobatchError"),
+    "mbs": ("StageFailed", "rank 0 raised MicrobatchError: arg_mbs has 3 microbatches"),
+    "no_target": ("StageFailed", "rank 1 raised LossError: a training step needs target="),
+    "raises": ("StageFailed", "rank 1 raised RuntimeError: boom in the user's module"),
+}
+
+
+@pytest.mark.parametrize("error", list(ERRORS))
+def test_errors_on_every_rank(two: list[dict[str, Any]], error: str) -> None:
+    found = rows(two, kind="error", error=error)
+    kind, text = ERRORS[error]
+    assert len(found) == 2
+    for r in found:
+        assert r["raised"] == kind and text in r["text"], r
+        assert "\n" not in r["text"]
+        assert r.get("seconds", 0.0) < 10.0  # the peers did not sit out their timeout
+
+
+# -- in one process -----------------------------------------------------------------------------
+def test_codec_round_trip() -> None:
+    from rrfp.exec.pipelining.codec import forward_only, pack, unpack
+
+    values = (torch.randn(3, 5), None, torch.arange(7), torch.ones(2, dtype=torch.bool), torch.tensor(2.5))
+    got, training = unpack(pack(values, training=False))
+    assert training is False and got is not None and got[1] is None
+    for a, b in zip(values, got, strict=True):
+        if a is not None:
+            assert b is not None and a.dtype == b.dtype and torch.equal(a, b)
+    assert unpack(forward_only(torch.device("cpu"))) == (None, False)
+
+
+def test_codec_refuses_non_tensors() -> None:
+    from rrfp.exec.pipelining import StageIOError
+    from rrfp.exec.pipelining.codec import pack
+
+    with pytest.raises(StageIOError, match="tensors or None"):
+        pack((torch.ones(1), 3), training=True)  # type: ignore[arg-type]
+
+
+def test_lazy_export_and_subclass() -> None:
+    code = (
+        "import sys, rrfp.exec; assert 'torch' not in sys.modules; "
+        "from rrfp.exec import ScheduleReadiness; "
+        "from torch.distributed.pipelining.schedules import PipelineScheduleMulti; "
+        "assert issubclass(ScheduleReadiness, PipelineScheduleMulti)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_microbatch_seed_is_a_stream_per_task() -> None:
+    from rrfp.exec import microbatch_seed
+
+    seeds = {microbatch_seed(0, t, s, m) for t in range(3) for s in range(4) for m in range(8)}
+    assert len(seeds) == 96 and microbatch_seed(1, 0, 0, 0) == microbatch_seed(1, 0, 0, 0)
+
+
+def test_without_process_group_one_line_error() -> None:
+    from rrfp.exec import ReadinessPipeline, ScheduleReadiness
+    from rrfp.exec.pipelining import StageLayoutError
+
+    with pytest.raises(StageLayoutError, match="init_process_group"):
+        ReadinessPipeline()
+    with pytest.raises(StageLayoutError, match="PipelineStage objects"):
+        ScheduleReadiness([torch.nn.Linear(2, 2)], 4)
