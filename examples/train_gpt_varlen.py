@@ -71,7 +71,8 @@ def lengths(n: int, mean: float, cv: float, gen: torch.Generator) -> list[int]:
     ]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The example's options (tests/test_readme.py parses the documented command lines with it)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--microbatches", type=int, default=8)
@@ -82,7 +83,11 @@ def main() -> None:
     ap.add_argument("--policy", default="rrfp")
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=256)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

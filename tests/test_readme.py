@@ -106,6 +106,9 @@ def as_cli(command: str) -> tuple[str, list[str]]:
     words = shlex.split(command)
     if words[0] in ("rrfp-sim", "rrfp-run"):
         return words[0], words[1:]
+    script = next((w for w in words if w.startswith("examples/") and w.endswith(".py")), None)
+    if words[0] == "torchrun" and script:
+        return script, words[words.index(script) + 1 :]
     if words[0] == "torchrun" and "rrfp.exec" in words:
         return "rrfp-run", words[words.index("rrfp.exec") + 1 :]
     if words[0] == "srun" and "rrfp-run" in words:
@@ -113,6 +116,17 @@ def as_cli(command: str) -> tuple[str, list[str]]:
     if words[:3] == ["python", "-m", "rrfp.traces.torch_profile"]:
         return "torch_profile", words[3:]
     raise AssertionError(f"not a command this test knows how to check: {command}")
+
+
+def _example_parser(script: str) -> Any:
+    """The ``parser()`` of an example script, read without running its imports (torch, transformers)."""
+    import ast
+
+    tree = ast.parse((ROOT / script).read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "parser")
+    scope: dict[str, Any] = {"argparse": __import__("argparse"), "__doc__": ast.get_docstring(tree) or ""}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), script, "exec"), scope)
+    return scope["parser"]()
 
 
 def _sim_command(args: list[str]) -> tuple[click.Command, list[str]]:
@@ -126,6 +140,8 @@ def _sim_command(args: list[str]) -> tuple[click.Command, list[str]]:
 def parse(tool: str, args: list[str]) -> dict[str, Any]:
     """The options ``args`` gives ``tool``, as its parser reads them (names, types, choices, callbacks;
     raises click's error on a bad one), and the files they read exist."""
+    if tool.startswith("examples/"):  # an example: its own argparse parser, without importing torch
+        return vars(_example_parser(tool).parse_args(args))
     if tool == "torch_profile":
         inputs, out = args[: args.index("-o")], args[args.index("-o") + 1 :]
         assert inputs and len(out) == 1, f"torch_profile needs RANK.json ... -o OUT: {args}"
@@ -165,6 +181,9 @@ def test_the_command_check_catches_a_broken_line() -> None:
         parse("rrfp-sim", ["--lengths", "samples.parquet"])
     with pytest.raises(AssertionError, match="no such file"):
         parse("torch_profile", ["rank0.json", "-o", "out.parquet"])
+    with pytest.raises(SystemExit):  # argparse's error on an option an example does not have
+        parse("examples/train_mlp.py", ["--no-such-option"])
+    assert parse("examples/train_mlp.py", ["--hint", "zb-h1"])["hint"] == "zb-h1"
     assert parse("rrfp-sim", ["--lengths", "lognormal:mean=2048,cv=1.0"])["lengths"].startswith("lognormal")
 
 
