@@ -1,0 +1,176 @@
+"""ScheduleReadiness against torch's Schedule1F1B on the same PipelineStages (issue 24's benchmark).
+
+    .venv/bin/python benchmarks/library_vs_torch.py                 # 3 launches of 2 gloo ranks
+    .venv/bin/python benchmarks/library_vs_torch.py --launches 5 --rounds 12
+
+Two comparisons, each inside every launch with the arms interleaved step by step (so a drift in the
+machine's load hits every arm alike), on a small GPT stage pair (examples/train_gpt_varlen.py's model):
+
+* **static**: every microbatch the same shape, no jitter -- torch's Schedule1F1B, rrfp ``fixed/1f1b``
+  and rrfp's default policy on the 1f1b hint. The figure is torch's step time / rrfp's (> 1: rrfp faster).
+* **variable lengths** (lognormal, CV 1.0): rrfp's ``step_microbatches`` on the unpadded microbatches
+  against torch's Schedule1F1B on the same microbatches padded to the run's longest sample (torch infers
+  its shapes once, so every step is padded to that length; pads are ignored by the loss). The figure is
+  rrfp's real tokens per second / torch's.
+
+A step's time is the slowest rank's (an all-reduce of each rank's time after a barrier). Each launch
+gives the mean of its per-round ratios with a 95% t-interval; the benchmark prints every launch's and
+the median over the launches. It needs 2 free cores to mean anything: on a shared machine quote it with
+the load beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def policies() -> list[str]:
+    """rrfp's arms: fixed and the default policy (the last one also runs the variable-length arm)."""
+    from rrfp.dispatch.policies import DEFAULT_POLICY
+
+    return list(dict.fromkeys(["fixed", DEFAULT_POLICY]))
+
+
+def worker(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from train_gpt_varlen import GptStage, lengths
+
+    from rrfp.exec import ScheduleReadiness
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = [GptStage(s == 0, s == world - 1, a.blocks, a.vocab, a.dim, 4) for s in range(world)][rank]
+    stage = PipelineStage(model, rank, world, torch.device("cpu"))
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor, total: int = 1) -> torch.Tensor:
+        flat = logits.flatten(0, 1)
+        return nn.functional.cross_entropy(flat, target.flatten(), reduction="sum", ignore_index=-100) / total
+
+    m, first, last = a.microbatches, rank == 0, rank == world - 1
+    # torch infers a stage's shapes once: the static and the padded arms each get a stage of their own.
+    torch_static = Schedule1F1B(stage, m, loss_fn=loss_fn, scale_grads=False)
+    padded_stage = PipelineStage(model, rank, world, torch.device("cpu"))
+    torch_padded = Schedule1F1B(padded_stage, m, loss_fn=loss_fn, scale_grads=False)
+    ours = {f"{p}/1f1b": ScheduleReadiness(stage, m, loss_fn, hint="1f1b", policy=p, scale_grads=False)
+            for p in policies()}  # fmt: skip
+    gen = torch.Generator().manual_seed(1)
+    runs = [lengths(m, a.mean_len, a.cv, gen) for _ in range(a.rounds + 2)]
+    longest = max(max(r) for r in runs)
+    times: dict[str, list[float]] = {}
+    tokens: list[int] = []
+
+    def timed(name: str, step: Any, args: tuple, target: Any, **kw: Any) -> None:
+        dist.barrier()
+        start = time.perf_counter()
+        step(*(args if first else ()), target if last else None, losses=[] if last else None, **kw)
+        model.zero_grad(set_to_none=True)
+        t = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.setdefault(name, []).append(float(t))
+
+    default = ours[f"{policies()[-1]}/1f1b"]
+
+    def unpadded(*v: Any, **k: Any) -> None:  # (arg_mbs on the first stage,) target_mbs
+        default.step_microbatches(v[0] if len(v) > 1 else None, v[-1], **k)
+
+    for lens in runs:
+        static = torch.randint(0, a.vocab, (m * a.rows, a.static_len + 1), generator=gen)
+        x, y, total = static[:, :-1], static[:, 1:], static[:, 1:].numel()
+        for name, sched in [("torch:1F1B", torch_static), *ours.items()]:
+            timed(f"static {name}", lambda *v, s=sched, **k: s.step(*v[:-1], target=v[-1], **k), (x,), y,
+                  loss_kwargs={"total": total})  # fmt: skip
+        rows = [torch.randint(0, a.vocab, (a.rows, t + 1), generator=gen) for t in lens]
+        real = sum(t * a.rows for t in lens)
+        pad = torch.full((m * a.rows, longest + 1), -100, dtype=torch.long)
+        for i, row in enumerate(rows):
+            pad[i * a.rows : (i + 1) * a.rows, : row.shape[1]] = row
+        timed("varlen torch:1F1B padded", lambda *v, **k: torch_padded.step(*v[:-1], target=v[-1], **k),
+              (pad[:, :-1].clamp(min=0),), pad[:, 1:], loss_kwargs={"total": real})  # fmt: skip
+        inputs, targets = [(t[:, :-1],) for t in rows], [t[:, 1:] for t in rows]
+        timed("varlen rrfp unpadded", unpadded, (inputs,), targets, loss_kwargs={"total": real})
+        tokens.append(real)
+    for s in ours.values():
+        s.close()
+    if rank == 0:
+        keep = slice(2, None)  # the first two rounds warm up every arm
+        print(json.dumps({"times": {k: v[keep] for k, v in times.items()}, "tokens": tokens[keep],
+                          "longest": longest}))  # fmt: skip
+    dist.destroy_process_group()
+
+
+def interval(values: list[float]) -> tuple[float, float, float]:
+    from scipy import stats
+
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan, math.nan
+    half = stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def ratios(run: dict) -> dict[str, list[float]]:
+    t = run["times"]
+    out = {name.removeprefix("static "): [a / b for a, b in zip(t["static torch:1F1B"], v, strict=True)]
+           for name, v in t.items() if name.startswith("static ") and "torch" not in name}  # fmt: skip
+    out["varlen tokens/s vs torch padded"] = [
+        a / b for a, b in zip(t["varlen torch:1F1B padded"], t["varlen rrfp unpadded"], strict=True)
+    ]  # the same tokens in each pair, so the tokens/s ratio is the inverse time ratio
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--launches", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--rows", type=int, default=2)
+    p.add_argument("--static-len", type=int, default=128)
+    p.add_argument("--mean-len", type=float, default=128.0)
+    p.add_argument("--cv", type=float, default=1.0)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--blocks", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return worker(a)
+    argv = [a for a in sys.argv[1:] if a != "--worker"]
+    per: dict[str, list[float]] = {}
+    for launch in range(a.launches):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               __file__, "--worker", *argv]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
+        if done.returncode:
+            sys.exit(f"library_vs_torch: launch {launch} failed: {done.stderr[-2000:]}")
+        run = json.loads(done.stdout.strip().splitlines()[-1])
+        for name, values in ratios(run).items():
+            mean, lo, hi = interval(values)
+            per.setdefault(name, []).append(mean)
+            print(f"launch {launch}: {name:34s} {mean:.3f} [{lo:.3f}, {hi:.3f}]  ({len(values)} rounds)")
+        print(f"launch {launch}: longest sample {run['longest']} tokens", flush=True)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
+    for name, means in per.items():
+        print(f"median over {len(means)} launches: {name:34s} {statistics.median(means):.3f}")
+
+
+if __name__ == "__main__":
+    main()
