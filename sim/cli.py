@@ -17,7 +17,7 @@ on 1F1B against readiness-first dispatch with the bf class hint (and with the 1F
 stages, m = 4 x stages microbatches, lognormal compute jitter at CV 0.3, costs F=1,B=2 (I = W = 1),
 budget 1x (each hint's own peak), 10 seeds, one measured iteration and no warm-up, eager sends, no
 comm cost. The options rrfp-run has too share its names, short forms, grammar and defaults
-(rrfp.study.options.SHARED); ``--json`` prints schema version 2 (rrfp.study.schema), as rrfp-run does.
+(rrfp.study.options.SHARED); ``--json`` prints schema version 3 (rrfp.study.schema), as rrfp-run does.
 
 Bad options or combinations -- click's usage errors included -- print one line, ``rrfp-sim: error:
 ...``, and exit with status 2; output files are written atomically (all or nothing) after the
