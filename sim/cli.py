@@ -389,6 +389,35 @@ def sweep(
     click.echo(f"{PROG}: {len(frame)} rows over {math.prod(len(v) for _, v in axes)} grid points -> {out}")
 
 
+@cli.command("advise")
+@shared_options
+@with_options(click_options(PROG, ("json",)))
+@click.option(
+    "--top",
+    type=click.IntRange(1, 50),
+    default=5,
+    show_default=True,
+    help="How many of the fastest candidates to show.",
+)
+@workers_option("the search's rounds")
+@click.pass_context
+def advise(ctx: click.Context, json: bool, top: int, progress: bool | None, workers: int | str,
+           dask: str | None, **values: Any) -> None:  # fmt: skip
+    """Search hints x policies x budgets x v (token mode: x --mb-order) for this workload; print the
+    fastest, their speedups over fixed 1F1B and the best fixed order, and how to run them
+    (rrfp.sim.advise).
+
+    \b
+    rrfp-sim advise --scenario finetune-unpacked --stages 16 -m 64 --gpu-memory 80GiB
+    """
+    from .advise import run_advise
+
+    given = given_options(ctx)
+    ctx.with_resource(execution(workers, dask))
+    built = token_cli.build(values, given, lambda w, g: build_config(w, given))
+    click.echo(run_advise(built.config, given, top, workers, json, study_command(ctx)))
+
+
 @cli.command("scenarios")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of the text.")
 def scenarios(as_json: bool) -> None:
