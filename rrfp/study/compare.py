@@ -249,7 +249,7 @@ def summary(footprints: Sequence[Footprint], compare: Pairwise, vs_best: dict[Tr
     what readiness adds over its best fixed (``vs_best``: trial -> its comparison with its best fixed);
     when a fixed order is fastest, what the fastest readiness-driven trial does against its own."""
     if not footprints:
-        return "summary: nothing ran to completion, so nothing is compared"
+        return "summary: nothing to compare: no trial ran within its memory budget"
     win, ties = fastest(footprints, compare)
     text = f"summary: {win.trial.label} is fastest ({win.mean_time:.4g} s per iteration, {held_text(win)})"
     if ties:
