@@ -346,7 +346,8 @@ def format_advice(cfg: ExperimentConfig, search: Search, advice: list[Advice], s
     """The terminal answer: what was searched, the top candidates fastest first, how to run each."""
     from rrfp.study.report import ci, render
 
-    rounds = ", ".join(f"{n} at {s} seeds" for n, s in zip(search.rounds, search.schedule, strict=False))
+    pairs = zip(search.rounds, search.schedule, strict=False)
+    rounds = ", ".join(f"{n} at {s} seed{'s' if s > 1 else ''}" for n, s in pairs)
     head = [f"rrfp-sim advise: {len(search.candidates)} candidates (hints x policies x budgets x v"
             f"{' x mb order' if search.byte_mode or len(search.configs) > 2 else ''}), successive halving: "
             f"{rounds}; {seconds:.1f} s", ""]  # fmt: skip
