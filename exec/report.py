@@ -146,12 +146,13 @@ def footprints(cfg: RunConfig, results: list[TrialResult]) -> list[Footprint]:
 
 def best_fixed_comparisons(cfg: RunConfig, results: list[TrialResult]) -> dict[TrialId, Comparison]:
     """Each trial against its best fixed order among the trials that ran (rrfp.study.compare.best_fixed),
-    paired as :func:`comparisons` pairs; a fixed trial that is its own best has none."""
+    paired as :func:`comparisons` pairs; a fixed trial whose best is its own order (itself, or fixed on
+    its hint at another budget) has none."""
     prints, pair = footprints(cfg, results), _pairwise(cfg, results)
     out = {}
     for f in prints:
         b = best_fixed(f, prints)
-        if b is not None and b.trial != f.trial:
+        if b is not None and not (f.trial.policy == b.trial.policy and f.trial.hint == b.trial.hint):
             out[f.trial] = pair(f.trial, b.trial)
     return out
 

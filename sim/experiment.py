@@ -475,14 +475,14 @@ def footprint(s: RunStats, byte_mode: bool) -> Footprint:
 def best_fixed_speedups(stats: list[RunStats], byte_mode: bool) -> dict[TrialId, Speedup]:
     """Each feasible run against its best fixed order (rrfp.study.compare.best_fixed: the fastest fixed
     run whose peak on every rank is within this run's budget there), paired per replication; a fixed
-    run that is its own best fixed has none."""
+    run whose best fixed is its own order (itself, or fixed on its hint at another budget) has none."""
     feasible = [s for s in stats if not s.infeasible and s.iteration_time]
     prints = {s.key: footprint(s, byte_mode) for s in feasible}
     by = {s.key: s for s in feasible}
     out: dict[TrialId, Speedup] = {}
     for s in feasible:
         b = best_fixed(prints[s.key], prints.values())
-        if b is not None and b.trial != s.key:
+        if b is not None and not (s.key.policy == b.trial.policy and s.key.hint == b.trial.hint):
             times = paired_speedup(by[b.trial].iteration_time, s.iteration_time)
             out[s.key] = Speedup(s.key, b.trial, *times)
     return out

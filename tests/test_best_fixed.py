@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
 from rrfp.sim.cli import main
@@ -125,3 +126,62 @@ def test_rrfp_run_picks_its_best_fixed_among_the_trials_that_ran() -> None:
     assert doc["speedups"][0]["vs_best_fixed"]["trial"] == "fixed/1f1b"
     text = table(cfg, results)
     assert "vs best fixed" in text and re.search(r"^summary: \S+ is fastest \(", text, re.M)
+
+
+# -- bytes (token mode) --------------------------------------------------------------------------------
+TOKENS = ["--lengths", "lognormal:mean=800,cv=1.2,max=4096", "--layers", "8", "--hidden", "1024",
+          "--heads", "8", "--microbatch-size", "1", "--stages", "4", "-m", "8", "--seeds", "3",
+          "--hint", "1f1b,zb-h1,zb-h2,bfw", "--policy", "fixed,rrfp", "--memory-budget", "1x,2x"]  # fmt: skip
+_NOT_CONFIG = ("workers", "dask", "json", "trace_out", "plot", "progress", "replay", "replay_run",
+               "replay_timing")  # fmt: skip
+
+
+def _config(args: list[str]):
+    """The config rrfp-sim's compare command builds from ``args``."""
+    from rrfp.sim import token_cli
+    from rrfp.sim.cli import build_config, cli, given_options
+
+    ctx = cli.commands["compare"].make_context("rrfp-sim", list(args))
+    values = {k: v for k, v in ctx.params.items() if k not in _NOT_CONFIG}
+    given = given_options(ctx)
+    return token_cli.build(values, given, build_config).config
+
+
+def test_in_token_mode_candidates_are_held_to_the_bytes_each_rank_may_hold() -> None:
+    """The best fixed order of every run is the fastest fixed run whose peak bytes fit under the most
+    bytes that run's budget allowed on every rank; a faster fixed run left out exceeds it somewhere.
+    The allowed bytes are the same on one process and on two (merged per rank)."""
+    from rrfp.sim.experiment import run_experiment
+
+    cfg = _config(TOKENS)
+    result = run_experiment(cfg, progress=False)
+    stats = {s.key: s for s in result.stats}
+    fixed = [s for s in result.stats if s.key.policy == "fixed"]
+    assert len(result.best_fixed) >= 4
+    for key, sp in result.best_fixed.items():
+        allowed, best = stats[key].allowed_bytes, stats[sp.baseline]
+        assert all(p <= a for p, a in zip(best.peak_bytes, allowed, strict=True))
+        for f in fixed:
+            if np.mean(f.iteration_time) < np.mean(best.iteration_time):
+                assert any(p > a for p, a in zip(f.peak_bytes, allowed, strict=True)), (key, f.key)
+    two = run_experiment(cfg, progress=False, workers=2)
+    assert [s.allowed_bytes for s in two.stats] == [s.allowed_bytes for s in result.stats]
+
+
+def test_rrfp_run_in_bytes_holds_a_factor_budget_to_factor_times_its_own_orders_peak() -> None:
+    from rrfp.exec.config import RunConfig
+    from rrfp.exec.report import best_fixed_comparisons
+    from rrfp.exec.results import ExecMeasures, exec_result
+
+    def result(label: str, times: list[float], peak_bytes: tuple[int, ...]):
+        m = ExecMeasures(4.5, 4.2, 100.0, None, None, None, peak_bytes=peak_bytes)
+        return exec_result(TrialId.parse(label), times, [2, 1], [2, 1], m)
+
+    runs = [result("fixed/1f1b", [1.0, 1.1, 1.2], (100, 50)),
+            result("fixed/zb-h1", [0.8, 0.9, 1.0], (150, 150)),  # fits 2x of 1f1b on rank 0 only
+            result("fixed/zb-h2", [0.7, 0.8, 0.9], (190, 100)),  # fits 2x of 1f1b on both ranks
+            result("rrfp/1f1b", [0.9, 1.0, 1.1], (100, 50)),
+            result("rrfp/1f1b@2x", [0.85, 0.9, 1.0], (180, 90))]  # fmt: skip
+    best = best_fixed_comparisons(RunConfig(world=2, pp=2), runs)
+    assert best[TrialId.parse("rrfp/1f1b")].baseline.label == "fixed/1f1b"  # 1x: 1f1b's own bytes
+    assert best[TrialId.parse("rrfp/1f1b@2x")].baseline.label == "fixed/zb-h2"  # 2x: (200, 100)

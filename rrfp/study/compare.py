@@ -251,7 +251,12 @@ def summary(footprints: Sequence[Footprint], compare: Pairwise, vs_best: dict[Tr
     if not footprints:
         return "summary: nothing to compare: no trial ran within its memory budget"
     win, ties = fastest(footprints, compare)
+    lead = min(footprints, key=lambda f: f.mean_time)
     text = f"summary: {win.trial.label} is fastest ({win.mean_time:.4g} s per iteration, {held_text(win)})"
+    if lead is not win:  # a tie on time that the memory decided: say so, the means differ
+        text = (f"summary: {win.trial.label} is fastest within the 95% CI ({win.mean_time:.4g} s per "
+                f"iteration, {held_text(win)}; the lowest mean, {lead.trial.label}'s {lead.mean_time:.4g} s, "
+                "is not significantly lower and holds more memory or is not fixed)")  # fmt: skip
     if ties:
         names = [f.trial.label for f in ties]
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
