@@ -9,9 +9,10 @@ fit:TRACE``, ``--stages``, ``-m`` ...) and searches
 * budgets: 1x and 2x, and ``device`` with ``--gpu-memory`` (``--memory-budget``: those);
 * token mode: each ``--mb-order`` (none, size-asc, size-desc; ``--mb-order``: that one).
 
-``fixed`` runs once per order (at 1x: its schedule is the same at any budget) and every fixed order runs
-in every round, so each candidate's best fixed order (rrfp.study.compare.best_fixed) and fixed 1F1B are
-measured on the same seeds as it.
+``fixed`` runs once per order (at 1x: its schedule is the same at any budget) -- fixed 1F1B at v = 1 on the
+microbatches as drawn always, whatever narrows the space -- and every fixed order runs in every round, so
+each candidate's best fixed order (rrfp.study.compare.best_fixed) and fixed 1F1B are measured on the same
+seeds as it.
 
 **Successive halving.** Round k runs every surviving candidate on the replications ``[s(k-1), s(k))``
 (common random numbers: replication i is the same draw for every candidate), with ``s = 1, 3, 9, ...``
@@ -57,7 +58,7 @@ from .experiment import (
 from .memory import DEVICE
 
 HINTS_BY_V = {1: ("1f1b", "zb-h1", "zb-h2", "bf", "bfw"), 2: ("interleaved-1f1b", "zbv", "bf", "bfw")}
-"""The hints advise searches at each v unless ``--hint`` names others."""
+"""The hints advise searches at each v unless ``--hint`` names others (at v > 2: those of v = 2 that run)."""
 KEEP = 0.25
 """The share of readiness-driven candidates that goes on after each round but the last."""
 
@@ -134,7 +135,8 @@ def plan_search(base: ExperimentConfig, given: Iterable[str]) -> Search:
     configs: list[ExperimentConfig] = []
     candidates: list[Candidate] = []
     for v in vs:
-        hints = _hints_at(base, v, tuple(base.hints) if "hints" in given else HINTS_BY_V.get(v, ()))
+        searched = HINTS_BY_V[min(v, 2)]  # v > 2: the v = 2 list (zbv then drops out)
+        hints = _hints_at(base, v, tuple(base.hints) if "hints" in given else searched)
         if not hints:
             continue
         for order in orders:
@@ -147,7 +149,21 @@ def plan_search(base: ExperimentConfig, given: Iterable[str]) -> Search:
             configs.append(cfg)
     if not candidates:
         raise AdviseError("advise: no hint of the search runs at the given -v (try without -v or --hint)")
+    if not any(is_reference(c) for c in candidates):  # -v, --hint or --mb-order left it out: add it
+        order = None if orders == [None] else "none"
+        workload = base.workload if order is None else dataclasses.replace(base.workload, mb_order=order)
+        cfg = dataclasses.replace(base, hints=("1f1b",), policies=(FIXED,), memory_budget="1x",
+                                  virtual_stages=1, workload=workload)  # fmt: skip
+        candidates += [Candidate(len(configs), p, 1, order) for p in plan_runs(cfg)]
+        configs.append(cfg)
     return Search(configs, candidates, seed_schedule(base.seeds), bool(base.byte_mode))
+
+
+def is_reference(c: Candidate) -> bool:
+    """Fixed 1F1B at v = 1 on the microbatches as drawn: what every candidate's first speedup is over."""
+    key = c.plan.key
+    plain = c.mb_order in (None, "none")
+    return plain and (key.policy, key.hint, key.budget, c.v) == (FIXED, "1f1b", None, 1)
 
 
 def _budgets(base: ExperimentConfig, given: set[str]) -> list[str]:
@@ -248,8 +264,7 @@ def advise(search: Search, ranked: list[Candidate], top: int) -> list[Advice]:
     the microbatches as drawn) and against their best fixed order among every fixed order searched."""
     fixed = [c for c in ranked if c.fixed]
     prints = {id(c): footprint(c.stats, search.byte_mode) for c in ranked if c.stats is not None}
-    base = next((c for c in fixed if c.plan.key.hint == "1f1b" and c.v == 1 and c.mb_order in (None, "none")),
-                None)  # fmt: skip
+    base = next((c for c in fixed if is_reference(c)), None)
     out = []
     for c in ranked[:top]:
         assert c.stats is not None

@@ -79,3 +79,13 @@ def test_a_search_with_nothing_to_run_is_one_line_and_exit_2(capsys: pytest.Capt
     code, out, err = _advise(["--stages", "4", "-m", "8", "--hint", "zb-h1", "-v", "3"], capsys)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith("rrfp-sim: error: advise: no hint")
+
+
+def test_fixed_1f1b_is_measured_whatever_narrows_the_search(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--stages", "4", "-m", "8", "--seeds", "2", "--hint", "bfw", "-v", "2", "--json"]
+    code, out, err = _advise(args, capsys)
+    assert code == 0, err
+    rows = json.loads(out)["candidates"]
+    assert rows and all(r["virtual_stages"] == 2 for r in rows)
+    assert all(r["vs_fixed_1f1b"]["trial"] == "fixed/1f1b" for r in rows)
+    assert all("fixed/1f1b" not in r["rrfp_run"] for r in rows)  # one rrfp-run has one v
