@@ -1,6 +1,6 @@
 """How long ``rrfp-sim advise`` takes on the issue-25 job (goal: <= 60 s on 2 cores).
 
-    .venv/bin/python benchmarks/advise_time.py              # the issue's command, once (~50 s here)
+    .venv/bin/python benchmarks/advise_time.py              # the issue's command, once (50-75 s here)
     .venv/bin/python benchmarks/advise_time.py --repeat 3 -- --stages 8 -m 32   # another job
 
 It runs ``rrfp-sim advise ARGS`` (default: ``--scenario finetune-unpacked --stages 16 -m 64 --gpu-memory

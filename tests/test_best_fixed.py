@@ -185,3 +185,20 @@ def test_rrfp_run_in_bytes_holds_a_factor_budget_to_factor_times_its_own_orders_
     best = best_fixed_comparisons(RunConfig(world=2, pp=2), runs)
     assert best[TrialId.parse("rrfp/1f1b")].baseline.label == "fixed/1f1b"  # 1x: 1f1b's own bytes
     assert best[TrialId.parse("rrfp/1f1b@2x")].baseline.label == "fixed/zb-h2"  # 2x: (200, 100)
+
+
+def test_a_torch_baseline_that_is_fastest_is_named_and_readiness_is_still_judged() -> None:
+    torch, ready, fixed = (
+        _fp("torch:1F1B", 9.0, ()),
+        _fp("rrfp/1f1b", 10.0, (4,)),
+        _fp("fixed/1f1b", 11.0, (4,)),
+    )
+    apart = lambda t, base: Comparison(t, base, 0.9, 0.85, 0.95)  # noqa: E731 -- all significantly slower
+    line = summary(
+        [torch, ready, fixed], apart, {ready.trial: Comparison(ready.trial, fixed.trial, 1.1, 1.05, 1.15)}
+    )
+    assert line.startswith("summary: torch:1F1B is fastest (9 s per iteration, its memory is not tracked)")
+    assert (
+        "a torch baseline, so readiness adds nothing here; the fastest readiness-driven trial, rrfp/1f1b"
+        in line
+    )

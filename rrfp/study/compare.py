@@ -261,20 +261,19 @@ def summary(footprints: Sequence[Footprint], compare: Pairwise, vs_best: dict[Tr
         names = [f.trial.label for f in ties]
         more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         text += f"; tied within the 95% CI: {', '.join(names[:3])}{more}"
-    if win.trial.policy != FIXED:
+    if win.trial.policy != FIXED and not win.trial.is_baseline:
         return text + "; " + _adds(win, vs_best, "what readiness adds over its best fixed order")
+    kind = "a torch baseline" if win.trial.is_baseline else "a fixed order"
     others = [f for f in footprints if f.trial.policy != FIXED and not f.trial.is_baseline]
     ready = min(others, key=lambda f: f.mean_time, default=None)
     if ready is None:
-        return text + "; a fixed order (list a readiness policy among --policy to compare one)"
+        return text + f"; {kind} (list a readiness policy among the policies to compare one)"
     lead = f"the fastest readiness-driven trial, {ready.trial.label}, against its best fixed order"
-    return text + "; a fixed order, so readiness adds nothing here; " + _adds(ready, vs_best, lead)
+    return text + f"; {kind}, so readiness adds nothing here; " + _adds(ready, vs_best, lead)
 
 
 def _adds(f: Footprint, vs_best: dict[TrialId, Comparison], lead: str) -> str:
     """``lead: <how much faster or slower than its best fixed>`` (or why there is none)."""
-    if f.trial.is_baseline:
-        return f"{f.trial.label} is a torch baseline (no best fixed order)"
     c = vs_best.get(f.trial)
     if c is None:
         return (
