@@ -17,7 +17,7 @@ Options fill a :class:`~rrfp.exec.config.RunConfig`; a bad option or combination
 errors included -- prints one line and exits 2 before any worker starts. The options rrfp-sim has too
 share its names, short forms, grammar and defaults (rrfp.study.options.SHARED: ``-m`` defaults to
 4 x pp, ``--hint 1f1b,bf``, ``--jitter lognormal --cv 0.3``, applied where there is something to jitter:
-``--synthetic`` or ``--inject-ms``); ``--json`` prints schema version 2 (rrfp.study.schema), as
+``--synthetic`` or ``--inject-ms``); ``--json`` prints schema version 3 (rrfp.study.schema), as
 rrfp-sim does.
 """
 
@@ -86,7 +86,7 @@ SHARED_NAMES = ("stages", "microbatches", "virtual_stages", "hints", "policies",
                 "progress", "version", *TOKEN_SHARED)  # fmt: skip
 """The options rrfp-run shares with rrfp-sim (rrfp.study.options.SHARED), in the order --help lists them."""
 LEGACY_JSON = (
-    "--json prints schema_version 2 (results[], speedups[]); its schema-1 keys -- trials[] and the first "
+    "--json prints schema_version 3 (results[], speedups[]); its schema-1 keys -- trials[] and the first "
     "trial's fields at the top level -- are kept for this release only"
 )
 JITTERED_BY = ("jitter",)

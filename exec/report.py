@@ -3,22 +3,26 @@ layout, its cells and the JSON document are rrfp.study.report's, shared with rrf
 rrfp-run's columns and number formats.
 
 Input: one :class:`~rrfp.study.result.TrialResult` per trial (rrfp.exec.results). ``--json`` prints
-one object in schema version 2, rrfp-sim's layout too (rrfp.study.schema, :func:`result_json`)::
+one object in schema version 3, rrfp-sim's layout too (rrfp.study.schema, :func:`result_json`)::
 
-    {"schema_version": 2, "config": {"rrfp_version", "command", ...the RunConfig...},
+    {"schema_version": 3, "config": {"rrfp_version", "command", ...the RunConfig...},
      "results": [{"trial", "policy", "hint", "memory_budget",
                   "iteration_time": {"mean", "ci_low", "ci_high", "median", "values"},
                   "loss": {"first", "last"}, "peak_activations": [per pipeline rank],
                   "budget": [per pipeline rank], "loop_overhead_us_per_task", "calibration", "check",
                   "grad_digest"}, ...],
      "speedups": [{"trial", "policy", "hint", "memory_budget", "baseline": {...}, "mean", "ci_low",
-                   "ci_high", "paired"}, ...],
+                   "ci_high", "paired", "vs_best_fixed": {"trial", "mean", "ci_low", "ci_high"} or null},
+                  ...],
      "ok": every check passed}
 
 Intervals are 95% Student-t over the measured iterations. Each trial is compared with ``fixed`` on the
 same hint (a class hint's reference order) and with every torch baseline that ran
 (rrfp.study.compare): iteration k against iteration k (``paired``; the trials run interleaved), or with
-``--sequential`` the ratio of means with Welch's interval (``paired: false``).
+``--sequential`` the ratio of means with Welch's interval (``paired: false``). ``vs_best_fixed``: the
+same against the trial's best fixed order -- the fastest ``fixed`` trial *among those that ran* whose
+peak on every rank is within this trial's budget there (:func:`best_fixed_comparisons`; rrfp-sim also
+runs bfw's zero-bubble order, rrfp-run only what ``--trials`` lists).
 
 Deprecated, for this release only: the schema-1 keys -- ``trials`` (:func:`as_row` rows) and the first
 trial's fields at the top level (:func:`as_json`) -- ride along; the CLI says so on stderr.
@@ -36,11 +40,22 @@ from rrfp.errors import RunFailure
 from rrfp.exec.config import RunConfig
 from rrfp.exec.models.tokens import describe as token_text
 from rrfp.exec.results import ExecMeasures, measures, median_time, without_trace
-from rrfp.plan.budget import format_bytes
-from rrfp.study.compare import Comparison, base_hint_name, budget_note, fixed_baselines, torch_pairs, verdict
+from rrfp.plan.budget import format_bytes, parse_byte_item
+from rrfp.study.compare import (
+    FIXED,
+    Comparison,
+    Footprint,
+    base_hint_name,
+    best_fixed,
+    budget_note,
+    fixed_baselines,
+    summary,
+    torch_pairs,
+)
 from rrfp.study.metrics import paired_speedup, t_interval, unpaired_speedup
 from rrfp.study.options import costs_text
 from rrfp.study.report import (
+    best_cell,
     byte_range,
     ci,
     compact_json,
@@ -51,6 +66,7 @@ from rrfp.study.report import (
 )
 from rrfp.study.result import TrialResult
 from rrfp.study.schema import interval, number, trial_fields
+from rrfp.study.trial import TrialId
 
 
 def say(text: str) -> None:
@@ -93,8 +109,56 @@ def comparisons(cfg: RunConfig, results: list[TrialResult]) -> list[Comparison]:
     ]
 
 
+def _pairwise(cfg: RunConfig, results: list[TrialResult]) -> Any:
+    """(trial, baseline) -> their Comparison, paired per iteration when the trials ran interleaved."""
+    by = {r.trial: r for r in results}
+    speedup = paired_speedup if cfg.interleave else unpaired_speedup
+
+    def pair(trial: TrialId, baseline: TrialId) -> Comparison:
+        times = speedup(by[baseline].iteration_times, by[trial].iteration_times)
+        return Comparison(trial, baseline, *times, paired=cfg.interleave)
+
+    return pair
+
+
+def footprints(cfg: RunConfig, results: list[TrialResult]) -> list[Footprint]:
+    """Each trial's mean time, peaks and budget per rank for the best-fixed rule: slots, or in token
+    mode bytes -- a byte budget as given, a factor times the trial's own order's peak (what fixed on
+    its hint held, when that ran; else the trial has no byte budget to compare with)."""
+    in_bytes = any(measures(r).peak_bytes for r in results)
+    fixed_peak = {r.trial.hint: measures(r).peak_bytes for r in results if r.trial.policy == FIXED}
+    out = []
+    for r in results:
+        peaks, allowed, unit = tuple(r.peaks), tuple(r.budget), "activations"
+        if in_bytes and not r.trial.is_baseline:
+            peaks, unit = tuple(measures(r).peak_bytes), "bytes"
+            budget = parse_byte_item(r.trial.budget or "1x", len(peaks))
+            base = base_hint_name(r.trial.hint, cfg.study.virtual_stages)
+            own = fixed_peak.get(r.trial.hint) or fixed_peak.get(base, ())
+            if budget.per_rank is not None:
+                allowed = budget.per_rank
+            else:
+                assert budget.factor is not None
+                allowed = tuple(int(budget.factor * b + 1e-9) for b in own)
+        out.append(Footprint(r.trial, r.mean_time, peaks, allowed, unit))
+    return out
+
+
+def best_fixed_comparisons(cfg: RunConfig, results: list[TrialResult]) -> dict[TrialId, Comparison]:
+    """Each trial against its best fixed order among the trials that ran (rrfp.study.compare.best_fixed),
+    paired as :func:`comparisons` pairs; a fixed trial whose best is its own order (itself, or fixed on
+    its hint at another budget) has none."""
+    prints, pair = footprints(cfg, results), _pairwise(cfg, results)
+    out = {}
+    for f in prints:
+        b = best_fixed(f, prints)
+        if b is not None and not (f.trial.policy == b.trial.policy and f.trial.hint == b.trial.hint):
+            out[f.trial] = pair(f.trial, b.trial)
+    return out
+
+
 def result_row(result: TrialResult) -> dict[str, Any]:
-    """One trial's ``results[]`` entry (schema version 2)."""
+    """One trial's ``results[]`` entry (schema version 3)."""
     m = measures(result)
     times = result.iteration_times
     return {
@@ -116,7 +180,9 @@ def result_row(result: TrialResult) -> dict[str, Any]:
 def result_json(cfg: RunConfig, results: list[TrialResult]) -> dict[str, Any]:
     """The ``--json`` object (module doc), with schema 1's keys for one more release."""
     rows = [result_row(r) for r in results]
-    doc = json_document(cfg.command or "rrfp-run", config_dict(cfg), rows, comparisons(cfg, results))
+    best = best_fixed_comparisons(cfg, results)
+    command = cfg.command or "rrfp-run"
+    doc = json_document(command, config_dict(cfg), rows, comparisons(cfg, results), best=best)
     legacy = as_json([as_row(r) for r in results])  # deprecated: schema 1's keys
     doc["ok"] = legacy.pop("ok")
     return {**doc, **{k: v for k, v in legacy.items() if k not in doc}}
@@ -217,11 +283,11 @@ def table(cfg: RunConfig, results: list[TrialResult]) -> str:
     """One row per trial -- mean iteration time with its interval, the median, the speedup against
     fixed on the same hint (and a column per torch baseline) -- then who won, and what each column
     means."""
-    comps = comparisons(cfg, results)
+    comps, best = comparisons(cfg, results), best_fixed_comparisons(cfg, results)
     vs_fixed = {c.trial: c for c in comps if not c.baseline.is_baseline}
     torch = [r.trial for r in results if r.trial.is_baseline]
     vs_torch = {(c.trial, c.baseline): c for c in comps if c.baseline.is_baseline}
-    header = ["trial", "iteration time s [95% CI]", "median s", "speedup [95% CI]",
+    header = ["trial", "iteration time s [95% CI]", "median s", "speedup [95% CI]", "vs best fixed",
               *(f"vs {b.label} [95% CI]" for b in torch), "loss", "us/task", "peak act", "check"]  # fmt: skip
     rows = []
     for r in results:
@@ -230,12 +296,13 @@ def table(cfg: RunConfig, results: list[TrialResult]) -> str:
         rows.append([
             r.trial.label, ci(*t_interval(r.iteration_times)), f"{statistics.median(r.iteration_times):.4f}",
             speedup_cell(vs_fixed.get(r.trial)),
+            best_cell(best.get(r.trial), c.baseline if (c := vs_fixed.get(r.trial)) else None),
             *(speedup_cell(vs_torch.get((r.trial, b)), against=False) for b in torch),
             "-" if cfg.synthetic else f"{m.loss_first:.4f}", "-" if us is None else f"{us:.0f}",
             byte_range(m.peak_bytes) if m.peak_bytes else peak_range(r.peaks), _check(as_row(r)),
         ])  # fmt: skip
     note = budget_note(comps, cfg.study.budget_labels())
-    notes = [verdict(comps), *([note] if note else [])]
+    notes = [summary(footprints(cfg, results), _pairwise(cfg, results), best), *([note] if note else [])]
     notes += [memory_line(r.trial.label, c) for r in results if (c := measures(r).memory_check)][:1]
     return format_report(header, rows, notes, _columns(cfg, torch))
 
@@ -266,6 +333,10 @@ def _columns(cfg: RunConfig, torch: list[Any]) -> list[tuple[str, str]]:
         ("median s", "the median of the same iterations"),
         ("speedup", f"fixed's iteration time / this trial's on the same hint (a class hint: its reference "
                     f"order), {pairing}; > 1: faster than fixed"),
+        ("vs best fixed", "the best fixed order's time / this trial's, paired alike: the fastest fixed trial "
+                          "among those that ran (list zb-h1 with fixed to hold bfw to its zero-bubble order) "
+                          "whose peak on every rank is within this trial's budget there; named when it is "
+                          "not the speedup's baseline"),
     ]  # fmt: skip
     if torch:
         out.append(

@@ -17,7 +17,7 @@ on 1F1B against readiness-first dispatch with the bf class hint (and with the 1F
 stages, m = 4 x stages microbatches, lognormal compute jitter at CV 0.3, costs F=1,B=2 (I = W = 1),
 budget 1x (each hint's own peak), 10 seeds, one measured iteration and no warm-up, eager sends, no
 comm cost. The options rrfp-run has too share its names, short forms, grammar and defaults
-(rrfp.study.options.SHARED); ``--json`` prints schema version 2 (rrfp.study.schema), as rrfp-run does.
+(rrfp.study.options.SHARED); ``--json`` prints schema version 3 (rrfp.study.schema), as rrfp-run does.
 
 Bad options or combinations -- click's usage errors included -- print one line, ``rrfp-sim: error:
 ...``, and exit with status 2; output files are written atomically (all or nothing) after the
@@ -384,6 +384,35 @@ def sweep(
     write_sweep(frame, out, plot, x=axes[0][0])
     journal.remove()
     click.echo(f"{PROG}: {len(frame)} rows over {math.prod(len(v) for _, v in axes)} grid points -> {out}")
+
+
+@cli.command("advise")
+@shared_options
+@with_options(click_options(PROG, ("json",)))
+@click.option(
+    "--top",
+    type=click.IntRange(1, 50),
+    default=5,
+    show_default=True,
+    help="How many of the fastest candidates to show.",
+)
+@workers_option("the search's rounds")
+@click.pass_context
+def advise(ctx: click.Context, json: bool, top: int, progress: bool | None, workers: int | str,
+           dask: str | None, **values: Any) -> None:  # fmt: skip
+    """Search hints x policies x budgets x v (token mode: x --mb-order) for this workload; print the
+    fastest, their speedups over fixed 1F1B and the best fixed order, and how to run them
+    (rrfp.sim.advise).
+
+    \b
+    rrfp-sim advise --scenario finetune-unpacked --stages 16 -m 64 --gpu-memory 80GiB
+    """
+    from .advise import run_advise
+
+    given = given_options(ctx)
+    ctx.with_resource(execution(workers, dask))
+    built = token_cli.build(values, given, lambda w, g: build_config(w, given))
+    click.echo(run_advise(built.config, given, top, workers, json, study_command(ctx)))
 
 
 @cli.command("scenarios")

@@ -57,7 +57,7 @@ from rrfp.plan.sources import make_hint, task_count
 from rrfp.plan.spec import PROGRESS_TASKS, PipelineSpec
 from rrfp.plan.task import Op, Task
 from rrfp.study import metrics
-from rrfp.study.compare import fixed_baselines
+from rrfp.study.compare import Footprint, best_fixed, fixed_baselines
 from rrfp.study.execution import resolve_workers, run_jobs
 from rrfp.study.metrics import lower_bound, paired_speedup, t_interval
 from rrfp.study.result import TrialResult
@@ -123,6 +123,8 @@ class RunStats:
     iteration that could not); its measurements are then empty."""
     peak_bytes: list[int] = field(default_factory=list)
     """Byte mode: most activation bytes per pipeline rank, max over replications."""
+    allowed_bytes: list[int] = field(default_factory=list)
+    """Byte mode: the most bytes the budget allowed per pipeline rank, max over replications."""
 
     def trial_results(self, source: str = "sim", trial: TrialId | None = None) -> list[TrialResult]:
         """One :class:`TrialResult` per replication, the shape a real run's results share; ``trial``
@@ -154,6 +156,9 @@ class Speedup:
     ci_high: float
     paired: bool = True
     """Replication i of both runs drew the same random numbers (always, in the simulator)."""
+    best: Speedup | None = None
+    """The run against its best fixed order (:func:`best_fixed_speedups`), None where no fixed run
+    fits its memory."""
 
 
 @dataclass
@@ -164,6 +169,9 @@ class ExperimentResult:
     stats: list[RunStats]
     speedups: list[Speedup]
     traces: list[TraceRecorder] = field(default_factory=list)
+    best_fixed: dict[TrialId, Speedup] = field(default_factory=dict)
+    """Run -> its comparison with its best fixed order (:func:`best_fixed_speedups`), for every
+    feasible run some other fixed run fits (each speedup's ``best`` too)."""
 
     def trials(self) -> list[TrialResult]:
         """One :class:`TrialResult` (source ``sim``) per (run, replication), in run order: what
@@ -201,10 +209,40 @@ def plan_runs(cfg: ExperimentConfig, step: Step | None = None) -> list[PlannedRu
         if key not in planned:
             planned[key] = _planned(cfg, key, run_hint, text)
     names = {hints[name].name: base.name for name, base in bases.items()}
+    _plan_split_references(cfg, planned, get)
     pairs = fixed_baselines(list(planned), lambda h: names.get(h, h))
     for key, p in planned.items():
         p.baseline = pairs.get(key)
     return list(planned.values())
+
+
+def split_reference(hint: Hint) -> str | None:
+    """The zero-bubble order a split class hint (bfw) is held to besides its reference: ``zb-h1`` for
+    loop placement with one stage per rank, ``zbv`` for v placement (its reference already); None for
+    an unsplit or a sequence hint, or interleaved loop placement (no zero-bubble order of its own)."""
+    if hint.classes is None or not hint.spec.split:
+        return None
+    if hint.spec.placement == "v":
+        return "zbv"
+    return "zb-h1" if hint.spec.virtual_stages == 1 else None
+
+
+def _plan_split_references(
+    cfg: ExperimentConfig, planned: dict[TrialId, PlannedRun], get: Callable[[str, int | None], Hint]
+) -> None:
+    """With ``fixed`` among the policies, each split class hint's :func:`split_reference` runs as one
+    more fixed trial (at 1x: fixed's schedule is the same at any budget, and 1x always fits) unless
+    the grid has it: a candidate for the best fixed order, so a split backward's gain is never
+    credited to readiness."""
+    if BASELINE_POLICY not in cfg.study.policies:
+        return
+    ran = {k.hint for k in planned if k.policy == BASELINE_POLICY}
+    for p in list(planned.values()):
+        name = split_reference(p.hint)
+        if name is not None and name not in ran:
+            ran.add(name)
+            key = TrialId(BASELINE_POLICY, name)
+            planned[key] = _planned(cfg, key, get(name, None), "1x")
 
 
 def _planned(cfg: ExperimentConfig, key: TrialId, hint: Hint, text: str) -> PlannedRun:
@@ -377,6 +415,12 @@ def measure(
     if out.peak_bytes is not None:
         old = stats.peak_bytes or [0] * len(out.peak_bytes)
         stats.peak_bytes = [max(a, b) for a, b in zip(old, out.peak_bytes, strict=True)]
+    if out.budget_bytes is not None:
+        stats.allowed_bytes = _max_per_rank(stats.allowed_bytes, out.budget_bytes)
+
+
+def _max_per_rank(old: list[int], new: list[int]) -> list[int]:
+    return [max(a, b) for a, b in zip(old or [0] * len(new), new, strict=True)]
 
 
 # -- the experiment ----------------------------------------------------------------------------------
@@ -404,17 +448,46 @@ def run_experiment(
         build_models(cfg, plans, building.step)
         building.done()
         stats, traces = _replications(cfg, plans, range(cfg.seeds), progress=progress, trace=trace)
+    best = best_fixed_speedups([stats[p.key] for p in plans], cfg.byte_mode)
     speedups = [
         Speedup(
-            p.key, p.baseline, *paired_speedup(stats[p.baseline].iteration_time, stats[p.key].iteration_time)
+            p.key, p.baseline, *paired_speedup(stats[p.baseline].iteration_time, stats[p.key].iteration_time),
+            best=best.get(p.key),
         )
         for p in plans
         if p.baseline is not None
         and p.baseline in stats
         and not (stats[p.key].infeasible or stats[p.baseline].infeasible)
-    ]
+    ]  # fmt: skip
     group_bounds(plans, stats)
-    return ExperimentResult(cfg, [stats[p.key] for p in plans], speedups, traces)
+    return ExperimentResult(cfg, [stats[p.key] for p in plans], speedups, traces, best)
+
+
+def footprint(s: RunStats, byte_mode: bool) -> Footprint:
+    """What the best-fixed rule reads of a feasible run: its mean time, and peaks against its budget per
+    rank in slots, or in token mode in bytes (the most the budget allowed in any iteration)."""
+    if byte_mode:
+        peaks, allowed, unit = s.peak_bytes, s.allowed_bytes, "bytes"
+    else:
+        peaks, allowed, unit = s.peaks, [s.budget[r] for r in sorted(s.budget)], "activations"
+    mean = float(np.mean(s.iteration_time))
+    return Footprint(s.key, mean, tuple(int(x) for x in peaks), tuple(int(x) for x in allowed), unit)
+
+
+def best_fixed_speedups(stats: list[RunStats], byte_mode: bool) -> dict[TrialId, Speedup]:
+    """Each feasible run against its best fixed order (rrfp.study.compare.best_fixed: the fastest fixed
+    run whose peak on every rank is within this run's budget there), paired per replication; a fixed
+    run whose best fixed is its own order (itself, or fixed on its hint at another budget) has none."""
+    feasible = [s for s in stats if not s.infeasible and s.iteration_time]
+    prints = {s.key: footprint(s, byte_mode) for s in feasible}
+    by = {s.key: s for s in feasible}
+    out: dict[TrialId, Speedup] = {}
+    for s in feasible:
+        b = best_fixed(prints[s.key], prints.values())
+        if b is not None and not (s.key.policy == b.trial.policy and s.key.hint == b.trial.hint):
+            times = paired_speedup(by[b.trial].iteration_time, s.iteration_time)
+            out[s.key] = Speedup(s.key, b.trial, *times)
+    return out
 
 
 def _replications(
@@ -479,7 +552,7 @@ def _mark_infeasible(stats: RunStats, why: str) -> None:
     stats.infeasible = why
     for name in _PER_REP:
         getattr(stats, name).clear()
-    stats.peaks, stats.peak_bytes = [], []
+    stats.peaks, stats.peak_bytes, stats.allowed_bytes = [], [], []
 
 
 def _extend(into: RunStats, part: RunStats) -> None:
@@ -493,6 +566,8 @@ def _extend(into: RunStats, part: RunStats) -> None:
     if part.peak_bytes:
         old = into.peak_bytes or [0] * len(part.peak_bytes)
         into.peak_bytes = [max(a, b) for a, b in zip(old, part.peak_bytes, strict=True)]
+    if part.allowed_bytes:
+        into.allowed_bytes = _max_per_rank(into.allowed_bytes, part.allowed_bytes)
     for name in _PER_REP:
         getattr(into, name).extend(getattr(part, name))
     into.peaks = [max(a, b) for a, b in zip(into.peaks or [0] * len(part.peaks), part.peaks, strict=True)]

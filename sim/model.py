@@ -88,6 +88,9 @@ class ModelRun:
     """Seconds from the iteration's start to the end of each (iteration, dp, pipeline rank)'s last task."""
     peak_bytes: list[int] | None = None
     """Byte mode: most activation bytes any member of each pipeline rank held, over all iterations."""
+    budget_bytes: list[int] | None = None
+    """Byte mode: the most bytes each pipeline rank's budget allowed in any iteration (what the best
+    fixed order must fit: rrfp.study.compare.best_fixed)."""
 
 
 class _RankPlan:
@@ -394,6 +397,7 @@ class ClusterModel:
         self.iteration = 0
         self._link_free: dict[tuple[int, int], float] = {}
         self._msg_id = 0
+        self._allowed = [0] * self.pp  # byte mode: the most each rank's budget allowed, this run
         self._current: Sequence[Sequence[IterationSample]] = ()  # this iteration's samples [dp][tp]
 
     def _build(self, hint: Hint, policy: str | Policy, budget: Mapping[int, int] | None) -> None:
@@ -443,6 +447,7 @@ class ClusterModel:
         finish = np.zeros((n, self.dp, self.pp))
         peaks = [0] * self.pp
         peak_bytes = [0] * self.pp
+        self._allowed = [0] * self.pp
         times: list[float] = []
         for it, sample in enumerate(samples):
             self.iteration = it
@@ -460,7 +465,9 @@ class ClusterModel:
                     peak_bytes[r] = max(peak_bytes[r], *(s.peak_bytes for s in w.scheds))
             self._advance_to(barrier)
         self.recorder = None
-        return ModelRun(times, busy, peaks, finish, peak_bytes if self.byte_budget is not None else None)
+        if self.byte_budget is None:
+            return ModelRun(times, busy, peaks, finish)
+        return ModelRun(times, busy, peaks, finish, peak_bytes, list(self._allowed))
 
     def _check_samples(self, samples: Samples) -> None:
         spec = self.hint.spec
@@ -515,9 +522,11 @@ class ClusterModel:
                 raise ConfigError("byte budgets need samples with act_bytes (a token-mode workload)")
             deltas = position_bytes(wiring, scaled(s.act_bytes, self.tp))
             try:
-                sched.use_bytes(deltas, self.byte_budget.resolve(w.r, deltas, self.hint.name))
+                allowed = self.byte_budget.resolve(w.r, deltas, self.hint.name)
+                sched.use_bytes(deltas, allowed)
             except InfeasibleBudget as e:
                 raise e.at(self.iteration) from None
+            self._allowed[w.r] = max(self._allowed[w.r], allowed)
 
     def _tx(self, s: IterationSample, plan: _RankPlan) -> list[float]:
         """Transfer seconds of each position's message: (latency + bytes / bandwidth) x comm jitter, the

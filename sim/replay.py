@@ -256,7 +256,7 @@ def _speedup(sp: tuple[float, float, float]) -> dict[str, float | None]:
 
 
 def replay_dict(result: ReplayResult, command: str | None = None) -> dict[str, Any]:
-    """The ``--json`` object, schema version 2 (rrfp.study.schema): ``config``, ``replay`` (what was
+    """The ``--json`` object, schema version 3 (rrfp.study.schema): ``config``, ``replay`` (what was
     loaded), ``fidelity``, ``results`` (one per run; the interval over the iterations after the first)
     and ``speedups`` (each what-if against the recorded run, paired per iteration)."""
     rep = result.replay

@@ -2,10 +2,10 @@
 atomically (:func:`atomic_write`). The table's layout, its cells and the JSON document are
 rrfp.study.report's, shared with rrfp-run; this module holds rrfp-sim's columns and number formats.
 
-The JSON object (one per invocation; identical seeds give byte-identical text) follows schema version 2,
+The JSON object (one per invocation; identical seeds give byte-identical text) follows schema version 3,
 the layout rrfp-run prints too (rrfp.study.schema)::
 
-    {"schema_version": 2,
+    {"schema_version": 3,
      "config": {"rrfp_version", "command", ...the ExperimentConfig...},
      "results": [{"trial", "policy", "hint", "memory_budget", "iteration_time": {"mean", "ci_low", "ci_high"},
                   "throughput": {"mean"}, "bubble_fraction": {"mean", "per_rank"},
@@ -14,7 +14,8 @@ the layout rrfp-run prints too (rrfp.study.schema)::
                   "peak_activations": [per pipeline rank], "budget": [per pipeline rank]}, ...],
      "speedups": [{"trial", "policy", "hint", "memory_budget",
                    "baseline": {"trial", "policy", "hint", "memory_budget"},
-                   "mean", "ci_low", "ci_high", "paired": true}, ...]}
+                   "mean", "ci_low", "ci_high", "paired": true,
+                   "vs_best_fixed": {"trial", "mean", "ci_low", "ci_high"} or null}, ...]}
 
 Intervals are 95% Student-t over replications; with one replication they are null. Per run:
 iteration time in seconds (flush to flush; the mean over the measured iterations after the warm-up),
@@ -23,7 +24,8 @@ pipeline rank (idle / iteration time, averaged over DP replicas) and its mean, u
 bubble, the realised lower bound and time / LB, the group's lower bound (the lowest among the runs of
 the same pipeline shape: one denominator for rows that compare) and time / it, peak activations held
 per pipeline rank (max over replications) and the budget. Speedup = baseline / candidate time, paired
-per replication.
+per replication; ``vs_best_fixed`` the same against the run's best fixed order (rrfp.sim.experiment.
+best_fixed_speedups).
 """
 
 from __future__ import annotations
@@ -41,14 +43,23 @@ from typing import Any
 import numpy as np
 
 from rrfp.study import schema
-from rrfp.study.compare import Comparison, budget_note, verdict
+from rrfp.study.compare import Comparison, budget_note, summary
+from rrfp.study.metrics import paired_speedup
 from rrfp.study.options import costs_text
-from rrfp.study.report import byte_range, ci, format_report, json_document, peak_range, speedup_cell
+from rrfp.study.report import (
+    best_cell,
+    byte_range,
+    ci,
+    format_report,
+    json_document,
+    peak_range,
+    speedup_cell,
+)
 from rrfp.study.schema import number, trial_fields
 from rrfp.workload.tokens import TokenWorkload
 
 from .config import ExperimentConfig
-from .experiment import ExperimentResult, RunStats, interval
+from .experiment import ExperimentResult, RunStats, Speedup, footprint, interval
 
 
 def _run_dict(s: RunStats) -> dict[str, Any]:
@@ -127,7 +138,7 @@ def token_dict(w: TokenWorkload) -> dict[str, Any]:
 def result_dict(
     result: ExperimentResult, command: str | None = None, extra: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """The ``--json`` object (schema version 2, module doc); ``command``: the command line it records
+    """The ``--json`` object (schema version 3, module doc); ``command``: the command line it records
     (default: this process's); ``extra``: keys added to ``config`` (token mode: the scenario and each
     option's source)."""
     cfg = config_dict(result.config)
@@ -138,7 +149,8 @@ def result_dict(
     cfg.update(extra or {})
     budgets = {s.key: s.budget_text for s in result.stats}
     rows = [_run_dict(s) for s in result.stats]
-    return json_document(command or shlex.join(sys.argv), cfg, rows, comparisons(result), budgets)
+    best = best_comparisons(result)
+    return json_document(command or shlex.join(sys.argv), cfg, rows, comparisons(result), budgets, best=best)
 
 
 def to_json(result: ExperimentResult, command: str | None = None, extra: dict[str, Any] | None = None) -> str:
@@ -186,9 +198,32 @@ def token_text(w: TokenWorkload) -> str:
     return text
 
 
+def _comparison(s: Speedup) -> Comparison:
+    return Comparison(s.key, s.baseline, s.mean, s.ci_low, s.ci_high, s.paired)
+
+
 def comparisons(result: ExperimentResult) -> list[Comparison]:
     """The experiment's speedups as rrfp.study.compare reads them."""
-    return [Comparison(s.key, s.baseline, s.mean, s.ci_low, s.ci_high, s.paired) for s in result.speedups]
+    return [_comparison(s) for s in result.speedups]
+
+
+def best_comparisons(result: ExperimentResult) -> dict[Any, Comparison]:
+    """Run -> its comparison with its best fixed order (ExperimentResult.best_fixed)."""
+    return {key: _comparison(s) for key, s in result.best_fixed.items()}
+
+
+def summary_line(result: ExperimentResult) -> str:
+    """The ``summary:`` line (rrfp.study.compare.summary): the fastest feasible run, ties paired per
+    seed, and what readiness adds over its best fixed order."""
+    byte_mode = bool(result.config.byte_mode)
+    feasible = [s for s in result.stats if not s.infeasible and s.iteration_time]
+    times = {s.key: s.iteration_time for s in feasible}
+
+    def pair(trial: Any, baseline: Any) -> Comparison:
+        return Comparison(trial, baseline, *paired_speedup(times[baseline], times[trial]))
+
+    prints = [footprint(s, byte_mode) for s in feasible]
+    return summary(prints, pair, best_comparisons(result))
 
 
 COLUMNS = (
@@ -199,6 +234,9 @@ COLUMNS = (
     ("peak act", "most activations a rank held at once: min-max over the pipeline ranks"),
     ("speedup", "fixed's iteration time / this row's, paired per seed (> 1: faster than fixed); a class "
                 "hint (bf, bfw, fb) is compared with fixed on its reference order"),
+    ("vs best fixed", "the best fixed order's time / this row's, paired per seed: the fastest fixed row "
+                      "(every hint's, and bfw's zero-bubble order zb-h1 or zbv) whose peak on every rank is "
+                      "within this row's budget there; named when it is not the speedup's baseline"),
 )  # fmt: skip
 """The table's footer: what each column means (rrfp.study.compare.legend)."""
 
@@ -207,12 +245,13 @@ def format_table(result: ExperimentResult, header: list[str] | None = None) -> s
     """The readable summary: what ran (``header``: lines under the first, e.g. a scenario's values), one
     line per run, who won, and what each column means."""
     comps = comparisons(result)
-    speed = {c.trial: c for c in comps}
-    columns = ["trial", "iteration time s [95% CI]", "bubble", "time/LB", "peak act", "speedup [95% CI]"]
+    speed, best = {c.trial: c for c in comps}, best_comparisons(result)
+    columns = ["trial", "iteration time s [95% CI]", "bubble", "time/LB", "peak act", "speedup [95% CI]",
+               "vs best fixed"]  # fmt: skip
     rows = []
     for s in result.stats:
         if s.infeasible:
-            rows.append([s.key.label, "infeasible (see below)", "-", "-", "-", ""])
+            rows.append([s.key.label, "infeasible (see below)", "-", "-", "-", "", ""])
             continue
         rows.append(
             [
@@ -222,14 +261,12 @@ def format_table(result: ExperimentResult, header: list[str] | None = None) -> s
                 f"{np.mean(s.group_lb_ratio):.3f}",
                 peak_range(s.peaks) if not s.peak_bytes else byte_range(s.peak_bytes),
                 speedup_cell(speed.get(s.key)),
+                best_cell(best.get(s.key), c.baseline if (c := speed.get(s.key)) else None),
             ]
         )
     infeasible = [f"{s.key.label}: {s.infeasible}" for s in result.stats if s.infeasible]
-    summary = verdict(comps)
-    if infeasible and not comps:
-        summary = "summary: nothing to compare: a run and its fixed baseline must both fit their budget"
     note = budget_note(comps, [s.key.budget for s in result.stats])
-    notes = [summary, *infeasible, *([note] if note else [])]
+    notes = [summary_line(result), *infeasible, *([note] if note else [])]
     return format_report(columns, rows, notes, COLUMNS, head=[describe(result), *(header or []), ""])
 
 

@@ -363,7 +363,7 @@ def test_rrfp_sim_shows_its_build_progress_on_stderr_only_when_large(
         cli.main([*argv, "--progress"])
     assert done.value.code == 0
     out, err = capsys.readouterr()
-    assert json.loads(out)["schema_version"] == 2  # stdout stays pure JSON
+    assert json.loads(out)["schema_version"] == 3  # stdout stays pure JSON
     assert "rrfp-sim: building hint 1f1b (pp 2 x v 1 x m 4 x 2 ops = 16 tasks)" in err
     assert "rrfp-sim: building model rrfp/bf" in err and "rrfp-sim: built 5 hints and models in" in err
     with pytest.raises(SystemExit):

@@ -179,26 +179,29 @@ def _sim_json(args: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
     return json.loads(out)
 
 
-def test_rrfp_sim_json_follows_schema_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_rrfp_sim_json_follows_schema_3(capsys: pytest.CaptureFixture[str]) -> None:
     doc = _sim_json([*SMALL, "--memory-budget", "1x,2x", "--json"], capsys)
     validate(doc)
-    assert doc["schema_version"] == 2 and doc["config"]["rrfp_version"] == version()
+    assert doc["schema_version"] == 3 and doc["config"]["rrfp_version"] == version()
     assert doc["config"]["command"] == "rrfp-sim " + " ".join([*SMALL, "--memory-budget", "1x,2x", "--json"])
     assert [r["trial"] for r in doc["results"]] == [
         "fixed/1f1b", "rrfp/1f1b", "fixed/1f1b@2x", "rrfp/1f1b@2x", "rrfp/bf", "rrfp/bf@2x",
     ]  # fmt: skip
     assert {s["baseline"]["trial"] for s in doc["speedups"]} == {"fixed/1f1b"}
     assert all(s["paired"] for s in doc["speedups"])
+    best = {s["trial"]: s["vs_best_fixed"] for s in doc["speedups"]}
+    assert best.pop("fixed/1f1b@2x") is None  # its best fixed order is its own (fixed/1f1b: one schedule)
+    assert {b["trial"] for b in best.values()} == {"fixed/1f1b"}  # the only fixed order
 
 
-def test_a_replay_json_follows_schema_2(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_replay_json_follows_schema_3(capsys: pytest.CaptureFixture[str]) -> None:
     doc = _sim_json(["--replay", "traces/gpt-fixed-1f1b.parquet", "--policy", "rrfp", "--hint", "1f1b,bf",
                      "--memory-budget", "1x,2x", "--json"], capsys)  # fmt: skip
     validate(doc)
     assert len(doc["speedups"]) == len(doc["results"]) - 1  # every what-if against the recorded run
 
 
-def test_rrfp_run_json_follows_schema_2() -> None:
+def test_rrfp_run_json_follows_schema_3() -> None:
     from test_exec_results import _result
 
     from rrfp.exec.config import RunConfig
@@ -221,7 +224,7 @@ def test_rrfp_run_json_follows_schema_2() -> None:
 @pytest.mark.parametrize(
     ("change", "complaint"),
     [
-        (lambda d: d.pop("schema_version"), "schema_version must be 2"),
+        (lambda d: d.pop("schema_version"), "schema_version must be 3"),
         (lambda d: d["config"].pop("command"), "config.command"),
         (lambda d: d["results"][1].update(trial="rrfp/1f1b@2x"), "does not name memory budget"),
         (lambda d: d["results"][1].update(hint="bf"), "does not name policy"),
@@ -232,6 +235,10 @@ def test_rrfp_run_json_follows_schema_2() -> None:
             "not one of the results",
         ),
         (lambda d: d["speedups"][0].pop("paired"), "paired must be true or false"),
+        (lambda d: d["speedups"][0].pop("vs_best_fixed"), "vs_best_fixed is missing"),
+        (lambda d: d["speedups"][0]["vs_best_fixed"].update(trial="rrfp/1f1b"), "is not a fixed trial"),
+        (lambda d: d["speedups"][0]["vs_best_fixed"].update(trial="fixed/zbv"), "not one of the results"),
+        (lambda d: d["speedups"][0]["vs_best_fixed"].update(ci_high=None), "one end of its interval"),
     ],
 )
 def test_the_validator_catches_a_broken_document(change, complaint, capsys) -> None:

@@ -46,6 +46,7 @@ def test_json_is_byte_identical_for_identical_seeds(capsys):
         ("fixed", "1f1b"),
         ("rrfp", "1f1b"),
         ("rrfp", "bfw"),
+        ("fixed", "zb-h1"),  # bfw's zero-bubble order: a candidate for its best fixed order
     ]
     r = data["results"][1]
     assert set(r["iteration_time"]) == {"mean", "ci_low", "ci_high"}

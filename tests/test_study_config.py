@@ -110,7 +110,10 @@ def test_the_clis_one_difference_fixed_on_bfw() -> None:
 def test_each_cli_expands_the_study_s_grid() -> None:
     study = Study(pp=2, microbatches=4, hints=("1f1b", "bf", "bfw"), memory_budget=("1x", "2x"))
     planned = plan_runs(ExperimentConfig(study=study, seeds=1))
-    assert [p.key for p in planned] == study.trials()  # rrfp-sim: fixed/bfw runs fixed/1f1b
+    grid = study.trials()  # rrfp-sim: fixed/bfw runs fixed/1f1b ...
+    assert [p.key for p in planned][: len(grid)] == grid
+    # ... and bfw's split reference runs once more, as a best-fixed candidate (issue 25)
+    assert [p.key.label for p in planned][len(grid) :] == ["fixed/zb-h1"]
     assert all(p.hint.name == p.key.hint for p in planned)  # each run follows the hint its label names
     cfg = RunConfig(world=2, study=study, baselines=("1F1B",))
     assert _labels(cfg.trials) == [*_labels(study.trials(split_fixed=True)), "torch:1F1B"]  # rrfp-run

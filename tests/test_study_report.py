@@ -55,7 +55,7 @@ def test_speedup_dict_takes_the_budget_as_the_tool_writes_it() -> None:
     assert written["baseline"]["memory_budget"] == "80GB" and written["memory_budget"] == "2x"
 
 
-def test_json_document_follows_schema_2_in_its_key_order() -> None:
+def test_json_document_follows_schema_3_in_its_key_order() -> None:
     times = {"mean": 1.0, "ci_low": None, "ci_high": None}
     rows = [{"trial": t.label, "policy": t.policy, "hint": t.hint, "memory_budget": t.budget or "1x",
              "iteration_time": times} for t in (FIXED, RRFP)]  # fmt: skip
@@ -64,6 +64,12 @@ def test_json_document_follows_schema_2_in_its_key_order() -> None:
     assert list(doc) == ["schema_version", "config", "replay", "results", "speedups"]
     assert list(doc["config"]) == ["rrfp_version", "command", "pp"]
     assert doc["config"]["command"] == "rrfp-x --json"
+    validate(json.loads(json.dumps(doc)))
+    assert doc["speedups"][0]["vs_best_fixed"] is None  # no best fixed given
+    best = {RRFP: Comparison(RRFP, FIXED, 1.1, 1.05, 1.15)}
+    doc = report.json_document("rrfp-x --json", {"pp": 4}, rows, comps, best=best)
+    assert doc["speedups"][0]["vs_best_fixed"] == {"trial": "fixed/1f1b", "mean": 1.1, "ci_low": 1.05,
+                                                   "ci_high": 1.15}  # fmt: skip
     validate(json.loads(json.dumps(doc)))
 
 

@@ -174,3 +174,111 @@ def fixed_hint(hint: str, virtual_stages: int | None = None) -> str:
     if hint in CLASS_HINTS and not CLASS_SPLIT_DEFAULT[hint]:
         return base_hint_name(hint, virtual_stages)
     return hint
+
+
+# -- the best fixed order and the fastest trial ------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Footprint:
+    """What the best-fixed rule and the summary read of one trial: its mean seconds per iteration, its
+    peak memory per pipeline rank (max over seeds; slots, or bytes in token mode) and the memory its
+    budget allowed there (same unit). A torch baseline's are empty: rrfp does not track its memory."""
+
+    trial: TrialId
+    mean_time: float
+    peaks: tuple[int, ...]
+    allowed: tuple[int, ...]
+    unit: str = "activations"
+    """What ``peaks`` count: ``activations`` (slots) or ``bytes``."""
+
+    @property
+    def held(self) -> float:
+        """The most memory a rank held (inf when untracked: it loses every tie on memory)."""
+        return max(self.peaks) if self.peaks else math.inf
+
+
+def qualifies(candidate: Footprint, trial: Footprint) -> bool:
+    """``candidate`` fits ``trial``'s memory: its peak on every rank is at most ``trial``'s budget on
+    that rank (``1x`` is each hint's own peak, so the rule compares the memory actually allowed)."""
+    if not candidate.peaks or len(candidate.peaks) != len(trial.allowed):
+        return False
+    return all(p <= b for p, b in zip(candidate.peaks, trial.allowed, strict=True))
+
+
+def best_fixed(trial: Footprint, footprints: Iterable[Footprint]) -> Footprint | None:
+    """The fastest ``fixed`` trial among ``footprints`` that qualifies for ``trial`` (None: none does);
+    equal times go to the first listed."""
+    fits = [f for f in footprints if f.trial.policy == FIXED and qualifies(f, trial)]
+    return min(fits, key=lambda f: f.mean_time, default=None)
+
+
+Pairwise = Callable[[TrialId, TrialId], Comparison]
+"""(trial, baseline) -> the baseline's time / the trial's, paired as the tool pairs (per seed in rrfp-sim,
+per iteration in rrfp-run)."""
+
+
+def fastest(footprints: Sequence[Footprint], compare: Pairwise) -> tuple[Footprint, list[Footprint]]:
+    """The fastest trial and the others tied with it. Tied: the lowest mean's trial and every trial
+    whose speedup against it has a 95% interval that contains 1 (without an interval: the same mean).
+    Among the tied, the one that holds less memory wins, then a ``fixed`` trial, then the lower mean."""
+    lead = min(footprints, key=lambda f: f.mean_time)
+
+    def tied(f: Footprint) -> bool:
+        if f is lead:
+            return True
+        c = compare(f.trial, lead.trial)
+        return not c.slower if c.rated else f.mean_time == lead.mean_time
+
+    ties = [f for f in footprints if tied(f)]
+    win = min(ties, key=lambda f: (f.held, f.trial.policy != FIXED, f.mean_time))
+    return win, [f for f in ties if f is not win]
+
+
+def held_text(f: Footprint) -> str:
+    """The memory a trial holds, in words: at most N activations (or bytes) on a rank."""
+    if not f.peaks:
+        return "its memory is not tracked"
+    if f.unit == "bytes":
+        from rrfp.plan.budget import format_bytes
+
+        return f"holding at most {format_bytes(int(f.held))} of activations on a rank"
+    return f"holding at most {int(f.held)} activations on a rank"
+
+
+def summary(footprints: Sequence[Footprint], compare: Pairwise, vs_best: dict[TrialId, Comparison]) -> str:
+    """The ``summary:`` line: the fastest trial (:func:`fastest`) and the memory it holds first, then
+    what readiness adds over its best fixed (``vs_best``: trial -> its comparison with its best fixed);
+    when a fixed order is fastest, what the fastest readiness-driven trial does against its own."""
+    if not footprints:
+        return "summary: nothing to compare: no trial ran within its memory budget"
+    win, ties = fastest(footprints, compare)
+    lead = min(footprints, key=lambda f: f.mean_time)
+    text = f"summary: {win.trial.label} is fastest ({win.mean_time:.4g} s per iteration, {held_text(win)})"
+    if lead is not win:  # a tie on time that the memory decided: say so, the means differ
+        text = (f"summary: {win.trial.label} is fastest within the 95% CI ({win.mean_time:.4g} s per "
+                f"iteration, {held_text(win)}; the lowest mean, {lead.trial.label}'s {lead.mean_time:.4g} s, "
+                "is not significantly lower and holds more memory or is not fixed)")  # fmt: skip
+    if ties:
+        names = [f.trial.label for f in ties]
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+        text += f"; tied within the 95% CI: {', '.join(names[:3])}{more}"
+    if win.trial.policy != FIXED and not win.trial.is_baseline:
+        return text + "; " + _adds(win, vs_best, "what readiness adds over its best fixed order")
+    kind = "a torch baseline" if win.trial.is_baseline else "a fixed order"
+    others = [f for f in footprints if f.trial.policy != FIXED and not f.trial.is_baseline]
+    ready = min(others, key=lambda f: f.mean_time, default=None)
+    if ready is None:
+        return text + f"; {kind} (list a readiness policy among the policies to compare one)"
+    lead = f"the fastest readiness-driven trial, {ready.trial.label}, against its best fixed order"
+    return text + f"; {kind}, so readiness adds nothing here; " + _adds(ready, vs_best, lead)
+
+
+def _adds(f: Footprint, vs_best: dict[TrialId, Comparison], lead: str) -> str:
+    """``lead: <how much faster or slower than its best fixed>`` (or why there is none)."""
+    c = vs_best.get(f.trial)
+    if c is None:
+        return (
+            f"{f.trial.label} has no fixed order within its memory to compare with "
+            "(list fixed among the policies)"
+        )
+    sig = "" if not c.rated else " -- significant" if c.faster or c.slower else " -- not significant"
+    return f"{lead}: {_by(c)}{sig}"

@@ -126,7 +126,7 @@ SHARED: tuple[SharedOption, ...] = (
                  "Unmeasured iterations before the measured ones.", "N >= 0",
                  differs={"rrfp-run": (1, "a real first iteration pays for allocation and calibration")}),
     SharedOption("json", ("--json",), None, "flag", False,
-                 "Print one JSON object (schema_version 2) instead of the table.", ""),
+                 "Print one JSON object (schema_version 3) instead of the table.", ""),
     SharedOption("trace_out", ("--trace-out",), None, "text", None,
                  "Write the timeline: .parquet, .csv or .json (Perfetto) (rrfp-sim: replication 0).", "PATH"),
     SharedOption("progress", ("--progress/--no-progress",), None, "switch", None,

@@ -1,6 +1,6 @@
 """The report both CLIs print -- one table of trials, the notes under it (the summary line first:
 rrfp.study.compare.verdict), the column legend (rrfp.study.compare.legend) -- and the ``--json``
-document (schema version 2, rrfp.study.schema) with its speedups.
+document (schema version 3, rrfp.study.schema) with its speedups, each with its ``vs_best_fixed``.
 
 Only the pieces are shared: each tool keeps its own columns, number formats and notes (sim/report.py,
 sim/replay.py, exec/report.py), so its output stays what it was.
@@ -47,6 +47,15 @@ def speedup_cell(c: Comparison | None, fmt: str = ".4f", against: bool = True) -
     return f"{text} vs {c.baseline.label}" if against else text
 
 
+def best_cell(c: Comparison | None, baseline: TrialId | None = None) -> str:
+    """The ``vs best fixed`` cell: the interval to 3 decimals, then ``vs <best fixed>`` unless it is
+    the row's fixed baseline (``baseline``) -- the label the speedup column already shows."""
+    if c is None:
+        return ""
+    text = ci(c.mean, c.ci_low, c.ci_high, ".3f")
+    return text if c.baseline == baseline else f"{text} vs {c.baseline.label}"
+
+
 def peak_range(peaks: Sequence[int]) -> str:
     """Peak activations over the pipeline ranks as ``min-max`` (one number when they agree; ``-``:
     none, as a torch baseline has)."""
@@ -85,10 +94,14 @@ def format_report(
 
 
 # -- the JSON document -----------------------------------------------------------------------------------
-def speedup_dict(c: Comparison, budget_text: Mapping[TrialId, str] | None = None) -> dict[str, Any]:
+def speedup_dict(
+    c: Comparison, budget_text: Mapping[TrialId, str] | None = None, best: Comparison | None = None
+) -> dict[str, Any]:
     """One ``speedups[]`` entry; ``budget_text``: trial -> its memory budget as the tool writes it,
-    where that differs from what the label says (rrfp-sim's byte budgets)."""
-    entry = speedup_entry(c.trial, c.baseline, c.mean, c.ci_low, c.ci_high, c.paired)
+    where that differs from what the label says (rrfp-sim's byte budgets); ``best``: the trial against
+    its best fixed order (``vs_best_fixed``; None: no fixed order fits)."""
+    vs = None if best is None else (best.baseline, best.mean, best.ci_low, best.ci_high)
+    entry = speedup_entry(c.trial, c.baseline, c.mean, c.ci_low, c.ci_high, c.paired, vs)
     for where, trial in ((entry, c.trial), (entry["baseline"], c.baseline)):
         if budget_text is not None and trial in budget_text:
             where["memory_budget"] = budget_text[trial]
@@ -102,16 +115,18 @@ def json_document(
     speedups: Iterable[Comparison],
     budget_text: Mapping[TrialId, str] | None = None,
     between: Mapping[str, Any] | None = None,
+    best: Mapping[TrialId, Comparison] | None = None,
 ) -> dict[str, Any]:
-    """The ``--json`` object of schema version 2: ``config`` (after the version and ``command``),
+    """The ``--json`` object of schema version 3: ``config`` (after the version and ``command``),
     ``between``'s keys (a replay's ``replay`` and ``fidelity``), ``results``, then ``speedups``
-    (:func:`speedup_dict`)."""
+    (:func:`speedup_dict`; ``best``: trial -> its comparison with its best fixed order)."""
+    best = best or {}
     return {
         "schema_version": SCHEMA_VERSION,
         "config": {**config_head(command), **config},
         **(between or {}),
         "results": results,
-        "speedups": [speedup_dict(c, budget_text) for c in speedups],
+        "speedups": [speedup_dict(c, budget_text, best.get(c.trial)) for c in speedups],
     }
 
 

@@ -1,12 +1,13 @@
-"""The one ``--json`` layout of rrfp-sim and rrfp-run (schema version 2), its builders and a validator.
+"""The one ``--json`` layout of rrfp-sim and rrfp-run (schema version 3), its builders and a validator.
 
-    {"schema_version": 2,
+    {"schema_version": 3,
      "config": {"rrfp_version": "0.1.0", "command": "rrfp-sim --stages 4 --json", ...},
      "results": [{"trial": "rrfp/1f1b@2x", "policy": "rrfp", "hint": "1f1b", "memory_budget": "2x",
                   "iteration_time": {"mean", "ci_low", "ci_high"[, "median", "values"]}, ...}, ...],
      "speedups": [{"trial", "policy", "hint", "memory_budget",
                    "baseline": {"trial", "policy", "hint", "memory_budget"},
-                   "mean", "ci_low", "ci_high", "paired"}, ...]}
+                   "mean", "ci_low", "ci_high", "paired",
+                   "vs_best_fixed": {"trial", "mean", "ci_low", "ci_high"} or null}, ...]}
 
 * ``trial`` is the trial's label (rrfp.study.trial.TrialId): ``policy/hint[@budget]``, or
   ``torch:<Schedule>`` for a torch baseline, whose ``memory_budget`` is null (rrfp does not schedule it).
@@ -17,6 +18,9 @@
 * A speedup is the baseline's iteration time / the trial's (> 1: faster), ``paired`` per replication or
   per interleaved iteration; unpaired (rrfp-run --sequential) it is the ratio of means with Welch's
   interval.
+* ``vs_best_fixed`` (new in version 3): the same speedup against the trial's *best fixed* order -- the
+  fastest ``fixed`` trial whose peak on every rank is within this trial's budget there
+  (rrfp.study.compare.best_fixed), paired alike; null where no fixed trial fits.
 * Each tool adds keys of its own (rrfp-sim: bubble, lower bounds, throughput; rrfp-run: ``ok``, loss,
   checks; a replay: ``replay``, ``fidelity``); :func:`validate` checks the shared ones only.
 """
@@ -31,14 +35,14 @@ from rrfp.errors import UserError
 from rrfp.study.options import budget_label, version
 from rrfp.study.trial import TrialError, TrialId
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 TRIAL_KEYS = ("trial", "policy", "hint", "memory_budget")
 INTERVAL_KEYS = ("mean", "ci_low", "ci_high")
-SPEEDUP_KEYS = (*TRIAL_KEYS, "baseline", *INTERVAL_KEYS, "paired")
+SPEEDUP_KEYS = (*TRIAL_KEYS, "baseline", *INTERVAL_KEYS, "paired", "vs_best_fixed")
 
 
 class SchemaError(UserError):
-    """A JSON object that does not follow schema version 2; the message names the key."""
+    """A JSON object that does not follow schema version 3; the message names the key."""
 
 
 def number(x: Any) -> float | None:
@@ -60,11 +64,13 @@ def interval(mean: float, low: float, high: float) -> dict[str, float | None]:
 
 
 def speedup_entry(
-    trial: TrialId, baseline: TrialId, mean: float, low: float, high: float, paired: bool
-) -> dict[str, Any]:
-    """One ``speedups[]`` entry."""
+    trial: TrialId, baseline: TrialId, mean: float, low: float, high: float, paired: bool,
+    best: tuple[TrialId, float, float, float] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """One ``speedups[]`` entry; ``best``: (best fixed trial, mean, low, high) of ``vs_best_fixed``."""
+    vs_best = None if best is None else {"trial": best[0].label, **interval(*best[1:])}
     return {**trial_fields(trial), "baseline": trial_fields(baseline), **interval(mean, low, high),
-            "paired": bool(paired)}  # fmt: skip
+            "paired": bool(paired), "vs_best_fixed": vs_best}  # fmt: skip
 
 
 def config_head(command: str) -> dict[str, str]:
@@ -74,7 +80,7 @@ def config_head(command: str) -> dict[str, str]:
 
 # -- the validator -----------------------------------------------------------------------------------
 def validate(obj: Any) -> None:
-    """Raise :class:`SchemaError` unless ``obj`` (parsed JSON) follows schema version 2 (module doc)."""
+    """Raise :class:`SchemaError` unless ``obj`` (parsed JSON) follows schema version 3 (module doc)."""
     _require(isinstance(obj, dict), "", "the document must be an object")
     _require(obj.get("schema_version") == SCHEMA_VERSION, "schema_version", f"must be {SCHEMA_VERSION}")
     config = obj.get("config")
@@ -106,6 +112,22 @@ def validate(obj: Any) -> None:
         _require(isinstance(sp.get("paired"), bool), f"{where}.paired", "must be true or false")
         for key, trial in (("trial", sp["trial"]), ("baseline.trial", sp["baseline"]["trial"])):
             _require(trial in seen, f"{where}.{key}", f"{trial!r} is not one of the results")
+        _best(sp, where, seen)
+
+
+def _best(sp: Mapping[str, Any], where: str, seen: set[str]) -> None:
+    """``vs_best_fixed``: null, or a fixed trial among the results with its interval."""
+    _require("vs_best_fixed" in sp, f"{where}.vs_best_fixed", "is missing")
+    best = sp["vs_best_fixed"]
+    if best is None:
+        return
+    where = f"{where}.vs_best_fixed"
+    _require(isinstance(best, Mapping), where, "must be an object or null")
+    trial = best.get("trial")
+    ok = isinstance(trial, str) and trial in seen
+    _require(ok, f"{where}.trial", f"{trial!r} is not one of the results")
+    _require(TrialId.parse(trial).policy == "fixed", f"{where}.trial", f"{trial!r} is not a fixed trial")
+    _interval(best, where)
 
 
 def _require(ok: Any, where: str, rule: str) -> None:

@@ -25,6 +25,10 @@ _NUMBER = re.compile(r"(?<![\w/.])-?\d+(?:\.\d+)?(?:e[+-]?\d+)?(?![\w])")
 _DECIMAL = re.compile(r"(?<![\w/.])-?\d+\.\d+(?:e[+-]?\d+)?(?![\w])|(?<![\w/.])-?\d+e[+-]?\d+(?![\w])")
 MEASURED_KEYS = frozenset({"loop_overhead_us_per_task", "values", "calibration", "activation_bytes"})
 """JSON keys whose whole value is measured (masked even where it is an integer or an object)."""
+CHOSEN_BY_TIME = frozenset({"vs_best_fixed"})
+"""JSON keys whose value, null included, depends on measured times (the best fixed order is the fastest
+fixed trial that fits): masked whole. Their table column too (:data:`CHOSEN_COLUMN`)."""
+CHOSEN_COLUMN = "vs best fixed"
 
 
 def in_process_cases() -> dict[str, list[str]]:
@@ -85,8 +89,14 @@ def mask_table(text: str) -> str:
     """Mask what a job measured in its printed report: every number in a table row (the lines between
     the dashes under the header and the first blank line), every decimal elsewhere; runs of spaces in
     a row become one, since a masked number no longer sets its column's width."""
-    out, in_rows = [], False
+    out, in_rows, chosen = [], False, None
     for line in text.splitlines():
+        if line.startswith("trial ") and CHOSEN_COLUMN in line:  # its cells are picked by measured times
+            start = line.index(CHOSEN_COLUMN)
+            after = re.search(r"\S", line[start + len(CHOSEN_COLUMN) :])
+            chosen = (start, start + len(CHOSEN_COLUMN) + after.start() if after else len(line) + 1000)
+        if in_rows and chosen and line.strip():
+            line = line[: chosen[0]] + "#".ljust(chosen[1] - chosen[0]) + line[chosen[1] :]
         if line.startswith("-----"):
             in_rows = True
             out.append("-----")
@@ -107,7 +117,7 @@ def mask_table(text: str) -> str:
 
 
 def _mask_value(value: Any, key: str = "") -> Any:
-    if key in MEASURED_KEYS and value is not None:
+    if key in CHOSEN_BY_TIME or (key in MEASURED_KEYS and value is not None):
         return "#"
     if isinstance(value, dict):
         return {k: _mask_value(v, k) for k, v in value.items()}

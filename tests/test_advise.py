@@ -1,0 +1,91 @@
+"""``rrfp-sim advise`` (rrfp.sim.advise): successive halving finds what an exhaustive search finds, its
+JSON layout, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from rrfp.sim.advise import plan_search, seed_schedule
+from rrfp.sim.cli import build_config, main
+from rrfp.sim.config import option_defaults
+from rrfp.sim.experiment import run_experiment
+
+TINY = ["--stages", "4", "-m", "8", "--cv", "0.5", "--seeds", "6", "--hint", "1f1b,zb-h1,bfw"]
+
+
+def _advise(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exc:
+        main(["advise", *args])
+    out, err = capsys.readouterr()
+    return int(exc.value.code or 0), out, err
+
+
+def test_the_seed_schedule_grows_threefold_to_the_seeds_asked() -> None:
+    assert seed_schedule(10) == [1, 3, 10] and seed_schedule(1) == [1] and seed_schedule(30) == [1, 3, 9, 30]
+
+
+def test_the_top_candidate_is_the_exhaustive_searchs(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _advise([*TINY, "--json", "--workers", "1"], capsys)
+    assert code == 0, err
+    top = json.loads(out)["candidates"][0]
+    # Exhaustive: every config the search plans, every run at all 6 seeds (run_experiment, not the rounds).
+    values = {**option_defaults(), "stages": 4, "microbatches": 8, "cv": 0.5, "seeds": 6,
+              "hints": "1f1b,zb-h1,bfw"}  # fmt: skip
+    given = {"stages", "microbatches", "cv", "seeds", "hints"}
+    search = plan_search(build_config(values, given), given)
+    runs = []
+    for v, cfg in zip([1, 2], search.configs, strict=True):
+        for s in run_experiment(cfg, progress=False).stats:
+            if not s.infeasible:
+                rank = (float(np.mean(s.iteration_time)), max(s.peaks), s.key.policy != "fixed")
+                runs.append((rank, s.key.label, v))
+    best = min(runs)
+    assert (top["trial"], top["virtual_stages"]) == (best[1], best[2])
+    assert top["iteration_time"]["mean"] == pytest.approx(best[0][0])
+
+
+def test_the_json_lists_candidates_fastest_first(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _advise([*TINY, "--seeds", "3", "--top", "4", "--json"], capsys)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert list(doc) == ["config", "search", "candidates"]
+    assert doc["search"]["seeds"] == [1, 3] and doc["search"]["rounds"][0] == doc["search"]["candidates"]
+    rows = doc["candidates"]
+    assert len(rows) == 4
+    means = [r["iteration_time"]["mean"] for r in rows]
+    assert means == sorted(means)
+    for r in rows:
+        assert {"trial", "iteration_time", "peak_memory", "vs_fixed_1f1b", "vs_best_fixed", "rrfp_run",
+                "schedule_readiness"} <= set(r)  # fmt: skip
+        assert r["rrfp_run"].startswith("rrfp-run --gpus 4 --stages 4 -m 8")
+        assert r["trial"] in r["rrfp_run"]
+        args = r["schedule_readiness"]
+        assert args["policy"] == r["policy"] and args["hint"] == r["hint"]
+        best = r["vs_best_fixed"]
+        assert best is None or best["trial"].startswith("fixed/")
+
+
+def test_the_table_shows_how_to_run_each_candidate(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = _advise([*TINY, "--seeds", "2", "--top", "2", "-v", "1"], capsys)
+    assert code == 0
+    assert out.startswith("rrfp-sim advise: ") and "vs best fixed" in out
+    assert out.count("ScheduleReadiness(hint=") == 2 and "(v=2)" not in out  # -v 1: that v only
+
+
+def test_a_search_with_nothing_to_run_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _advise(["--stages", "4", "-m", "8", "--hint", "zb-h1", "-v", "3"], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("rrfp-sim: error: advise: no hint")
+
+
+def test_fixed_1f1b_is_measured_whatever_narrows_the_search(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--stages", "4", "-m", "8", "--seeds", "2", "--hint", "bfw", "-v", "2", "--json"]
+    code, out, err = _advise(args, capsys)
+    assert code == 0, err
+    rows = json.loads(out)["candidates"]
+    assert rows and all(r["virtual_stages"] == 2 for r in rows)
+    assert all(r["vs_fixed_1f1b"]["trial"] == "fixed/1f1b" for r in rows)
+    assert all("fixed/1f1b" not in r["rrfp_run"] for r in rows)  # one rrfp-run has one v
