@@ -134,6 +134,7 @@ def plan(req: Request, memory: MemoryFn | None = None) -> Plan:
     where missing) so that RunConfig and the preflight refuse them with their usual one line."""
     if req.gpus_per_node < 1:
         raise ExecConfigError(f"--gpus-per-node must be an integer >= 1, got {req.gpus_per_node}")
+    _check_degrees(req)
     closest: Plan | None = None  # the layout whose fullest rank needs least: named when none fits
     for tp in _tp_choices(req):
         for pp in _pp_choices(req, tp):
@@ -154,6 +155,19 @@ def plan(req: Request, memory: MemoryFn | None = None) -> Plan:
     return Plan(gpus=req.gpus, gpus_per_node=req.gpus_per_node, pp=pp, tp=tp, dp=dp, layers=layers,
                 microbatches=m, layers_raised=layers != (req.layers or req.default_layers),
                 gpu_memory=req.gpu_memory)  # fmt: skip
+
+
+def _check_degrees(req: Request) -> None:
+    """The ranks and every degree given, in range, before the search divides by them (a 0 was a
+    ZeroDivisionError; a dp of 0 was read as "not given")."""
+    for name, value in (("gpus", req.gpus), ("pp", req.pp), ("tp", req.tp), ("dp", req.dp)):
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ExecConfigError(f"--{name} must be an integer >= 1, got {value!r}")
+        limit = MAX_DEGREE * MAX_DEGREE if name == "gpus" else MAX_DEGREE
+        if value > limit:
+            raise ExecConfigError(f"--{name} {value} is above the limit {limit}")
 
 
 def _tp_choices(req: Request) -> list[int]:
