@@ -99,7 +99,7 @@ def run_sweep(
 
     from rrfp.study.execution import resolve_workers, run_jobs
 
-    from .experiment import estimate_seconds, plan_runs
+    from .experiment import LONG_RUN_S, estimate_seconds, plan_runs
 
     points = grid_configs(base, axes, build)
     done = journal.open() if journal is not None else {}
@@ -113,6 +113,10 @@ def run_sweep(
     seconds = sum(estimate_seconds(cfg, len(cfg.hints) * len(cfg.policies)) for _, cfg in points)
     n = resolve_workers(workers, max(1, len(jobs)), seconds)
     enabled = sys.stderr.isatty() if progress is None else progress
+    if not enabled and seconds > LONG_RUN_S:  # no bar will show it: say so up front, then run
+        print(f"rrfp-sim: warning: a long sweep: about {seconds:.0f} s on one core over {len(points)} "
+              "grid points, estimated up front; --progress shows how far it is", file=sys.stderr,
+              flush=True)  # fmt: skip
     try:
         with tqdm(total=len(points), initial=len(done), disable=not enabled, file=sys.stderr, desc="sweep",
                   unit="point", leave=False) as bar:  # fmt: skip

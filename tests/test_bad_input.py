@@ -58,7 +58,6 @@ class Case:
 # Known failures not fixed yet, by case id (prefix match): what is wrong.
 NOT_FIXED: dict[str, str] = {
     "run-dry-run-128-tiny": "no warning that the estimate cannot tell policies apart",
-    "long-job-warning": "no warning",
 }
 
 
@@ -553,7 +552,21 @@ def test_long_job_warning_decision() -> None:
     from rrfp.sim.experiment import long_run_warning
 
     small = ExperimentConfig(stages=4, microbatches=8, seeds=1)
-    big = ExperimentConfig(stages=4096, microbatches=256, seeds=1)
+    big = ExperimentConfig(stages=4096, microbatches=256)  # the audit's --stages 4096 -m 256
     assert long_run_warning(small) is None
     text = long_run_warning(big)
     assert text is not None and "\n" not in text and "warning" in text and " s" in text
+
+
+def test_long_job_warning_shows_only_without_a_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    """The warning goes to stderr when no progress bar will show the run (--no-progress), not with one."""
+    from rrfp.sim.config import ExperimentConfig
+    from rrfp.sim.experiment import warn_long_run
+
+    big = ExperimentConfig(stages=4096, microbatches=256)
+    warn_long_run(big, progress=True)
+    assert capsys.readouterr().err == ""
+    warn_long_run(big, progress=False)
+    captured = capsys.readouterr()
+    assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+    assert captured.err.startswith("rrfp-sim: warning: ")
