@@ -470,7 +470,7 @@ def estimate_basis(cfg: RunConfig, tflops: float) -> tuple[WorkloadConfig | Toke
     ``cfg``. A model's run: its token workload at costs F=1, B=2 (a backward is twice a forward's
     FLOPs), one unit = the mean microbatch's FLOPs per rank at ``tflops`` per device, split over tp.
     --synthetic: the sleeps it would sleep (--costs x --time-unit-ms)."""
-    jitter = f", jitter {cfg.jitter} cv {cfg.cv:g}" if cfg.jitter != "none" else ""
+    jitter = f", jitter {cfg.jitter} cv {cfg.cv:g}" if cfg.jitter != "none" else ", no jitter"
     if cfg.synthetic:
         unit = cfg.time_unit_ms / 1e3
         basis = f"--synthetic sleeps of --costs {cfg.costs} x {cfg.time_unit_ms:g} ms{jitter}"
@@ -486,6 +486,29 @@ def estimate_basis(cfg: RunConfig, tflops: float) -> tuple[WorkloadConfig | Toke
         f"compute only: no communication, no kernel overheads; rrfp-sim, 1 iteration{jitter}"
     )
     return workload, unit, basis
+
+
+SAME_TIME = 1e-9
+"""Relative spread below which the estimate's trial times count as one (float noise, not a difference)."""
+
+
+def estimate_warning(report: Mapping[str, Any], jitter: str) -> str | None:
+    """One warning line when the dry-run estimate cannot tell the trials apart -- every trial at the same
+    time, as a uniform model without jitter gives (each policy then runs its hint's own order at the
+    same pace: "1.00x fixed" says nothing of which wins); None when the times differ or one trial."""
+    times = [float(r["iteration_seconds"]) for r in report["estimate"]["results"]]
+    if len(times) < 2 or max(times) - min(times) > SAME_TIME * max(times):
+        return None
+    why = (
+        "without jitter every microbatch costs the same, so every policy keeps its hint's pace"
+        if jitter == "none"
+        else "the sampled jitter does not separate them"
+    )
+    return (
+        f"rrfp-run: warning: the estimate cannot tell the {len(times)} trials apart ({why}): it shows the "
+        "layout's compute time, not which policy wins; run the job, or estimate jittered sleeps with "
+        "--synthetic --jitter lognormal --cv 0.5"
+    )
 
 
 def estimate_grid(cfg: RunConfig) -> tuple[tuple[str, ...], tuple[str, ...], str, set[str]]:
