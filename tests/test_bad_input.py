@@ -568,3 +568,64 @@ def test_long_job_warning_shows_only_without_a_bar(capsys: pytest.CaptureFixture
     captured = capsys.readouterr()
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
     assert captured.err.startswith("rrfp-sim: warning: ")
+
+
+# -- timing: a hung rank ends the job within --timeout + 10 s ------------------------------------------
+HUNG_TIMEOUT = 10  # --timeout of the job below
+HUNG_BOUND_S = HUNG_TIMEOUT + 10.0
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_hung_in_set_up_ends_the_job_within_timeout_plus_10_s(tmp_path: Path) -> None:
+    """Rank 1 stops (SIGSTOP) while the ranks set up -- the worst case: the others' waits start after
+    it stopped, and a rank blocked in a gloo call ignores torch's SIGTERM. The job still ends within
+    --timeout + 10 s of the stop (it took 34-36 s at --timeout 20), names rank 1, and leaves nothing."""
+    from execkit import BIN, assert_no_leftovers, start_job, stop_job, wait_for_rank
+
+    args = [str(BIN / "rrfp-run"), "--gpus", "4", "--iterations", "100000", "--timeout", str(HUNG_TIMEOUT),
+            "--dump-dir", str(tmp_path), "--no-progress"]  # fmt: skip
+    proc = start_job(args)
+    try:
+        victim = wait_for_rank(proc, 1)
+        time.sleep(0.5)  # inside its set-up
+        victim.suspend()
+        stopped = time.monotonic()
+        try:  # the launcher's exit is the job's end (what a shell waits for); its stderr is a few lines
+            proc.wait(timeout=HUNG_BOUND_S + 20)
+        except Exception:
+            stop_job(proc)
+            pytest.fail(f"the job was still running {HUNG_BOUND_S + 20} s after rank 1 stopped")
+        took = time.monotonic() - stopped
+        _, err = proc.communicate(timeout=30)
+    finally:
+        stop_job(proc)
+    assert_no_leftovers(proc.pid)
+    verdict = err.strip().splitlines()[-1]
+    assert proc.returncode == 1 and verdict.startswith("rrfp-run: job failed: rank 1 is hung"), err[-3000:]
+    assert took < HUNG_BOUND_S, f"the job ended {took:.1f} s after the rank stopped (bound {HUNG_BOUND_S} s)"
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_launcher_leaves_no_false_semaphore_warning(tmp_path: Path) -> None:
+    """kill -9 of the launcher: its workers leave, the semaphores they mapped are gone, and nothing prints
+    multiprocessing's resource_tracker warning about "leaked semaphore objects" -- the launcher unlinked
+    them itself once every worker had opened them (rrfp.exec.jobs.launch.release_semaphores)."""
+    from execkit import BIN, assert_shared_memory_gone, session_procs, start_job, stop_job, wait_until_running
+
+    args = [str(BIN / "rrfp-run"), "--gpus", "4", "--synthetic", "-m", "8", "--iterations", "100000",
+            "--time-unit-ms", "5", "--dump-dir", str(tmp_path)]  # fmt: skip
+    proc = start_job(args)
+    try:
+        wait_until_running(proc)
+        time.sleep(1)
+        proc.kill()
+        _, err = proc.communicate(timeout=60)  # until every process holding its stderr (the tracker) left
+        deadline = time.monotonic() + 30
+        while session_procs(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = session_procs(proc.pid)
+    finally:
+        stop_job(proc)
+    assert not left, f"workers outlived their launcher: {[p.pid for p in left]}"
+    assert "leaked" not in err and "resource_tracker" not in err, err[-3000:]
+    assert_shared_memory_gone(tmp_path, ranks=4)
