@@ -629,3 +629,19 @@ def test_a_killed_launcher_leaves_no_false_semaphore_warning(tmp_path: Path) -> 
     assert not left, f"workers outlived their launcher: {[p.pid for p in left]}"
     assert "leaked" not in err and "resource_tracker" not in err, err[-3000:]
     assert_shared_memory_gone(tmp_path, ranks=4)
+
+
+# -- deferred: speedup intervals as paired log-ratios (changes goldens) --------------------------------
+SPREAD = ([1.0, 9.0, 1.0, 9.0, 1.0], [2.0, 1.0, 3.0, 1.0, 1.5])  # 5 iterations, very noisy ratios
+
+
+@pytest.mark.xfail(strict=True, reason="deferred: speedup intervals as paired log-ratios change goldens")
+@pytest.mark.parametrize("kind", ["paired", "unpaired"])
+def test_a_speedup_interval_never_goes_below_zero(kind: str) -> None:
+    """A speedup is a ratio: its interval must stay above 0 (the audit saw 1.8984 [-0.2611, 4.0579] over
+    5 iterations); a log-ratio interval, exponentiated, does."""
+    from rrfp.study.metrics import paired_speedup, unpaired_speedup
+
+    fn = paired_speedup if kind == "paired" else unpaired_speedup
+    mean, low, high = fn(*SPREAD)
+    assert 0 < low <= mean <= high, (mean, low, high)
