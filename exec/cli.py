@@ -60,6 +60,7 @@ from rrfp.exec.jobs.planner import (
     dry_run_text,
     estimate_basis,
     estimate_grid,
+    estimate_warning,
     local_devices,
     plan_run,
 )
@@ -358,6 +359,8 @@ def _dry_run(cfg: RunConfig, plan: Plan, tflops: float) -> int:
         },
     }  # fmt: skip
     click.echo(json.dumps(report, indent=1) if cfg.json else dry_run_text(report))
+    if (warning := estimate_warning(report, cfg.jitter)) is not None:  # "1.00x fixed" for every trial
+        click.echo(warning, err=True)
     return 0
 
 

@@ -110,6 +110,8 @@ class ModelConfig:
             raise ExecConfigError(f"--hidden {self.hidden} must be divisible by --heads {self.heads}")
         if self.kind == "multimodal" and self.image_size % self.patch:
             raise ExecConfigError(f"--image-size {self.image_size} must be divisible by --patch {self.patch}")
+        if self.kind == "multimodal" and self.max_images < 1:  # 0: no image ever, so no multimodal model
+            raise ExecConfigError("--max-images must be an integer >= 1 with --model multimodal, got 0")
         if self.kind == "multimodal" and self.seq_len < 2:
             raise ExecConfigError(f"--seq-len {self.seq_len} must be >= 2 for multimodal (text varies)")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from rrfp.dispatch.policies import get_policy
 from rrfp.exec.config import ExecConfigError, RunConfig, switch_interval
 from rrfp.exec.faults import default_dump_dir
+from rrfp.exec.jobs.planner import local_devices
 from rrfp.exec.models.model import partition
 from rrfp.plan.budget import ByteBudget, InfeasibleBudget, parse_byte_item, position_bytes, resolve_budget
 from rrfp.plan.hints import Hint
@@ -142,12 +143,14 @@ class _Progress:
 
 
 def check_outputs(cfg: RunConfig, joined: bool = False) -> str:
-    """Every output path, before any worker starts; returns the dump directory to use (made here).
+    """Every output path (and the backend's devices: :func:`check_backend`), before any worker starts;
+    returns the dump directory to use (made here).
 
     ``--dump-dir`` (or a fresh temp dir; inside torchrun the job's shared default) must be a directory
     this process can create files in: dumps and the ranks' logs go there. ``--trace-out`` must have a
     suffix the trace writer knows and a writable folder (the trace is written by rank 0 at the very end,
     where a failure would lose every result)."""
+    check_backend(cfg)
     if cfg.trace_out is not None and (not joined or os.environ.get("RANK") == "0"):
         _check_trace_path(cfg.trace_out)
     if cfg.decision_log is not None and (not joined or os.environ.get("RANK") == "0"):
@@ -163,6 +166,16 @@ def check_outputs(cfg: RunConfig, joined: bool = False) -> str:
             raise ExecConfigError(f"cannot make a dump directory ({e.strerror}): give --dump-dir") from None
     _writable_dir(dump_dir, "--dump-dir")
     return dump_dir
+
+
+def check_backend(cfg: RunConfig) -> None:
+    """``--backend nccl`` needs CUDA devices where the workers run -- this host, for a local launch and
+    for a rank torchrun started alike. Refused here, not by N workers after their imports and the
+    rendezvous (it took 37 s). A dry run needs no device and never gets here."""
+    if cfg.backend == "nccl" and local_devices("nccl") == 0:
+        raise ExecConfigError(
+            "--backend nccl needs CUDA devices and this host has none: use --backend gloo (or auto)"
+        )
 
 
 def _check_trace_path(text: str) -> None:

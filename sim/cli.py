@@ -232,7 +232,7 @@ def compare(
     their reference order (1f1b). Grids of scenarios: rrfp-sim sweep --help. Token mode (real sample
     sizes): --lengths, or --scenario NAME (rrfp-sim scenarios lists them).
     """
-    from .experiment import run_experiment
+    from .experiment import run_experiment, warn_long_run
     from .report import format_table, to_json
 
     check_suffix(trace_out, TRACE_SUFFIXES, "--trace-out")
@@ -248,6 +248,7 @@ def compare(
     built = token_cli.build(values, given, build_config)  # token mode with --lengths or --scenario
     cfg = built.config
     note_iterations(values, given)
+    warn_long_run(cfg, progress)  # one line up front when no bar will show a long run's progress
     result = run_experiment(cfg, progress=progress, trace=bool(trace_out or plot), workers=workers)
     text = to_json(result, command, built.json_extra()) if json else format_table(result, built.header())
     if not json and hasattr(cfg.workload, "report"):  # fitted: show the fit quality first

@@ -579,6 +579,33 @@ def estimate_seconds(cfg: ExperimentConfig, runs: int) -> float:
     return cfg.task_total() * runs * (cfg.study.warmup + cfg.study.iterations) * cfg.seeds * 3e-6
 
 
+LONG_RUN_S = 30.0
+"""Past this estimate (:func:`estimate_seconds`), a run without a progress bar says so up front."""
+
+
+def long_run_warning(cfg: ExperimentConfig, prog: str = "rrfp-sim") -> str | None:
+    """One warning line with the up-front estimate when ``cfg`` looks long (> LONG_RUN_S on one core),
+    else None: a run with --no-progress (or stderr not a terminal) would otherwise be silent for
+    minutes. The run still runs."""
+    seconds = estimate_seconds(cfg, len(cfg.policies))  # task_total covers every hint already
+    if seconds <= LONG_RUN_S:
+        return None
+    return (
+        f"{prog}: warning: a long run: about {seconds:.0f} s on one core, estimated up front "
+        f"({cfg.task_total():,} tasks x {len(cfg.policies)} policies x {cfg.warmup + cfg.iterations} "
+        f"iterations x {cfg.seeds} seeds); --progress shows how far it is"
+    )
+
+
+def warn_long_run(cfg: ExperimentConfig, progress: bool | None) -> None:
+    """Print :func:`long_run_warning` on stderr when no progress bar will show (``progress`` False, or
+    None and stderr not a terminal)."""
+    shown = sys.stderr.isatty() if progress is None else progress
+    text = None if shown else long_run_warning(cfg)
+    if text is not None:
+        print(text, file=sys.stderr, flush=True)
+
+
 def group_bounds(plans: list[PlannedRun], stats: dict[TrialId, RunStats]) -> None:
     """Fill each run's ``group_lower_bound`` and ``group_lb_ratio``: per replication and measured
     iteration, the lowest lower bound among the runs that drew the same durations (one pipeline shape;

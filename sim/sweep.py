@@ -100,7 +100,7 @@ def run_sweep(
 
     from rrfp.study.execution import resolve_workers, run_jobs
 
-    from .experiment import estimate_seconds, plan_runs
+    from .experiment import LONG_RUN_S, estimate_seconds, plan_runs
 
     points = grid_configs(base, axes, build)
     done = journal.open() if journal is not None else {}
@@ -114,6 +114,10 @@ def run_sweep(
     seconds = sum(estimate_seconds(cfg, len(cfg.study.hints) * len(cfg.study.policies)) for _, cfg in points)
     n = resolve_workers(workers, max(1, len(jobs)), seconds)
     enabled = sys.stderr.isatty() if progress is None else progress
+    if not enabled and seconds > LONG_RUN_S:  # no bar will show it: say so up front, then run
+        print(f"rrfp-sim: warning: a long sweep: about {seconds:.0f} s on one core over {len(points)} "
+              "grid points, estimated up front; --progress shows how far it is", file=sys.stderr,
+              flush=True)  # fmt: skip
     try:
         with tqdm(total=len(points), initial=len(done), disable=not enabled, file=sys.stderr, desc="sweep",
                   unit="point", leave=False) as bar:  # fmt: skip
@@ -186,7 +190,8 @@ def _byte_columns(r: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_sweep(frame: pd.DataFrame, out: str | Path, plot: str | Path | None, x: str) -> None:
-    """Write the CSV (and the plot) atomically; the plot shows speedup vs ``x``."""
+    """Write the CSV (and the plot) atomically, all or nothing: the plot is drawn to a temporary file
+    before the CSV is written, and renamed into place after it. The plot shows speedup vs ``x``."""
     from rrfp.traces.plot import plot_sweep
 
     from .report import atomic_write
@@ -194,10 +199,20 @@ def write_sweep(frame: pd.DataFrame, out: str | Path, plot: str | Path | None, x
     paired = frame[frame["speedup"].notna()].copy() if "speedup" in frame else frame.iloc[0:0]
     if plot is not None and paired.empty:
         raise SweepError("--plot needs runs paired with fixed (list fixed and another policy)")
-    atomic_write(out, lambda tmp: frame.to_csv(tmp, index=False))
-    if plot is not None:
-        others = [c for c in frame.columns[: frame.columns.get_loc("policy")] if c != x]
-        paired["series"] = paired["run"] + paired[others].astype(str).apply(
-            lambda row: "".join(f" {k}={v}" for k, v in row.items()), axis=1
-        ) if others else paired["run"]  # fmt: skip
-        atomic_write(plot, lambda tmp: plot_sweep(paired, tmp, x=x, y="speedup", hue="series"))
+
+    def write_csv() -> None:
+        atomic_write(out, lambda tmp: frame.to_csv(tmp, index=False))
+
+    if plot is None:
+        write_csv()
+        return
+    others = [c for c in frame.columns[: frame.columns.get_loc("policy")] if c != x]
+    paired["series"] = paired["run"] + paired[others].astype(str).apply(
+        lambda row: "".join(f" {k}={v}" for k, v in row.items()), axis=1
+    ) if others else paired["run"]  # fmt: skip
+
+    def draw_then_csv(tmp: Path) -> None:  # the plot is drawn first: if it fails, no CSV is left either
+        plot_sweep(paired, tmp, x=x, y="speedup", hue="series")
+        write_csv()
+
+    atomic_write(plot, draw_then_csv)

@@ -41,6 +41,6 @@ def test_rrfp_run_builds_the_microbatches_rrfp_sim_simulates() -> None:
 
 
 def test_a_microbatch_longer_than_the_model_is_a_user_error() -> None:
-    small = ModelConfig(kind="multimodal", layers=2, hidden=32, heads=4, seq_len=8, max_images=0)
+    small = ModelConfig(kind="multimodal", layers=2, hidden=32, heads=4, seq_len=8, positions=8)
     with pytest.raises(TokenBatchError, match=r"decoder tokens, more than the model's 8 positions"):
         make_token_batch(small, batch_sizes(WORKLOAD, 0, 0, 0, 5), 0, 0, 0)

@@ -103,7 +103,8 @@ def _labels(ax: Any, bars: pd.DataFrame, y: int, px_per_s: float) -> None:
 
 def plot_sweep(df: pd.DataFrame, path: str | Path, x: str, y: str, hue: str | None = None) -> Path:
     """Line plot of ``y`` against ``x``, one line per value of ``hue``; a shaded band from columns
-    ``ci_low``/``ci_high`` when both exist (e.g. a 95% t-interval over seeds). Returns the path."""
+    ``ci_low``/``ci_high`` when both exist (e.g. a 95% t-interval over seeds), where they hold numbers
+    (one seed: none, so no band). Returns the path."""
     needed = [c for c in (x, y, hue) if c is not None and c not in df.columns]
     if needed:
         raise PlotError(
@@ -120,13 +121,27 @@ def plot_sweep(df: pd.DataFrame, path: str | Path, x: str, y: str, hue: str | No
         label = None if hue is None else f"{hue}={value}"
         (line,) = ax.plot(rows[x], rows[y], marker="o", ms=3, label=label)
         if band:
-            ax.fill_between(rows[x], rows["ci_low"], rows["ci_high"], color=line.get_color(), alpha=0.2, lw=0)
+            _band(ax, rows, x, line.get_color())
     ax.set_xlabel(x)
     ax.set_ylabel(y)
     ax.grid(alpha=0.3)
     if hue is not None:
         ax.legend(fontsize=8)
     return _save(fig, plt, path)
+
+
+def _band(ax: Any, rows: pd.DataFrame, x: str, color: str) -> None:
+    """The interval band where both ends are numbers: a single seed has no interval (its ends are empty),
+    so a sweep over one seed draws its lines without a band."""
+    import numpy as np
+    import pandas as pd
+
+    low = pd.to_numeric(rows["ci_low"], errors="coerce").to_numpy(dtype=float)
+    high = pd.to_numeric(rows["ci_high"], errors="coerce").to_numpy(dtype=float)
+    known = np.isfinite(low) & np.isfinite(high)
+    if known.any():
+        xs = rows[x].to_numpy()
+        ax.fill_between(xs[known], low[known], high[known], color=color, alpha=0.2, lw=0)
 
 
 def _save(fig: Any, plt: Any, path: str | Path) -> Path:

@@ -317,6 +317,7 @@ class _Loader:
         raise ReplayError(f"{self.source}:{where}{what} {problem}".replace(":,", ":"))
 
     def build(self) -> Replay:
+        self._check_duplicates()
         self._coords()
         spec = self._spec()
         self.spec = spec
@@ -342,6 +343,22 @@ class _Loader:
         return rep
 
     # -- shape -------------------------------------------------------------------------------------
+    def _check_duplicates(self) -> None:
+        """No event recorded twice: a row equal to an earlier one in every field (a send or a wait
+        counted twice would skew the fitted latencies and the replayed waits without a word)."""
+        if not len(self.rows):
+            return
+        # compute rows: the task check names a task run twice (_check_tasks)
+        dup = np.flatnonzero(self.rows.duplicated(keep="first").to_numpy() & (self.col["kind"] != "compute"))
+        if dup.size:
+            import pandas as pd
+
+            pos = int(dup[0])
+            hashes = pd.util.hash_pandas_object(self.rows, index=False).to_numpy()  # NaN hashes alike
+            first = int(self.index[int(np.flatnonzero(hashes == hashes[pos])[0])])
+            kind = self.col["kind"][pos]
+            self.fail(pos, None, f"repeats row {first} exactly (a {kind} event recorded twice)")
+
     def _coords(self) -> None:
         """Global rank -> (pp, tp, dp), consistent on every row; degrees from the coordinates seen."""
         col, coords = self.col, {}

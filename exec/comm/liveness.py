@@ -169,10 +169,12 @@ class Liveness:
             if self.parent is not None and os.getppid() != self.parent:
                 faults.die(faults.LAUNCHER_GONE, faults.FAULT_EXIT)
             w, now = self.wait, time.monotonic()
-            if w is None or now < w.deadline:
+            if w is None or now < w.deadline - STALE_S:
                 check = None
             elif check is None or check[0] is not w:
-                check = (w, self.counters(), now + STALE_S)  # keep beating while the others are read
+                # The counters are read STALE_S ahead of the deadline, so the verdict comes at the deadline
+                # itself, not STALE_S (and a beat) after it; keep beating while the others are read.
+                check = (w, self.counters(), max(now + STALE_S, w.deadline))
             elif now >= check[2]:
                 stale = self._stale(check[1])
                 check = None

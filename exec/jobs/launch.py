@@ -23,6 +23,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import uuid
 from collections.abc import MutableMapping, Sequence
 from datetime import timedelta
@@ -604,8 +605,19 @@ class JobStore:
         wait = timedelta(seconds=STORE_TIMEOUT_S)
         client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=wait)
         store, killed = dist.PrefixStore(prefix, client), set[int]()
+        first_fault: float | None = None  # when a rank first recorded a fault
+        started = [f"pid/{r}" for r in range(self.world)]
+        released = False
         while not self._stop.wait(HUNG_POLL_S):
             try:
+                if not released and store.check(started):  # every worker runs: it opened the semaphores
+                    released = True
+                    release_semaphores()
+                if first_fault is None and store.check(["first"]):
+                    first_fault = time.monotonic()
+                if first_fault is not None and time.monotonic() - first_fault >= FAULT_GRACE_S:
+                    self._kill_left(store, killed)  # whoever is still there is stuck: end the job now
+                    continue
                 if not store.check(["hung"]):
                     continue
                 ranks = {int(x) for x in store.get("hung").decode().split(",") if x}
@@ -614,6 +626,43 @@ class JobStore:
                     kill_rank(r, store.get(f"pid/{r}").decode())
             except Exception:  # the store is closing with the launch
                 return
+
+    def _kill_left(self, store: Any, killed: set[int]) -> None:
+        """SIGKILL every rank still registered and alive, FAULT_GRACE_S after the job's first fault: a rank
+        blocked in a C call (a gloo wait) acts on torch's SIGTERM only when it returns, and the agent
+        would wait its shutdown timeout (30 s) for it -- so a hung rank ended the job after 34-36 s."""
+        for r in range(self.world):
+            if r not in killed and store.check([f"pid/{r}"]):
+                killed.add(r)
+                kill_rank(r, store.get(f"pid/{r}").decode())
+
+
+def release_semaphores() -> list[str]:
+    """Unlink the named semaphores this process's multiprocessing made (torch's worker queues and events)
+    and tell the resource tracker; returns their names. Call it once every worker has opened them: they
+    keep working, and nothing is left to leak. Killed (kill -9), the launcher used to leave them to the
+    tracker, which printed a multi-line "leaked semaphore objects" warning for them."""
+    import multiprocessing.util as mp_util
+    from multiprocessing import resource_tracker
+    from multiprocessing.synchronize import SemLock
+
+    try:
+        from _multiprocessing import sem_unlink
+    except ImportError:  # no named semaphores on this platform
+        return []
+    names = []
+    for f in list(getattr(mp_util, "_finalizer_registry", {}).values()):  # the SemLocks this process made
+        args = getattr(f, "_args", None) or ()
+        if getattr(f, "_callback", None) is SemLock._cleanup and args:
+            f.cancel()  # not unlinked again at exit (it would raise: the name is gone)
+            names.append(args[0])
+    for name in names:
+        try:
+            sem_unlink(name)
+        except OSError:
+            continue  # gone already
+        resource_tracker.unregister(name, "semaphore")
+    return names
 
 
 def kill_rank(rank: int, where: str) -> bool:
@@ -634,3 +683,6 @@ def kill_rank(rank: int, where: str) -> bool:
 
 LOCALHOST = "127.0.0.1"
 HUNG_POLL_S = 0.25
+FAULT_GRACE_S = 3.0
+"""After a rank's fault, how long the others get to leave on their own (a dump and one line: about a
+second) before the launcher kills what is left."""

@@ -134,6 +134,7 @@ def plan(req: Request, memory: MemoryFn | None = None) -> Plan:
     where missing) so that RunConfig and the preflight refuse them with their usual one line."""
     if req.gpus_per_node < 1:
         raise ExecConfigError(f"--gpus-per-node must be an integer >= 1, got {req.gpus_per_node}")
+    _check_degrees(req)
     closest: Plan | None = None  # the layout whose fullest rank needs least: named when none fits
     for tp in _tp_choices(req):
         for pp in _pp_choices(req, tp):
@@ -154,6 +155,19 @@ def plan(req: Request, memory: MemoryFn | None = None) -> Plan:
     return Plan(gpus=req.gpus, gpus_per_node=req.gpus_per_node, pp=pp, tp=tp, dp=dp, layers=layers,
                 microbatches=m, layers_raised=layers != (req.layers or req.default_layers),
                 gpu_memory=req.gpu_memory)  # fmt: skip
+
+
+def _check_degrees(req: Request) -> None:
+    """The ranks and every degree given, in range, before the search divides by them (a 0 was a
+    ZeroDivisionError; a dp of 0 was read as "not given")."""
+    for name, value in (("gpus", req.gpus), ("pp", req.pp), ("tp", req.tp), ("dp", req.dp)):
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ExecConfigError(f"--{name} must be an integer >= 1, got {value!r}")
+        limit = MAX_DEGREE * MAX_DEGREE if name == "gpus" else MAX_DEGREE
+        if value > limit:
+            raise ExecConfigError(f"--{name} {value} is above the limit {limit}")
 
 
 def _tp_choices(req: Request) -> list[int]:
@@ -456,7 +470,7 @@ def estimate_basis(cfg: RunConfig, tflops: float) -> tuple[WorkloadConfig | Toke
     ``cfg``. A model's run: its token workload at costs F=1, B=2 (a backward is twice a forward's
     FLOPs), one unit = the mean microbatch's FLOPs per rank at ``tflops`` per device, split over tp.
     --synthetic: the sleeps it would sleep (--costs x --time-unit-ms)."""
-    jitter = f", jitter {cfg.jitter} cv {cfg.cv:g}" if cfg.jitter != "none" else ""
+    jitter = f", jitter {cfg.jitter} cv {cfg.cv:g}" if cfg.jitter != "none" else ", no jitter"
     if cfg.synthetic:
         unit = cfg.time_unit_ms / 1e3
         basis = f"--synthetic sleeps of --costs {cfg.costs} x {cfg.time_unit_ms:g} ms{jitter}"
@@ -473,6 +487,29 @@ def estimate_basis(cfg: RunConfig, tflops: float) -> tuple[WorkloadConfig | Toke
         f"compute only: no communication, no kernel overheads; rrfp-sim, 1 iteration{jitter}"
     )
     return workload, unit, basis
+
+
+SAME_TIME = 1e-9
+"""Relative spread below which the estimate's trial times count as one (float noise, not a difference)."""
+
+
+def estimate_warning(report: Mapping[str, Any], jitter: str) -> str | None:
+    """One warning line when the dry-run estimate cannot tell the trials apart -- every trial at the same
+    time, as a uniform model without jitter gives (each policy then runs its hint's own order at the
+    same pace: "1.00x fixed" says nothing of which wins); None when the times differ or one trial."""
+    times = [float(r["iteration_seconds"]) for r in report["estimate"]["results"]]
+    if len(times) < 2 or max(times) - min(times) > SAME_TIME * max(times):
+        return None
+    why = (
+        "without jitter every microbatch costs the same, so every policy keeps its hint's pace"
+        if jitter == "none"
+        else "the sampled jitter does not separate them"
+    )
+    return (
+        f"rrfp-run: warning: the estimate cannot tell the {len(times)} trials apart ({why}): it shows the "
+        "layout's compute time, not which policy wins; run the job, or estimate jittered sleeps with "
+        "--synthetic --jitter lognormal --cv 0.5"
+    )
 
 
 def estimate_grid(cfg: RunConfig) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], set[str]]:

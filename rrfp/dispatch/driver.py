@@ -172,8 +172,25 @@ def _budgets(budget: object, pp: int) -> dict[int, int | None]:
     return {r: budget[r] for r in range(pp)}
 
 
+MAX_TIME = 1e12
+"""Longest task duration or latency, seconds (31,000 years): a sum over any pipeline stays finite and
+exact enough to order events (1e308 each made the clock inf)."""
+
+
 def _time_error(what: str, value: object) -> TimingError:
+    if isinstance(value, Real) and value.__class__ is not bool and MAX_TIME < value < math.inf:
+        return TimingError(f"{what} {value!r} is above the limit {MAX_TIME:g} (seconds)")
     return TimingError(f"{what} must be a finite number >= 0 (seconds), got {value!r}")
+
+
+def _time_ok(value: object) -> bool:
+    """A time the clock can take: a real number (not a bool) in [0, MAX_TIME]; NaN fails both ends."""
+    if value.__class__ is bool:
+        return False
+    try:
+        return 0.0 <= value <= MAX_TIME  # type: ignore[operator]
+    except TypeError:
+        return False
 
 
 def _durations(hint: Hint, duration: object) -> Callable[[Task], float]:
@@ -186,15 +203,10 @@ def _durations(hint: Hint, duration: object) -> Callable[[Task], float]:
         raise TimingError(
             f"duration must be a mapping task -> seconds or a function of a task, got {duration!r}"
         )
-    inf = math.inf
 
     def checked(task: Task) -> float:
         value = duration(task)
-        try:
-            ok = 0.0 <= value < inf  # NaN fails both comparisons
-        except TypeError:
-            ok = False
-        if not ok:
+        if not _time_ok(value):
             raise _time_error(f"duration of {task}", value)
         return value
 
@@ -210,13 +222,17 @@ def _check_mapping(hint: Hint, duration: Mapping[Task, float]) -> None:
     except KeyError:
         missing = next(t for t in tasks if t not in duration)
         raise TimingError(f"duration has no entry for task {missing} (every task needs one)") from None
+    if len(duration) > len(tasks):  # an entry for a task outside the pipeline: a mistaken mapping
+        known = set(tasks)
+        extra = next(t for t in duration if t not in known)
+        raise TimingError(f"duration has an entry for {extra!r}, which is not a task of hint {hint.name}")
     array = np.asarray(values)
-    if array.dtype.kind not in "biuf":  # text, None, objects: the first value that is not a real number
-        first = next((i for i, v in enumerate(values) if not isinstance(v, Real)), None)
-        if first is not None:
-            raise _time_error(f"duration of {tasks[first]}", values[first])
+    first = next((i for i, v in enumerate(values) if not isinstance(v, Real) or v.__class__ is bool), None)
+    if first is not None:  # text, None, objects, bools: the first value that is not a real number
+        raise _time_error(f"duration of {tasks[first]}", values[first])
+    if array.dtype.kind not in "iuf":
         array = np.asarray(values, dtype=float)  # real numbers all (Fractions, Decimals too)
-    bad = np.flatnonzero(~(np.isfinite(array) & (array >= 0)))
+    bad = np.flatnonzero(~(np.isfinite(array) & (array >= 0) & (array <= MAX_TIME)))
     if len(bad):
         first = int(bad[0])
         raise _time_error(f"duration of {tasks[first]}", values[first])
@@ -225,20 +241,14 @@ def _check_mapping(hint: Hint, duration: Mapping[Task, float]) -> None:
 def _latencies(latency: object) -> Callable[[Task, Task], float]:
     """A constant checked once; a function wrapped so each value is checked as it is drawn."""
     if not callable(latency):
-        ok = isinstance(latency, Real) and not isinstance(latency, bool) and 0 <= latency < math.inf
-        if not ok:
+        if not (isinstance(latency, Real) and _time_ok(latency)):
             raise _time_error("latency", latency)
         constant = float(latency)  # type: ignore[arg-type]
         return lambda _p, _c: constant
-    inf = math.inf
 
     def checked(producer: Task, consumer: Task) -> float:
         value = latency(producer, consumer)
-        try:
-            ok = 0.0 <= value < inf
-        except TypeError:
-            ok = False
-        if not ok:
+        if not _time_ok(value):
             raise _time_error(f"latency of {producer} -> {consumer}", value)
         return value
 

@@ -46,6 +46,23 @@ from rrfp.plan.spec import SpecError
 from rrfp.plan.task import Task
 
 
+def _whole_bytes(rank: int, deltas: object) -> list[int]:
+    """use_bytes' ``deltas`` as Python ints: each a whole number (int or numpy integer, not a bool, a
+    float or text -- int() would truncate 1.5, read "12" and fail on NaN with a bare ValueError)."""
+    kind = getattr(getattr(deltas, "dtype", None), "kind", None)
+    if kind in ("i", "u"):  # a numpy integer array: whole numbers all
+        return [int(d) for d in deltas.tolist()]  # type: ignore[attr-defined]
+    if isinstance(deltas, (str, bytes)) or not hasattr(deltas, "__iter__"):
+        raise BudgetError(f"rank {rank}: use_bytes deltas must be a sequence of whole numbers of bytes, "
+                          f"got {deltas!r}")  # fmt: skip
+    out = list(deltas)  # type: ignore[call-overload]
+    for i, d in enumerate(out):
+        if not isinstance(d, Integral) or isinstance(d, bool):
+            raise BudgetError(f"rank {rank}: use_bytes deltas[{i}] must be a whole number of bytes, "
+                              f"got {d!r}")  # fmt: skip
+    return [int(d) for d in out]
+
+
 class SchedulerError(InternalError):
     """A driver called the scheduler out of protocol (e.g. started a task that is not ready)."""
 
@@ -267,7 +284,10 @@ class RankScheduler:
         itself would exceed ``budget``."""
         if self._started.find(1) >= 0:
             raise SchedulerError(f"rank {self.rank}: use_bytes() after a start (call it after reset())")
-        deltas = [int(d) for d in deltas]
+        deltas = _whole_bytes(self.rank, deltas)
+        if not isinstance(budget, Integral) or isinstance(budget, bool) or budget < 0:
+            raise BudgetError(f"rank {self.rank}: use_bytes budget must be a whole number of bytes >= 0, "
+                              f"got {budget!r}")  # fmt: skip
         if len(deltas) != len(self.tasks):
             raise SchedulerError(f"rank {self.rank}: {len(deltas)} byte deltas for {len(self.tasks)} tasks")
         need = sequence_peak(deltas)

@@ -78,10 +78,13 @@ def load_orders_csv(
     one line naming the row (= rank) and column (both 1-based, as a spreadsheet shows them).
     """
     try:
-        with open(path, newline="") as f:
+        # utf-8 explicitly: the locale's encoding must not decide what a schedule file means
+        with open(path, newline="", encoding="utf-8") as f:
             rows = list(csv.reader(f))
     except OSError as e:
-        raise HintError(f"{path}: cannot read schedule CSV ({e.strerror})") from e
+        raise HintError(f"{path}: cannot read schedule CSV ({e.strerror or e})") from e
+    except UnicodeDecodeError as e:  # binary data, or text in another encoding
+        raise HintError(f"{path}: not UTF-8 text (byte {e.start}), not a schedule CSV") from e
     except csv.Error as e:
         raise HintError(f"{path}: not a CSV file ({e})") from e
     while rows and not any(cell.strip() for cell in rows[-1]):

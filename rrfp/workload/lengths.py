@@ -197,9 +197,13 @@ def _check_params(text: str, p: dict[str, float]) -> None:
     if "mean" not in p:
         raise LengthsError(f"lengths {text!r}: needs mean=<tokens>, e.g. lognormal:mean=2048,cv=1.0")
     if not (math.isfinite(p["mean"]) and 0 < p["mean"] <= _MAX_INT):
+        if p["mean"] > _MAX_INT:  # the range's other end: say so, not "> 0"
+            raise LengthsError(f"lengths {text!r}: mean {p['mean']:g} is above the limit {_MAX_INT} tokens")
         raise LengthsError(f"lengths {text!r}: mean must be a number of tokens > 0, got {p['mean']:g}")
     for key in ("min", "max"):
-        if key in p and not (p[key] == int(p[key]) and 1 <= p[key] <= _MAX_INT):
+        if key in p and math.isfinite(p[key]) and p[key] == int(p[key]) and p[key] > _MAX_INT:
+            raise LengthsError(f"lengths {text!r}: {key} {p[key]:g} is above the limit {_MAX_INT} tokens")
+        if key in p and not (math.isfinite(p[key]) and p[key] == int(p[key]) and 1 <= p[key]):
             raise LengthsError(f"lengths {text!r}: {key} must be an integer >= 1, got {p[key]:g}")
     if p.get("min", 1) > p.get("max", _MAX_INT):
         raise LengthsError(f"lengths {text!r}: min {p['min']:g} is above max {p['max']:g}")

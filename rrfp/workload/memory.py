@@ -82,6 +82,10 @@ W_KEEP_FACTOR = 32
 their outputs' gradients (18)."""
 
 
+MAX_BYTES = float(2**63)
+"""Byte counts are int64: a count at or above this is refused, never cast (numpy would wrap it)."""
+
+
 class MemoryModelError(UserError):
     """A memory option out of range."""
 
@@ -147,8 +151,15 @@ def activation_bytes(workload: ModelShape, mom: Moments, num_stages: int, mem: M
         vision_keep = (2 if mem.recompute == "full" else W_KEEP_FACTOR) * hv * mom.G1
         held = held + enc[:, None] * vision[None, :]
         keep = keep + enc[:, None] * vision_keep[None, :]
+    held = held * scale
+    if held.size and not float(held.max()) < MAX_BYTES:  # NaN too: the cast below would wrap silently
+        s, m = np.unravel_index(int(np.nanargmax(np.where(np.isfinite(held), held, np.inf))), held.shape)
+        raise MemoryModelError(
+            f"F({s},{m}) would hold {float(held[s, m]):.3g} activation bytes: byte counts must be below "
+            f"2^63 ({MAX_BYTES:.3g}); a sample this long is not one a device holds (use shorter lengths)"
+        )
     out = np.empty((num_stages, len(mom.A1), 2), dtype=np.int64)
-    out[:, :, 0] = np.rint(held * scale)
+    out[:, :, 0] = np.rint(held)
     out[:, :, 1] = np.minimum(out[:, :, 0], np.rint(keep * scale))
     return out
 

@@ -57,6 +57,8 @@ from rrfp.workload.jitter import Distribution, JitterError, make_distribution
 
 WORKLOAD_PRESETS = ("language", "multimodal")
 _PRESET_SEQ_CV = {"language": 0.0, "multimodal": 0.3}
+MAX_FACTOR = 1e6
+"""Largest cost factor (1 + imbalance, a straggler's slowdown): beyond it, times lose their precision."""
 _OPS = tuple(op.value for op in OPS if op is not Op.B)  # F, I, W: the ops with a cost of their own
 
 
@@ -209,6 +211,9 @@ class WorkloadConfig:
         _require(0 <= self.straggler_prob <= 1, "straggler_prob", self.straggler_prob, "in [0, 1]")
         ok = 1 <= self.straggler_slowdown < inf
         _require(ok, "straggler_slowdown", self.straggler_slowdown, ">= 1 and finite")
+        for name in ("imbalance", "straggler_slowdown"):
+            if getattr(self, name) > MAX_FACTOR:
+                raise WorkloadError(f"{name} {getattr(self, name):g} is above the limit {MAX_FACTOR:g}")
         _require(0 < self.straggler_span <= 1, "straggler_span", self.straggler_span, "in (0, 1]")
         _require(0 <= self.act_bytes < inf, "act_bytes", self.act_bytes, ">= 0 and finite")
         _require(0 <= self.msg_bytes < inf, "msg_bytes", self.msg_bytes, ">= 0 and finite")

@@ -120,6 +120,18 @@ DATA_COMPONENTS = ("lengths", "images")
 STREAM_COMPONENTS = (*rngs.COMPONENTS, "lengths")
 """Every component :meth:`TokenWorkload.sample` draws from."""
 PACK_BLOCK = 256
+SIZE_LIMITS: dict[str, tuple[int, int]] = {
+    "layers": (1, 1 << 18), "hidden": (1, 1 << 17), "heads": (1, 1 << 12), "microbatch_size": (1, 1 << 16),
+    "dtype_bytes": (1, 16), "encoder_stages": (1, 4096), "image_size": (1, 1 << 14), "patch": (1, 1 << 12),
+    "vision_layers": (0, 1 << 12), "vocab": (0, 1 << 24), "seq_len": (1, 1 << 40),
+    "pack_tokens": (1, 1 << 40), "vision_hidden": (1, 1 << 17),
+}  # fmt: skip
+"""The model's integers: (least, most); past the most, a size is a typo, not a model (and its byte
+counts would leave int64)."""
+OPTIONAL_SIZES = ("seq_len", "pack_tokens", "vision_hidden")
+"""Sizes that may be None (not given)."""
+MAX_IMAGES_MEAN = 4096
+MAX_IMAGES_CV = 100.0
 """Rows drawn per block while packing: part of the stream's contract (changing it moves the draws)."""
 REFERENCE_BINS = 4096
 """Bins packed (from fixed streams) to estimate a packed microbatch's expected FLOPs."""
@@ -252,6 +264,9 @@ class TokenWorkload:
         self._check_base()
         object.__setattr__(self, "_table", self.lengths.truncated(self.seq_len))
         object.__setattr__(self, "_cache", {})
+        cv = self.images_cv
+        if isinstance(cv, (int, float)) and not isinstance(cv, bool) and cv > MAX_IMAGES_CV:
+            raise WorkloadError(f"images_cv {cv:g} is above the limit {MAX_IMAGES_CV:g}")
         try:
             rate = make_distribution(self.images_dist, self.images_cv)
         except JitterError as e:
@@ -260,14 +275,9 @@ class TokenWorkload:
         self._check_pack_fits()
 
     def _check_sizes(self) -> None:
-        for name in ("layers", "hidden", "heads", "microbatch_size", "dtype_bytes", "encoder_stages",
-                     "image_size", "patch"):  # fmt: skip
-            _integer(name, getattr(self, name), 1)
-        _integer("vision_layers", self.vision_layers, 0)
-        _integer("vocab", self.vocab, 0)
-        for name in ("seq_len", "pack_tokens", "vision_hidden"):
-            if getattr(self, name) is not None:
-                _integer(name, getattr(self, name), 1)
+        for name, (low, high) in SIZE_LIMITS.items():
+            if getattr(self, name) is not None or name not in OPTIONAL_SIZES:
+                _integer(name, getattr(self, name), low, high)
         if self.hidden % self.heads:
             raise WorkloadError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if self.image_size % self.patch:
@@ -275,6 +285,8 @@ class TokenWorkload:
         ok = isinstance(self.images_mean, (int, float)) and math.isfinite(self.images_mean)
         if not (ok and self.images_mean >= 0):
             raise WorkloadError(f"images_mean must be a finite number >= 0, got {self.images_mean!r}")
+        if self.images_mean > MAX_IMAGES_MEAN:
+            raise WorkloadError(f"images_mean {self.images_mean:g} is above the limit {MAX_IMAGES_MEAN}")
 
     def _check_modes(self) -> None:
         for name, choices in (("packing", PACKINGS), ("encoder", ENCODERS), ("recompute", RECOMPUTE),
@@ -662,9 +674,11 @@ def token_workload(values: Mapping[str, Any], base: WorkloadConfig | None = None
     return TokenWorkload(**fields_, base=WorkloadConfig() if base is None else base)
 
 
-def _integer(name: str, value: Any, low: int) -> None:
+def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
         raise WorkloadError(f"{name} must be an integer >= {low}, got {value!r}")
+    if high is not None and value > high:
+        raise WorkloadError(f"{name} {value} is above the limit {high}")
 
 
 def _split(total: int, parts: int) -> np.ndarray:
