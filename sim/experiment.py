@@ -587,12 +587,13 @@ def long_run_warning(cfg: ExperimentConfig, prog: str = "rrfp-sim") -> str | Non
     """One warning line with the up-front estimate when ``cfg`` looks long (> LONG_RUN_S on one core),
     else None: a run with --no-progress (or stderr not a terminal) would otherwise be silent for
     minutes. The run still runs."""
-    seconds = estimate_seconds(cfg, len(cfg.policies))  # task_total covers every hint already
+    seconds = estimate_seconds(cfg, len(cfg.study.policies))  # task_total covers every hint already
     if seconds <= LONG_RUN_S:
         return None
+    its = cfg.study.warmup + cfg.study.iterations
     return (
         f"{prog}: warning: a long run: about {seconds:.0f} s on one core, estimated up front "
-        f"({cfg.task_total():,} tasks x {len(cfg.policies)} policies x {cfg.warmup + cfg.iterations} "
+        f"({cfg.task_total():,} tasks x {len(cfg.study.policies)} policies x {its} "
         f"iterations x {cfg.seeds} seeds); --progress shows how far it is"
     )
 
