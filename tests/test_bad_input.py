@@ -548,9 +548,10 @@ def test_long_job_warning_decision() -> None:
     """Past a size (its up-front estimate), rrfp-sim prints one warning line; a small job prints none."""
     from rrfp.sim.config import ExperimentConfig
     from rrfp.sim.experiment import long_run_warning
+    from rrfp.study.study import Study
 
-    small = ExperimentConfig(stages=4, microbatches=8, seeds=1)
-    big = ExperimentConfig(stages=4096, microbatches=256)  # the audit's --stages 4096 -m 256
+    small = ExperimentConfig(study=Study(pp=4, microbatches=8), seeds=1)
+    big = ExperimentConfig(study=Study(pp=4096, microbatches=256))  # the audit's --stages 4096 -m 256
     assert long_run_warning(small) is None
     text = long_run_warning(big)
     assert text is not None and "\n" not in text and "warning" in text and " s" in text
@@ -560,8 +561,9 @@ def test_long_job_warning_shows_only_without_a_bar(capsys: pytest.CaptureFixture
     """The warning goes to stderr when no progress bar will show the run (--no-progress), not with one."""
     from rrfp.sim.config import ExperimentConfig
     from rrfp.sim.experiment import warn_long_run
+    from rrfp.study.study import Study
 
-    big = ExperimentConfig(stages=4096, microbatches=256)
+    big = ExperimentConfig(study=Study(pp=4096, microbatches=256))
     warn_long_run(big, progress=True)
     assert capsys.readouterr().err == ""
     warn_long_run(big, progress=False)
