@@ -1,7 +1,7 @@
 """Fidelity on a user model: replay one ScheduleReadiness policy's trace, predict another's measured step.
 
-    .venv/bin/python benchmarks/library_fidelity.py                  # one launch of 2 gloo ranks
-    .venv/bin/python benchmarks/library_fidelity.py --rounds 12 --nproc 4
+    .venv/bin/python benchmarks/library_fidelity.py                  # one launch of 2 gloo ranks (~2.5 min)
+    .venv/bin/python benchmarks/library_fidelity.py --no-record      # replay the traces of the last launch
 
 One ``torch.distributed.run --standalone`` launch trains examples/train_gpt_varlen.py's GPT stages with
 several :class:`rrfp.exec.ScheduleReadiness` schedules on the same ``PipelineStage`` objects, one
