@@ -50,8 +50,9 @@ EXEC_ROOMS = (
 (and itself). The package ``rrfp.exec`` itself belongs to the last room."""
 PLAIN_ARGUMENTS = ("rrfp.exec.comm", "rrfp.exec.loop", "rrfp.exec.pipelining")
 """Rooms that take plain arguments -- never a RunConfig -- so a library API can build on them..."""
-RUN_CONFIG_USERS = frozenset({"rrfp.exec.loop.trials", "rrfp.exec.loop.baseline"})
-"""...except these modules, the CLI's trial runner and its baselines (rebuilt on the library API later)."""
+RUN_CONFIG_USERS: frozenset[str] = frozenset()
+"""...with no exception: the CLI's trial runner and its torch baseline, which read the run's
+configuration, live in ``exec/jobs/``."""
 
 
 @dataclass(frozen=True)

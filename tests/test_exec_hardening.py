@@ -22,7 +22,7 @@ from execkit import run_study
 from rrfp.exec import faults
 from rrfp.exec.cli import main
 from rrfp.exec.config import MAX_TASKS, ModelConfig, RunConfig
-from rrfp.exec.loop.trials import TrialOutcome, keep_grads
+from rrfp.exec.jobs.trials import TrialOutcome, keep_grads
 from rrfp.exec.models.check import CheckError, compare, compare_run, local_grads, reference
 from rrfp.exec.models.data import make_batch
 from rrfp.exec.models.model import build_stage

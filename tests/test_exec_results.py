@@ -82,8 +82,8 @@ def test_trace_frames_are_dropped_and_a_failed_check_fails_the_launch() -> None:
 
 
 def test_the_trial_context_is_frozen() -> None:
+    from rrfp.exec.jobs.trials import TrialContext
     from rrfp.exec.loop.runtime import RankContext
-    from rrfp.exec.loop.trials import TrialContext
 
     loop = RankContext(0, 0, lambda p: p, None, origin=2.0)
     ctx = TrialContext(RunConfig(world=1, study=run_study(pp=1)), None, None, None, loop, "all")  # type: ignore[arg-type]

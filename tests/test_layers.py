@@ -85,7 +85,7 @@ def test_the_graph_sees_lazy_and_relative_imports() -> None:
         (Edge("rrfp.plan.hints", "rrfp.dispatch.scheduler", 1, True), "a later layer"),
         (Edge("rrfp.sim.model", "rrfp", 1, False), "top-level package"),
         (Edge("rrfp.traces.trace", "rrfp.exec.cli", 1, False), "a later layer"),
-        (Edge("rrfp.exec.loop.trials", "rrfp.sim.model", 1, True), "interpreters stay apart"),
+        (Edge("rrfp.exec.jobs.trials", "rrfp.sim.model", 1, True), "interpreters stay apart"),
         (Edge("rrfp.exec.cli", "rrfp.sim.model", 1, False), "interpreters stay apart"),
     ],
 )

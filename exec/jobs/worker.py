@@ -34,9 +34,9 @@ from rrfp.exec.comm.topology import CTRL_MIN_TIMEOUT_S, Topology, build_groups, 
 from rrfp.exec.comm.topology import topology_from_env as _topology_from_env
 from rrfp.exec.comm.transport import Transport
 from rrfp.exec.config import RunConfig, clocked_policy, switch_interval
+from rrfp.exec.jobs.trials import RrfpTrial, TrialContext, TrialOutcome
 from rrfp.exec.loop.decision_log import write_decision_log
 from rrfp.exec.loop.runtime import RankContext
-from rrfp.exec.loop.trials import RrfpTrial, TrialContext, TrialOutcome
 from rrfp.exec.models.check import Reference, compare_run, reference
 from rrfp.exec.report import announce, emit
 from rrfp.exec.results import ExecMeasures, exec_result
@@ -186,7 +186,7 @@ class Worker:
     @staticmethod
     def _make(ctx: TrialContext, index: int, trial: TrialId) -> Any:
         if trial.is_baseline:
-            from rrfp.exec.loop.baseline import BaselineTrial  # lazy: imports torch.distributed.pipelining
+            from rrfp.exec.jobs.baseline import BaselineTrial  # lazy: imports torch.distributed.pipelining
 
             return BaselineTrial(ctx, index, trial)
         return RrfpTrial(ctx, index, trial)

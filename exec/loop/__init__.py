@@ -1,2 +1,2 @@
 """The dispatch loop and the programs beside it: the readiness runtime (runtime), warm-up calibration,
-decision logs, the Megatron-style and torch baselines, and the trial runner that drives them."""
+decision logs and the Megatron-style baseline's runtime. Takes plain arguments -- never a RunConfig."""

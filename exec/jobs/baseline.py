@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 from rrfp.exec import faults
 from rrfp.exec.comm import liveness
-from rrfp.exec.loop.trials import TrialContext, TrialOutcome, keep_grads
+from rrfp.exec.jobs.trials import TrialContext, TrialOutcome, keep_grads
 from rrfp.exec.models.data import Microbatch, make_batch
 from rrfp.exec.models.model import Stage, build_stage
 from rrfp.exec.models.synthetic import Injector

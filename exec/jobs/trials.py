@@ -4,7 +4,7 @@ A trial owns its stages (built from the run's seed, so every trial starts from i
 scheduler, runner, optimizer and trace recorder. :meth:`RrfpTrial.step` runs one iteration after a
 barrier and records its time; the worker calls ``step`` for every trial in turn (interleaved, so
 background load hits all trials alike) or trial after trial. torch's baselines
-(:mod:`rrfp.exec.loop.baseline`) offer the same two methods.
+(:mod:`rrfp.exec.jobs.baseline`) offer the same two methods.
 
 A trial sees its rank through a :class:`TrialContext` the worker builds once (config, topology, groups,
 device, the loop's surroundings, the decided --announce); it is frozen, so no trial changes what the
