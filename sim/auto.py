@@ -2,11 +2,12 @@
 iteration run on the arm :func:`rrfp.dispatch.auto.next_arm` picks from the iterations before it.
 
 A scheduler's policy never changes while it runs, so the switch happens between iterations, where every
-rank is at the flush barrier: the driver measures the iteration (its flush-to-flush seconds and the
-busiest rank's compute seconds, what every rank would agree on with one all-reduce), appends it to the
-history and runs the next iteration on the chosen arm's model -- all ranks together. Each iteration is
-one :meth:`ClusterModel.run` of one sample from t = 0, the same numbers as that arm's own multi-iteration
-run up to float rounding of the start offset (tests/test_auto.py).
+rank is at the flush barrier. While ``auto`` still replays (its first ``rounds`` iterations), the driver
+runs the iteration's sample through every other arm's model too: the simulator's replay of the measured
+durations under each arm (a task's duration is its sample's, whoever orders it), and appends the arms'
+times to the history; then every rank runs the chosen arm's model. Each iteration is one
+:meth:`ClusterModel.run` of one sample from t = 0: the same numbers as that arm's own multi-iteration
+run, up to float rounding of the start offset (tests/test_auto.py).
 
     model = AutoModel(hint, Auto(), [Backfill(...), "rrfp"], ClusterConfig(), budget)
     out = model.run(samples)          # the ModelRun of the iterations as they ran
@@ -20,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from rrfp.dispatch.auto import Auto, Measured
+from rrfp.dispatch.auto import Auto
 from rrfp.dispatch.policies import Policy
 from rrfp.plan.hints import Hint
 from rrfp.plan.task import Op, Task
@@ -55,22 +56,22 @@ class AutoModel:
 
     def run(self, samples: Samples, recorder: TraceRecorder | None = None) -> ModelRun:
         """Simulate the iterations back to back, each on the arm chosen from the ones before it."""
-        history: list[Measured] = []
+        history: list[list[float]] = []
         outs: list[ModelRun] = []
         self.chosen = []
         start, msgs = 0.0, 0
         for it, sample in enumerate(samples):
             arm = self.choice.choose(history)
-            model = self.models[arm]
             inner = None if recorder is None else _recorder_like(recorder)
-            out = model.run([sample], inner)
+            out = self.models[arm].run([sample], inner)
             if recorder is not None and inner is not None:
                 msgs += _shift_into(recorder, inner, it, start, msgs)
-            seconds = out.iteration_times[0]
-            history.append(Measured(arm, seconds, float(out.busy[0].max())))
+            if self.choice.replaying(history):  # every arm on this iteration's durations
+                times = [out if a == arm else m.run([sample]) for a, m in enumerate(self.models)]
+                history.append([o.iteration_times[0] for o in times])
             self.chosen.append(arm)
             outs.append(out)
-            start += seconds
+            start += out.iteration_times[0]
         peak_bytes = None
         if outs[0].peak_bytes is not None:
             peak_bytes = [max(p) for p in zip(*(o.peak_bytes or [] for o in outs), strict=True)]
