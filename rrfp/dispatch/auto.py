@@ -68,7 +68,7 @@ ARMS: tuple[str, ...] = ("backfill", "rrfp")
 """The arms, safe first: the policies the choice is between."""
 ROUNDS = 1
 """Iterations run on the safe arm and replayed under every arm before the commit (``R``)."""
-MARGIN = 0.0
+MARGIN = 0.02
 """How much lower (a fraction of the safe arm's total) another arm's replayed total must be to be chosen."""
 HORIZON = 50
 """The iterations one row of benchmarks/auto_study.py stands for (the training run the bound is over)."""
