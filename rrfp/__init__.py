@@ -11,6 +11,7 @@ nor pandas.
     ['1F0', '1B0', '1F1', '1B1', '1F2', '1B2']
 """
 
+from rrfp.dispatch.auto import Auto
 from rrfp.dispatch.backfill import Backfill, BackfillError, unit_costs
 from rrfp.dispatch.driver import DeadlockError, Run, TimingError, run_reference
 from rrfp.dispatch.guarded import Guarded
@@ -35,6 +36,7 @@ from rrfp.workload.costs import expected_costs
 __version__ = "0.1.0"
 
 __all__ = [
+    "Auto",
     "Backfill",
     "BackfillError",
     "BudgetError",

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from rrfp.dispatch.auto import Auto
 from rrfp.dispatch.backfill import Backfill, CostModel
 from rrfp.dispatch.policies import Policy, get_policy
 from rrfp.plan.budget import InfeasibleBudget, resolve_budget
@@ -67,6 +68,7 @@ from rrfp.workload import rng as rngs
 from rrfp.workload.model import IterationSample, Workload
 from rrfp.workload.tokens import TokenWorkload
 
+from .auto import AutoModel
 from .config import BASELINE_POLICY, ExperimentConfig
 from .megatron import variable_shapes
 from .memory import ByteBudget, byte_budget
@@ -86,7 +88,7 @@ class PlannedRun:
     hint: Hint
     budget: dict[int, int]
     baseline: TrialId | None
-    model: ClusterModel | None = None
+    model: ClusterModel | AutoModel | None = None
     budget_text: str = "1x"
     byte_budget: ByteBudget | None = None
     """Byte mode (token mode): the budget item in bytes, resolved per iteration (rrfp.sim.memory)."""
@@ -261,16 +263,17 @@ def build_models(cfg: ExperimentConfig, plans: list[PlannedRun], step: Step | No
             step("model", p.key.label)
         send = cfg.cluster.send_mode(p.key.policy)
         policy = run_policy(cfg, p.hint, p.key.policy)
-        p.model = ClusterModel(
-            p.hint,
-            policy,
-            cfg.cluster,
-            p.budget,
-            msg_bytes=mean_msg_bytes(cfg.workload, p.hint.spec),
-            send=send,
-            shapes_vary=variable_shapes(cfg.workload),  # megatron's shape handshake (rrfp.sim.megatron)
-            byte_budget=p.byte_budget,
-        )
+        args: dict[str, Any] = {
+            "msg_bytes": mean_msg_bytes(cfg.workload, p.hint.spec),
+            "send": send,
+            "shapes_vary": variable_shapes(cfg.workload),  # megatron's shape handshake (rrfp.sim.megatron)
+            "byte_budget": p.byte_budget,
+        }
+        if isinstance(policy, Auto):  # switches between its arms' models at iteration boundaries
+            arms = [run_policy(cfg, p.hint, arm) for arm in policy.arms]
+            p.model = AutoModel(p.hint, policy, arms, cfg.cluster, p.budget, **args)
+        else:
+            p.model = ClusterModel(p.hint, policy, cfg.cluster, p.budget, **args)
 
 
 def mean_msg_bytes(workload: Workload, spec: PipelineSpec) -> float:

@@ -1,0 +1,128 @@
+"""``auto``: pick between a safe and an aggressive dispatch policy from the durations of earlier iterations.
+
+Why: no one rule wins everywhere. ``backfill`` never loses to ``fixed`` by more than noise, but leaves
+gains on the table; greedy ``rrfp`` wins where memory is plentiful and loses up to ~10% where it is tight
+(BENCHMARKS.md §9, §10). Training repeats one step thousands of times, so the step's own measurements
+can decide: a choice over *arms* (:data:`ARMS`: ``backfill`` the safe one, ``rrfp`` the aggressive one),
+made between iterations, the same on every rank.
+
+**Paired by replay, not by trial.** Comparing the arms on the times of *different* iterations is noisy:
+with variable-length data one iteration's time over its lower bound moves by +-15% from the next, as
+much as the gap between the arms (BENCHMARKS.md §10: explore-then-commit on measured times missed the
+goals for that reason). A task's duration does not depend on which policy ordered it, so an iteration's
+measured task durations say how long *every* arm would have taken on it: replaying them through each
+arm's rule (rrfp.run_reference, or the simulator) gives each arm's time on the same iteration -- a
+paired comparison, with no iteration spent running a worse arm.
+
+The rule (:func:`next_arm`, a pure function of the replayed times), replay-then-commit:
+
+* iterations ``0 .. R - 1`` (``rounds``) run the safe arm; after each, every arm's time on it is
+  replayed;
+* every later iteration runs the arm with the lowest total replayed time over those ``R`` iterations;
+  an arm other than the safe one only if its total is below the safe arm's by more than ``margin`` (a
+  fraction of it); ties go to the earlier arm (the safe one first).
+
+**Regret bound.** If a replay is exact and every iteration of arm ``a`` takes ``s_a`` x its work
+``w_k <= w``, over ``T`` iterations ``sum_k (s_chosen(k) - s_best) * w_k <= R * (s_safe - s_best) * w +
+(T - R) * margin * s_safe * w``: the safe arm's deficit while replaying, plus the margin's (zero at
+``margin = 0``). Per iteration that is ``(x - 1) * R / T`` of the iteration time when the safe arm is
+``x`` times slower than the best. Replays err where the replay model differs from the machine (message
+contention, a task's time depending on what runs beside it) and where iterations differ from the
+replayed ones; ``margin`` keeps the safe arm where the two are too close to tell.
+tests/test_auto.py holds :func:`next_arm` to the bound (hypothesis), to the schedule and to the tie rule.
+
+**What a driver must do** (rrfp.sim.auto does it in the simulator): build the arms' policies (one
+scheduler per arm per rank, or rebuild at the boundary: a scheduler's policy never changes while it
+runs); before iteration ``n`` call ``next_arm(history)`` and run that arm's schedulers on every rank.
+While ``len(history) < rounds``, after the iteration: each rank measures its tasks' durations, one
+all-gather gives every rank all of them (3 x microbatches x stages-per-rank floats a rank), every rank
+replays each arm on them (rrfp.run_reference with the measured durations and message times:
+deterministic, so every rank computes the same numbers) and appends the arms' times to ``history``.
+Every rank then picks the same arm; after ``rounds`` iterations nothing more is measured or
+exchanged. A driver that does none of this runs ``auto`` as its safe arm: :class:`Auto` *is* a
+:class:`~rrfp.dispatch.backfill.Backfill` (same parameters, same decisions), so it is correct
+everywhere and only a switching driver adds the choice.
+
+    >>> from rrfp.dispatch.auto import next_arm
+    >>> next_arm([])                      # nothing replayed yet: the safe arm
+    0
+    >>> next_arm([(10.0, 9.0)])           # rrfp replayed faster on iteration 0: commit to it
+    1
+    >>> next_arm([(10.0, 9.95)], margin=0.01)   # within the margin: stay safe
+    0
+
+Import it (the registry then knows ``auto``) with ``import rrfp.dispatch.auto`` (``import rrfp`` does).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import ClassVar
+
+from rrfp.dispatch.backfill import Backfill
+from rrfp.dispatch.policies import register_policy
+from rrfp.errors import UserError
+
+ARMS: tuple[str, ...] = ("backfill", "rrfp")
+"""The arms, safe first: the policies the choice is between."""
+ROUNDS = 1
+"""Iterations run on the safe arm and replayed under every arm before the commit (``R``)."""
+MARGIN = 0.02
+"""How much lower (a fraction of the safe arm's total) another arm's replayed total must be to be chosen."""
+HORIZON = 50
+"""The iterations one row of benchmarks/auto_study.py stands for (the training run the bound is over)."""
+
+Replayed = Sequence[float]
+"""One iteration: each arm's time on its measured durations, in the arms' order (seconds > 0)."""
+
+
+class AutoError(UserError):
+    """A bad argument to the arm choice."""
+
+
+def totals(history: Sequence[Replayed], arms: int, rounds: int) -> list[float]:
+    """Each arm's total replayed time over the first ``rounds`` iterations of ``history``."""
+    out = [0.0] * arms
+    for times in history[:rounds]:
+        for a, t in enumerate(times):
+            out[a] += t
+    return out
+
+
+def next_arm(
+    history: Sequence[Replayed], arms: int = len(ARMS), rounds: int = ROUNDS, margin: float = MARGIN
+) -> int:
+    """The arm the next iteration runs, from the replayed iterations so far (see the module docstring)."""
+    if arms < 1 or rounds < 1 or not (0.0 <= margin < 1.0):
+        raise AutoError(f"need arms >= 1, rounds >= 1 and 0 <= margin < 1, got {arms}, {rounds}, {margin}")
+    for times in history:
+        if len(times) != arms or not all(math.isfinite(t) and t > 0 for t in times):
+            raise AutoError(f"a replayed iteration needs {arms} times > 0, got {tuple(times)}")
+    if len(history) < rounds:
+        return 0
+    total = totals(history, arms, rounds)
+    best = 0
+    for a in range(1, arms):  # strictly lower only: ties stay with the earlier (safer) arm
+        if total[a] < total[best] and total[a] < total[0] * (1.0 - margin):
+            best = a
+    return best
+
+
+@register_policy
+class Auto(Backfill):
+    """``backfill`` (the safe arm) to a driver that does not switch; a switching driver runs the arms
+    iteration by iteration as :func:`next_arm` says (rrfp.sim.auto)."""
+
+    name = "auto"
+    arms: ClassVar[tuple[str, ...]] = ARMS
+    rounds: ClassVar[int] = ROUNDS
+    choice_margin: ClassVar[float] = MARGIN
+
+    def choose(self, history: Sequence[Replayed]) -> int:
+        """The arm of the next iteration (:func:`next_arm` with this policy's parameters)."""
+        return next_arm(history, len(self.arms), self.rounds, self.choice_margin)
+
+    def replaying(self, history: Sequence[Replayed]) -> bool:
+        """Does the iteration after ``history`` still need every arm's replayed time?"""
+        return len(history) < self.rounds

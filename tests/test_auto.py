@@ -1,0 +1,179 @@
+"""``auto`` (rrfp.dispatch.auto) and its simulator driver (rrfp.sim.auto).
+
+* the arm choice, a pure function: the safe arm while replaying, the commit to the lowest replayed
+  total, ties and the margin toward the safe arm, argument checks;
+* the regret bound of the module docstring (hypothesis, on noise-free synthetic arm times with exact
+  replays), and that the bound's checker catches a chooser that commits to the wrong arm;
+* the simulator: each iteration of ``--policy auto`` is its chosen arm's iteration on the same sample
+  (what benchmarks/auto_study.py composes), the choice is next_arm's on the measured times, a traced
+  run records every iteration after the one before, and a driver that does not switch runs backfill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+from conftest import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import rrfp
+from rrfp.dispatch.auto import ARMS, ROUNDS, Auto, AutoError, next_arm, totals
+from rrfp.sim import ExperimentConfig
+from rrfp.sim.experiment import plan_runs, run_experiment
+from rrfp.workload.model import WorkloadConfig
+
+
+# -- the choice ------------------------------------------------------------------------------------
+def test_replays_run_the_safe_arm_then_commit():
+    assert next_arm([]) == 0
+    assert next_arm([], rounds=3) == 0
+    assert next_arm([(10.0, 9.0)], rounds=2) == 0  # still replaying
+    assert next_arm([(10.0, 9.0), (10.0, 9.5)], rounds=2) == 1
+    assert next_arm([(10.0, 9.0), (10.0, 12.0)], rounds=2) == 0  # totals: 20 vs 21
+
+
+def test_commits_to_the_lowest_total_and_stays():
+    assert next_arm([(10.0, 9.0)]) == 1
+    assert next_arm([(9.0, 10.0)]) == 0
+    assert next_arm([(10.0, 11.0, 8.0)], arms=3) == 2
+    # committed: later entries (a driver that kept replaying) do not reopen the choice
+    assert next_arm([(10.0, 9.0), (10.0, 50.0), (10.0, 50.0)]) == 1
+    assert totals([(10.0, 9.0), (1.0, 2.0)], 2, 2) == [11.0, 11.0]
+
+
+def test_ties_and_margin_go_to_the_safe_arm():
+    assert next_arm([(10.0, 10.0)]) == 0
+    assert next_arm([(10.0, 9.0, 9.0)], arms=3) == 1  # the earlier of two equal arms
+    close = [(10.0, 9.95)]
+    assert next_arm(close, margin=0.0) == 1
+    assert next_arm(close, margin=0.01) == 0  # 0.5% faster is within the 1% margin
+    assert next_arm([(10.0, 9.8)], margin=0.01) == 1
+
+
+def test_the_policy_replays_for_its_rounds():
+    auto = Auto()
+    assert auto.replaying([]) and not auto.replaying([(1.0, 1.0)])
+    assert auto.choose([(2.0, 1.0)]) == next_arm([(2.0, 1.0)])
+
+
+@pytest.mark.parametrize(
+    "history, kw",
+    [([], {"arms": 0}), ([], {"rounds": 0}), ([], {"margin": 1.0}), ([], {"margin": -0.1}),
+     ([(1.0,)], {}), ([(1.0, 0.0)], {}), ([(1.0, float("nan"))], {})],
+)  # fmt: skip
+def test_bad_arguments_are_user_errors(history, kw):
+    with pytest.raises(AutoError):
+        next_arm(history, **kw)
+
+
+# -- the regret bound --------------------------------------------------------------------------------
+Chooser = Callable[[Sequence[Sequence[float]], int, int, float], int]
+
+
+def regret_excess(
+    choose: Chooser, scores: list[float], works: list[float], rounds: int, margin: float
+) -> float:
+    """Regret of ``choose`` over len(works) noise-free iterations with exact replays, minus the module
+    docstring's bound (> 0: the bound is broken)."""
+    k, best = len(scores), min(scores)
+    history: list[list[float]] = []
+    regret = 0.0
+    for work in works:
+        a = choose(history, k, rounds, margin)
+        regret += (scores[a] - best) * work
+        history.append([s * work for s in scores])  # every arm's time on this iteration's durations
+    w, t = max(works), len(works)
+    bound = rounds * (scores[0] - best) * w + (t - rounds) * margin * scores[0] * w
+    return regret - bound * (1 + 1e-9) - 1e-12
+
+
+@settings(max_examples=examples(300))
+@given(
+    scores=st.lists(st.floats(0.5, 2.0), min_size=1, max_size=4),
+    rounds=st.integers(1, 3),
+    margin=st.sampled_from([0.0, 0.005, 0.01, 0.05]),
+    extra=st.integers(0, 60),
+    data=st.data(),
+)
+def test_regret_within_the_bound(scores, rounds, margin, extra, data):
+    t = rounds + extra
+    works = data.draw(st.lists(st.floats(0.5, 2.0), min_size=t, max_size=t), label="works")
+    assert regret_excess(next_arm, scores, works, rounds, margin) <= 0
+
+
+def test_the_bound_catches_a_chooser_that_commits_wrong():
+    def worst(history: Sequence[Sequence[float]], k: int, rounds: int, margin: float) -> int:
+        if len(history) < rounds:
+            return 0
+        total = totals(history, k, rounds)
+        return total.index(max(total))
+
+    assert regret_excess(worst, [1.0, 0.8], [1.0] * 40, 1, 0.0) > 0
+    assert regret_excess(next_arm, [1.0, 0.8], [1.0] * 40, 1, 0.0) <= 0
+
+
+# -- the simulator -----------------------------------------------------------------------------------
+def cfg(**kw) -> ExperimentConfig:
+    base = dict(
+        stages=4, microbatches=8, seeds=3, iterations=3, hints=("zb-h1",),
+        policies=("fixed", "rrfp", "backfill", "auto"),
+        workload=WorkloadConfig(jitter="lognormal", cv=0.5, costs="F=1,I=1.6,W=0.5"),
+    )  # fmt: skip
+    return ExperimentConfig(**{**base, **kw})
+
+
+def test_each_auto_iteration_is_its_arms_on_the_same_sample():
+    c = cfg()
+    plans = plan_runs(c)
+    result = run_experiment(c, progress=False, plans=plans)
+    stats = {s.key.policy: s for s in result.stats}
+    auto = next(p for p in plans if p.key.policy == "auto")
+    picks = []
+    for rep in range(c.seeds):
+        arm_times = [stats[a].measured[rep] for a in ARMS]
+        chosen = next_arm([[t[k] for t in arm_times] for k in range(ROUNDS)])
+        picks.append(chosen)
+        expected = [*arm_times[0][:ROUNDS], *arm_times[chosen][ROUNDS:]]
+        assert stats["auto"].measured[rep] == pytest.approx(expected, rel=1e-9)
+    assert auto.model is not None and auto.model.chosen == [0] * ROUNDS + [picks[-1]] * (3 - ROUNDS)
+    assert 1 in picks  # the case exercises a switch
+
+
+def test_one_iteration_of_auto_is_backfill():
+    result = run_experiment(cfg(iterations=1), progress=False)
+    stats = {s.key.policy: s for s in result.stats}
+    assert stats["auto"].measured == stats["backfill"].measured
+
+
+def test_a_traced_auto_run_records_every_iteration_in_order():
+    result = run_experiment(cfg(seeds=1, policies=("fixed", "auto")), progress=False, trace=True)
+    frame = next(t for t in result.traces if t.policy == "auto").frame()
+    times = result.stats[1].measured[0]
+    assert sorted(frame["iteration"].unique()) == [0, 1, 2]
+    for it in (1, 2):
+        rows = frame[frame["iteration"] == it]
+        assert rows["start"].min() >= sum(times[:it]) - 1e-9
+        assert rows["end"].max() <= sum(times[: it + 1]) + 1e-9
+    sends = frame[frame["msg"] >= 0]["msg"]
+    assert sends.nunique() * 2 == len(sends)  # one send and one recv row per message, ids unique
+
+
+def test_a_driver_that_does_not_switch_runs_backfill():
+    hint = rrfp.make_hint("zb-h1", pp=3, microbatches=6)
+    budget = rrfp.resolve_budget("1x", hint)
+    cost = {"F": 1.0, "B": 2.0, "I": 1.5, "W": 0.5}
+    runs = [
+        rrfp.run_reference(hint, p, lambda t: cost[t.op.value], budget=budget) for p in ("backfill", "auto")
+    ]
+    assert runs[0].log == runs[1].log
+    assert isinstance(rrfp.get_policy("auto"), Auto)
+
+
+def test_module_doctest():
+    import doctest
+
+    import rrfp.dispatch.auto as auto
+
+    assert doctest.testmod(auto).failed == 0
