@@ -93,7 +93,7 @@ def study_regime(
     for name in [*PEERS, *(candidate_name(m) for m in margins)]:
         infeasible = why.get(name, "" if name in PEERS else arm_why)
         row: dict[str, Any] = {"regime": regime.index, "split": regime.split, "policy": name,
-                               "hint": cfg.hints[0], "infeasible": infeasible, "command": command,
+                               "hint": cfg.study.hints[0], "infeasible": infeasible, "command": command,
                                "aggressive_share": share.get(name, np.nan)}  # fmt: skip
         mean = low = high = np.nan
         if name in times and "fixed" in times and name != "fixed":

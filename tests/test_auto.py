@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 from conftest import examples
@@ -22,6 +23,7 @@ import rrfp
 from rrfp.dispatch.auto import ARMS, ROUNDS, Auto, AutoError, next_arm, totals
 from rrfp.sim import ExperimentConfig
 from rrfp.sim.experiment import plan_runs, run_experiment
+from rrfp.study.study import Study
 from rrfp.workload.model import WorkloadConfig
 
 
@@ -115,13 +117,12 @@ def test_the_bound_catches_a_chooser_that_commits_wrong():
 
 
 # -- the simulator -----------------------------------------------------------------------------------
-def cfg(**kw) -> ExperimentConfig:
-    base = dict(
-        stages=4, microbatches=8, seeds=3, iterations=3, hints=("zb-h1",),
-        policies=("fixed", "rrfp", "backfill", "auto"),
-        workload=WorkloadConfig(jitter="lognormal", cv=0.5, costs="F=1,I=1.6,W=0.5"),
+def cfg(seeds: int = 3, **study: Any) -> ExperimentConfig:
+    fields = dict(
+        pp=4, microbatches=8, iterations=3, hints=("zb-h1",), policies=("fixed", "rrfp", "backfill", "auto"),
     )  # fmt: skip
-    return ExperimentConfig(**{**base, **kw})
+    workload = WorkloadConfig(jitter="lognormal", cv=0.5, costs="F=1,I=1.6,W=0.5")
+    return ExperimentConfig(study=Study(**{**fields, **study}), seeds=seeds, workload=workload)
 
 
 def test_each_auto_iteration_is_its_arms_on_the_same_sample():
