@@ -199,7 +199,7 @@ def test_any_policy_that_declares_use_busy_gets_the_busy_board(tmp_path) -> None
 
 def _cfg(announce: str, policy: str = "backfill", pp: int = 4) -> SimpleNamespace:
     trial = SimpleNamespace(policy=policy, is_baseline=False)
-    return SimpleNamespace(announce=announce, trials=[trial], pp=pp)
+    return SimpleNamespace(announce=announce, trials=[trial], study=SimpleNamespace(pp=pp))
 
 
 def test_announce_auto_takes_the_board_on_one_host_for_backfill_only() -> None:
