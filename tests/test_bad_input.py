@@ -266,13 +266,19 @@ def _other_cases() -> Iterator[Case]:
         "run-explicit-dp-overridden",
         "run",
         ("--gpus", "4", "--pp", "2", "--dp", "3", "--dry-run"),
-        xfail="deferred: exec/config.py / exec/cli.py (an explicit --dp must win or be refused)",
+        match="--dp 3 = 6 must equal",
     )
-    yield Case("sim-pack-tokens-without-greedy", "sim", (*TOK, "--pack-tokens", "64"),
-               xfail="deferred: sim/config.py (--pack-tokens needs --packing greedy)")  # fmt: skip
+    yield Case("run-explicit-dp-no-pp", "run", ("--gpus", "4", "--dp", "3", "--dry-run"), match="--dp 3")
+    yield Case("run-explicit-dp-across-nodes", "run", ("--gpus", "16", "--gpus-per-node", "8", "--pp", "4",
+               "--dp", "3", "--dry-run"), match="--dp 3")  # fmt: skip
+    yield Case(
+        "sim-pack-tokens-without-greedy", "sim", (*TOK, "--pack-tokens", "64"), match="--packing greedy"
+    )
+    yield Case("sim-pack-tokens-packing-none", "sim", (*TOK, "--packing", "none", "--pack-tokens", "64"),
+               match="--packing greedy")  # fmt: skip
     yield Case("run-pack-tokens-without-greedy", "run",
                (*RUN, "--lengths", "lognormal:mean=24,cv=1,max=64", "--pack-tokens", "64", "--dry-run"),
-               xfail="deferred: exec/config.py (--pack-tokens needs --packing greedy)")  # fmt: skip
+               match="--packing greedy")  # fmt: skip
     # a dry run of a tiny model without jitter cannot tell the policies apart: it runs, with one warning
     yield Case("run-dry-run-128-tiny", "run", ("--gpus", "128", "--gpus-per-node", "8", "--layers", "32",
                "--gpu-memory", "80GiB", "--dry-run"), "warn")  # fmt: skip

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,6 +208,15 @@ def version() -> str:
         return metadata.version("rrfp")
     except metadata.PackageNotFoundError:  # pragma: no cover - a bare source tree
         return "0+unknown"
+
+
+def check_pack_tokens(packing: str, given: Collection[str]) -> None:
+    """``--pack-tokens`` is the size of a packed row: given without ``--packing greedy`` (``packing``,
+    after any scenario applied) it would be silently ignored, so it is refused, in both CLIs."""
+    if "pack_tokens" in given and packing != "greedy":
+        raise OptionError(
+            f"--pack-tokens needs --packing greedy (got --packing {packing}): it sizes packed rows"
+        )
 
 
 # -- comma lists -------------------------------------------------------------------------------------
