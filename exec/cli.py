@@ -126,7 +126,8 @@ def plan_config(o: dict[str, Any], given: Collection[str] = ()) -> tuple[RunConf
     # the planner's model is the one the run builds: token mode's workload when --lengths is given
     plan = _plan(o, world, run_workload(o, given, lengths, "none", 0.0, o["layers"]), given)
     backend = _backend(o, world)
-    baselines = tuple(_baseline_name(b) for b in split_list(o["baseline"]))
+    baselines = tuple(_baseline_name(b) for b in split_list(o["baseline"], "--baseline"))
+    trials = tuple(parse_trial(t) for t in split_list(o["trials"], "--trials"))
     # The shared jitter default applies where something is jittered (sampled durations, injected sleeps);
     # a real model's run without --inject-ms has none, unless --jitter asks (then the preflight says so).
     jittered = o["synthetic"] or o["inject_ms"] > 0 or any(n in given for n in JITTERED_BY)
@@ -136,7 +137,7 @@ def plan_config(o: dict[str, Any], given: Collection[str] = ()) -> tuple[RunConf
     study = dataclasses.replace(Study.from_options(o), pp=plan.pp, microbatches=plan.microbatches)
     cfg = RunConfig(
         world=world, study=study, tp=plan.tp, dp=plan.dp, model=_model(o, tokens, study, plan),
-        baselines=baselines, explicit_trials=tuple(parse_trial(t) for t in split_list(o["trials"])),
+        baselines=baselines, explicit_trials=trials,
         interleave=o["interleave"],
         check=o["check"], tolerance=o["tolerance"], deterministic=o["deterministic"], timeout=o["timeout"],
         dump_dir=o["dump_dir"], jitter=jitter, cv=cv, inject_ms=o["inject_ms"],

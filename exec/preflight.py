@@ -26,6 +26,7 @@ from rrfp.plan.sources import PipelineSize, make_hint
 from rrfp.plan.sources import task_count as _plan_task_count
 from rrfp.plan.spec import MAX_TASKS, PROGRESS_TASKS, too_many_tasks
 from rrfp.plan.torch_schedules import BASELINE_SCHEDULES, TORCH_TABLE
+from rrfp.study.paths import check_output_file, writable_dir
 from rrfp.workload.jitter import make_distribution
 from rrfp.workload.model import WorkloadConfig
 
@@ -154,7 +155,7 @@ def check_outputs(cfg: RunConfig, joined: bool = False) -> str:
     if cfg.trace_out is not None and (not joined or os.environ.get("RANK") == "0"):
         _check_trace_path(cfg.trace_out)
     if cfg.decision_log is not None and (not joined or os.environ.get("RANK") == "0"):
-        _check_output_file(cfg.decision_log, "--decision-log")
+        check_output_file(cfg.decision_log, "--decision-log")
     if cfg.dump_dir is not None:
         dump_dir = cfg.dump_dir
     elif joined:
@@ -164,7 +165,7 @@ def check_outputs(cfg: RunConfig, joined: bool = False) -> str:
             dump_dir = tempfile.mkdtemp(prefix="rrfp-run-")
         except OSError as e:
             raise ExecConfigError(f"cannot make a dump directory ({e.strerror}): give --dump-dir") from None
-    _writable_dir(dump_dir, "--dump-dir")
+    writable_dir(dump_dir, "--dump-dir")
     return dump_dir
 
 
@@ -186,25 +187,7 @@ def _check_trace_path(text: str) -> None:
         )
     if path.suffix.lower() == ".parquet" and importlib.util.find_spec("pyarrow") is None:
         raise ExecConfigError(f"--trace-out {text!r}: writing parquet needs pyarrow (or use .csv or .json)")
-    _check_output_file(text, "--trace-out")
-
-
-def _check_output_file(text: str, option: str) -> None:
-    """A file rank 0 writes at the end: not a directory, in a folder it can create files in."""
-    path = Path(text)
-    if path.is_dir():
-        raise ExecConfigError(f"{option} {text!r} is a directory")
-    _writable_dir(str(path.parent), f"{option} {text!r}: its folder")
-
-
-def _writable_dir(text: str, what: str) -> None:
-    """Make ``text`` (parents too) and create, then remove, a file in it; else a one-line refusal."""
-    try:
-        Path(text).mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=text, prefix=".rrfp-probe-"):
-            pass
-    except OSError as e:
-        raise ExecConfigError(f"{what} {text} is not writable: {e.strerror or e}") from None
+    check_output_file(text, "--trace-out")
 
 
 def _check_baseline(cfg: RunConfig, name: str) -> None:

@@ -19,7 +19,8 @@ one object in schema version 3, rrfp-sim's layout too (rrfp.study.schema, :func:
 Intervals are 95% Student-t over the measured iterations. Each trial is compared with ``fixed`` on the
 same hint (a class hint's reference order) and with every torch baseline that ran
 (rrfp.study.compare): iteration k against iteration k (``paired``; the trials run interleaved), or with
-``--sequential`` the ratio of means with Welch's interval (``paired: false``). ``vs_best_fixed``: the
+``--sequential`` the ratio of geometric means with Welch's interval on the logs (``paired: false``);
+either interval is taken on the log scale and exponentiated, so it never goes below 0. ``vs_best_fixed``: the
 same against the trial's best fixed order -- the fastest ``fixed`` trial *among those that ran* whose
 peak on every rank is within this trial's budget there (:func:`best_fixed_comparisons`; rrfp-sim also
 runs bfw's zero-bubble order, rrfp-run only what ``--trials`` lists).
@@ -323,7 +324,7 @@ def _columns(cfg: RunConfig, torch: list[Any]) -> list[tuple[str, str]]:
         "iteration k against iteration k: the trials ran interleaved, so each pair saw the same load"
         if cfg.interleave
         else "unpaired: the trials ran one after the other (--sequential), so this is the ratio of the "
-        "means with Welch's interval"
+        "geometric means with Welch's interval on the logs"
     )
     warm = f"after {cfg.study.warmup} warm-up" if cfg.study.warmup else "with no warm-up"
     out = [

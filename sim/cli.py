@@ -52,6 +52,7 @@ from rrfp.study.options import (
     split_list,
     with_options,
 )
+from rrfp.study.paths import OutputPathError, check_output_file
 from rrfp.traces.replay import TIMINGS
 
 from . import token_cli
@@ -146,8 +147,13 @@ class CliError(UserError):
 
 
 def check_suffix(path: str | None, allowed: tuple[str, ...], option: str) -> None:
-    if path is not None and Path(path).suffix.lower() not in allowed:
+    """A suffix the writer knows, and a path it can write (rrfp.study.paths): refused before the work,
+    not after it."""
+    if path is None:
+        return
+    if Path(path).suffix.lower() not in allowed:
         raise CliError(f"{option} {path!r} must end in {', '.join(allowed)}")
+    check_output_file(path, option)
 
 
 def _workers_callback(ctx: click.Context, param: click.Parameter, value: str) -> int | str:
@@ -302,7 +308,8 @@ def _replay(
         names = ", ".join("--" + n.replace("_", "-") for n in fixed)
         raise CliError(f"{names} cannot be combined with --replay: the trace fixes it")
     rep = load_replay(path, run=run, timing=timing)
-    pick = {n: split_list(values[n]) if n in given else None for n in ("hints", "policies", "memory_budget")}
+    flags = {"hints": "--hint", "policies": "--policy", "memory_budget": "--memory-budget"}
+    pick = {n: split_list(values[n], flag) if n in given else None for n, flag in flags.items()}
     result = run_replay(
         rep, hints=pick["hints"], policies=pick["policies"], memory_budget=pick["memory_budget"],
         send=values["send"], contention=values["contention"], trace=bool(trace_out or plot), workers=workers,
@@ -363,13 +370,18 @@ def sweep(
     rrfp-sim sweep --stages 8 -m 32 --hint 1f1b,bfw --seeds 20 \\
         --grid cv=0.1,0.3,1.0 --grid memory-budget=1x,2x --out sweep.csv --plot sweep.png
     """
+    from .journal import SUFFIX as JOURNAL_SUFFIX
     from .journal import Journal
-    from .sweep import parse_grid, run_sweep, write_sweep
+    from .sweep import check_plot_pairs, parse_grid, run_sweep, write_sweep
 
     check_suffix(out, (".csv",), "--out")
     check_suffix(plot, PLOT_SUFFIXES, "--plot")
+    if Path(out + JOURNAL_SUFFIX).is_dir():  # the journal is written next to --out as it goes
+        raise OutputPathError(f"--out {out!r}: its journal {out + JOURNAL_SUFFIX!r} is a directory")
     axes = parse_grid(grid, ctx.command, ctx)
     given = given_options(ctx)  # the command line's, for every grid point (grid values are not "given")
+    if plot is not None:
+        check_plot_pairs(values, axes, given)
     explicit = given | {name for name, _ in axes}  # ...but they override a --scenario's values
     typed = sorted(given - EXECUTION_OPTIONS - {"out", "plot"})  # what the sweep computes, nothing else
     journal = Journal(out, {"values": values, "grid": axes, "given": typed}, resume=resume)

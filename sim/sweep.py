@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from rrfp.errors import UserError
+from rrfp.study.compare import FIXED
 from rrfp.study.execution import EXECUTION_OPTIONS
 from rrfp.study.options import split_list
 
@@ -51,7 +52,7 @@ def parse_grid(entries: Sequence[str], command: click.Command, ctx: click.Contex
         name = key.strip().lstrip("-").replace("-", "_")
         if name == "pp":
             name = "stages"
-        values = list(split_list(raw))
+        values = list(split_list(raw, f"--grid {key.strip()}"))
         if not eq or not values:
             raise SweepError(f"--grid {entry!r} must look like KEY=V1,V2,...")
         flag = params.get(name) is not None and params[name].is_flag and not params[name].secondary_opts
@@ -66,6 +67,18 @@ def parse_grid(entries: Sequence[str], command: click.Command, ctx: click.Contex
             raise SweepError(f"--grid {key.strip()}: {e.format_message()}") from e
         axes.append((name, typed))
     return axes
+
+
+def check_plot_pairs(values: dict[str, Any], axes: Axes, given: Collection[str]) -> None:
+    """``--plot`` draws speedups, which need fixed and another policy in one grid point: refused before
+    the sweep runs when the policies given (``--policy``, a ``policies`` grid axis) leave no point with
+    such a pair. Policies a ``--scenario`` sets are only known once built; write_sweep checks those."""
+    grid = dict(axes)
+    if "policies" not in given and "policies" not in grid:
+        return
+    cells = grid.get("policies", [values["policies"]])
+    if not any(FIXED in (names := split_list(c)) and len(set(names)) > 1 for c in cells):
+        raise SweepError("--plot needs runs paired with fixed (list fixed and another policy)")
 
 
 def grid_configs(

@@ -22,6 +22,7 @@ from typing import Any
 import click
 
 from rrfp.errors import UserError
+from rrfp.study.options import check_pack_tokens
 from rrfp.workload.memory import RECOMPUTE
 from rrfp.workload.scenarios import apply_scenario, describe_scenarios, scenario_names
 from rrfp.workload.tokens import DERIVED_OPTIONS, TOKEN_OPTIONS, TokenWorkload, check_token_options
@@ -131,9 +132,11 @@ def build(
     if "gpu_memory" in given and "memory_budget" not in given:
         options["memory_budget"] = DEVICE  # a device's capacity given: budget by it (rrfp.sim.memory)
     if scenario is None:
+        check_pack_tokens(options["packing"], given)
         return Built(token_config(options))
     explicit = {k: v for k, v in options.items() if k in given or (k == "memory_budget" and v == DEVICE)}
     applied = apply_scenario(scenario, explicit)
+    check_pack_tokens(applied.values["packing"], given)
     return Built(token_config(applied.values), scenario, applied.values, applied.sources)
 
 

@@ -34,9 +34,6 @@ TOK = [*SIM, "--lengths", "lognormal:mean=64,cv=0.5,max=128"]
 RUN = ["--gpus", "2"]
 HUGE_INT = str(10**30)
 
-# Why a case still fails (deferred: another change rewrites the CLIs' configuration).
-DEFERRED_PATHS = "deferred: the shared up-front output-path check (sim/cli.py, study/options.py)"
-
 
 @dataclass(frozen=True)
 class Case:
@@ -212,23 +209,20 @@ def _path_cases() -> Iterator[Case]:
     sweep = ["sweep", *SIM, "--grid", "cv=0.1,0.2"]
     for where, folder in BAD_DIRS.items():
         trace, plot, out = f"{folder}/t.json", f"{folder}/p.png", f"{folder}/s.csv"
-        yield Case(f"sim-trace-out-{where}", "sim", (*SIM, "--trace-out", trace), outputs=(trace,),
-                   xfail=DEFERRED_PATHS)  # fmt: skip
-        yield Case(f"sim-plot-{where}", "sim", (*SIM, "--plot", plot), outputs=(plot,), xfail=DEFERRED_PATHS)
-        yield Case(f"sweep-out-{where}", "sim", (*sweep, "--out", out), outputs=(out, out + ".partial"),
-                   xfail=DEFERRED_PATHS)  # fmt: skip
+        yield Case(f"sim-trace-out-{where}", "sim", (*SIM, "--trace-out", trace), outputs=(trace,))
+        yield Case(f"sim-plot-{where}", "sim", (*SIM, "--plot", plot), outputs=(plot,))
+        yield Case(f"sweep-out-{where}", "sim", (*sweep, "--out", out), outputs=(out, out + ".partial"))
         yield Case(f"sweep-plot-{where}", "sim", (*sweep, "--out", "{tmp}/s.csv", "--plot", plot),
-                   outputs=("{tmp}/s.csv", "{tmp}/s.csv.partial", plot), xfail=DEFERRED_PATHS)  # fmt: skip
+                   outputs=("{tmp}/s.csv", "{tmp}/s.csv.partial", plot))  # fmt: skip
         yield Case(f"run-trace-out-{where}", "run", (*RUN, "--trace-out", trace), outputs=(trace,))
         yield Case(f"run-decision-log-{where}", "run", (*RUN, "--decision-log", f"{folder}/d.jsonl"))
         yield Case(f"run-dump-dir-{where}", "run", (*RUN, "--dump-dir", f"{folder}/dumps"))
     for option in ("--trace-out", "--plot"):  # an existing directory as the file
         suffix = ".json" if option == "--trace-out" else ".png"
         os_dir = f"{{tmp}}/is-dir{suffix}"
-        yield Case(f"sim{option}-is-dir", "sim", (*SIM, option, os_dir), xfail=DEFERRED_PATHS)
-    yield Case("sweep-out-is-dir", "sim", (*sweep, "--out", "{tmp}/dir.csv"), xfail=DEFERRED_PATHS)
-    yield Case("sweep-resume-journal-is-dir", "sim", (*sweep, "--out", "{tmp}/j.csv", "--resume"),
-               xfail=DEFERRED_PATHS)  # fmt: skip
+        yield Case(f"sim{option}-is-dir", "sim", (*SIM, option, os_dir))
+    yield Case("sweep-out-is-dir", "sim", (*sweep, "--out", "{tmp}/dir.csv"))
+    yield Case("sweep-resume-journal-is-dir", "sim", (*sweep, "--out", "{tmp}/j.csv", "--resume"))
     yield Case("run-trace-out-is-dir", "run", (*RUN, "--trace-out", "{tmp}/is-dir.json"))
     # a folder that does not exist yet is made (as rrfp-run's check does)
     yield Case("sim-plot-new-dir", "sim", (*SIM, "--plot", "{tmp}/new/p.png"), "ok",
@@ -245,8 +239,7 @@ def _other_cases() -> Iterator[Case]:
     yield Case("sweep-one-seed-plot-2pts", "sim", ("sweep", *SIM, "--grid", "stages=2,3", "--out",
                "{tmp}/s.csv", "--plot", "{tmp}/p.png"), "ok", made=("{tmp}/p.png",))  # fmt: skip
     yield Case("sweep-plot-unpaired", "sim", (*sweep, "--policy", "rrfp", "--plot", "{tmp}/p.png"),
-               outputs=("{tmp}/s.csv", "{tmp}/s.csv.partial", "{tmp}/p.png"),
-               xfail=DEFERRED_PATHS)  # fmt: skip
+               outputs=("{tmp}/s.csv", "{tmp}/s.csv.partial", "{tmp}/p.png"))  # fmt: skip
     yield Case("run-backend-nccl-no-cuda", "run", (*RUN, "--backend", "nccl"), match="CUDA")
     yield Case("run-backend-nccl-no-cuda-synthetic", "run", (*RUN, "--synthetic", "--backend", "nccl"),
                match="CUDA")  # fmt: skip
@@ -259,22 +252,33 @@ def _other_cases() -> Iterator[Case]:
     yield Case("sim-lengths-cv-nan", "sim", (*SIM, "--lengths", "lognormal:mean=10,cv=nan"))
     yield Case("run-lengths-mean-huge", "run", (*RUN, "--lengths", "lognormal:mean=1e15,cv=1", "--dry-run"),
                match="above the limit")  # fmt: skip
-    # deferred to the configuration rewrite
-    yield Case("sim-budget-empty-item", "sim", (*SIM, "--memory-budget", "1x,,2x"), xfail="deferred: "
-               "sim/config.py's budget list")  # fmt: skip
+    # an empty list item is refused, naming it, in every comma list (rrfp.study.options.split_list)
+    yield Case("sim-budget-empty-item", "sim", (*SIM, "--memory-budget", "1x,,2x"), match="item 2 of 3")
     yield Case("run-budget-empty-item", "run", (*RUN, "--memory-budget", "1x,,2x", "--dry-run"),
-               xfail="deferred: exec/config.py's budget list")  # fmt: skip
+               match="item 2 of 3")  # fmt: skip
+    yield Case("sim-hint-empty-item", "sim", (*SIM, "--hint", "1f1b,"), match="--hint")
+    yield Case("sim-policy-empty-item", "sim", (*SIM, "--policy", ",rrfp"), match="--policy")
+    yield Case("sweep-grid-empty-item", "sim", ("sweep", *SIM, "--grid", "cv=0.1,,0.2", "--out",
+               "{tmp}/s.csv"), match="--grid cv")  # fmt: skip
+    yield Case("run-trials-empty-item", "run", (*RUN, "--trials", "fixed/1f1b,,rrfp/1f1b", "--dry-run"),
+               match="--trials")  # fmt: skip
     yield Case(
         "run-explicit-dp-overridden",
         "run",
         ("--gpus", "4", "--pp", "2", "--dp", "3", "--dry-run"),
-        xfail="deferred: exec/config.py / exec/cli.py (an explicit --dp must win or be refused)",
+        match="--dp 3 = 6 must equal",
     )
-    yield Case("sim-pack-tokens-without-greedy", "sim", (*TOK, "--pack-tokens", "64"),
-               xfail="deferred: sim/config.py (--pack-tokens needs --packing greedy)")  # fmt: skip
+    yield Case("run-explicit-dp-no-pp", "run", ("--gpus", "4", "--dp", "3", "--dry-run"), match="--dp 3")
+    yield Case("run-explicit-dp-across-nodes", "run", ("--gpus", "16", "--gpus-per-node", "8", "--pp", "4",
+               "--dp", "3", "--dry-run"), match="--dp 3")  # fmt: skip
+    yield Case(
+        "sim-pack-tokens-without-greedy", "sim", (*TOK, "--pack-tokens", "64"), match="--packing greedy"
+    )
+    yield Case("sim-pack-tokens-packing-none", "sim", (*TOK, "--packing", "none", "--pack-tokens", "64"),
+               match="--packing greedy")  # fmt: skip
     yield Case("run-pack-tokens-without-greedy", "run",
                (*RUN, "--lengths", "lognormal:mean=24,cv=1,max=64", "--pack-tokens", "64", "--dry-run"),
-               xfail="deferred: exec/config.py (--pack-tokens needs --packing greedy)")  # fmt: skip
+               match="--packing greedy")  # fmt: skip
     # a dry run of a tiny model without jitter cannot tell the policies apart: it runs, with one warning
     yield Case("run-dry-run-128-tiny", "run", ("--gpus", "128", "--gpus-per-node", "8", "--layers", "32",
                "--gpu-memory", "80GiB", "--dry-run"), "warn")  # fmt: skip
@@ -633,11 +637,10 @@ def test_a_killed_launcher_leaves_no_false_semaphore_warning(tmp_path: Path) -> 
     assert_shared_memory_gone(tmp_path, ranks=4)
 
 
-# -- deferred: speedup intervals as paired log-ratios (changes goldens) --------------------------------
+# -- speedup intervals as log-ratios -------------------------------------------------------------------
 SPREAD = ([1.0, 9.0, 1.0, 9.0, 1.0], [2.0, 1.0, 3.0, 1.0, 1.5])  # 5 iterations, very noisy ratios
 
 
-@pytest.mark.xfail(strict=True, reason="deferred: speedup intervals as paired log-ratios change goldens")
 @pytest.mark.parametrize("kind", ["paired", "unpaired"])
 def test_a_speedup_interval_never_goes_below_zero(kind: str) -> None:
     """A speedup is a ratio: its interval must stay above 0 (the audit saw 1.8984 [-0.2611, 4.0579] over

@@ -300,7 +300,7 @@ def test_verdict_says_who_won_or_that_nothing_did() -> None:
     assert "no difference is claimed" in verdict([Comparison(r, f, 1.02, math.nan, math.nan)])
 
 
-def test_unpaired_speedup_is_the_ratio_of_means_with_a_welch_interval() -> None:
+def test_unpaired_speedup_is_the_ratio_of_geometric_means_with_a_welch_interval_on_the_logs() -> None:
     mean, low, high = unpaired_speedup([2.0, 2.2, 1.8], [1.0, 1.1, 0.9])
     assert mean == pytest.approx(2.0) and low < 2.0 < high
     assert math.isnan(unpaired_speedup([2.0], [1.0, 1.1])[1])

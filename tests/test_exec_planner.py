@@ -70,6 +70,22 @@ def test_planner_layouts(req: Request, model: ModelConfig, want: tuple[int, int,
     assert bool(got.notes) == got.layers_raised  # the plan says when it raised --layers
 
 
+@pytest.mark.parametrize("req", [Request(gpus=4, gpus_per_node=4, pp=2, dp=3),
+                                 Request(gpus=16, gpus_per_node=8, pp=4, dp=3),
+                                 Request(gpus=12, gpus_per_node=4, pp=2, dp=4)])  # fmt: skip
+def test_an_explicit_dp_is_never_overridden(req: Request) -> None:
+    """--gpus 4 --pp 2 --dp 3 was planned as dp 2 (issue 27); an explicit --dp wins: the plan keeps it
+    (and RunConfig refuses the degrees that do not multiply to --gpus), and so does a layout that fits."""
+    got = plan(req, _memory(SMALL))
+    assert got.dp == req.dp and got.pp == req.pp
+
+
+def test_a_given_dp_that_leaves_no_layout_is_refused_in_one_line() -> None:
+    line = one_line_error(CliRunner().invoke(main, ["--gpus", "4", "--pp", "2", "--dp", "3", "--dry-run"]),
+                          "rrfp-run")  # fmt: skip
+    assert "--pp 2 x --tp 1 x --dp 3 = 6 must equal the number of workers 4" in line, line
+
+
 def test_tp_only_when_a_stage_does_not_fit() -> None:
     """At 80 GiB, tp 2 leaves some rank above the limit at every pp <= 32 and tp 4 fits: the planner takes
     tp 4, the least that fits, and at that tp the largest pp."""

@@ -23,6 +23,7 @@ from rrfp.study.metrics import (
     pipeline_bubble,
     t_interval,
     throughput,
+    unpaired_speedup,
     utilisation,
 )
 from rrfp.workload.model import WorkloadConfig, sample_for
@@ -204,10 +205,14 @@ def test_paired_speedup_uses_per_replication_ratios() -> None:
     baseline = [10.0, 12.0, 11.0, 14.0]
     candidate = [8.0, 10.0, 10.0, 10.0]
     ratios = np.array(baseline) / np.array(candidate)
-    assert paired_speedup(baseline, candidate) == t_interval(ratios)
-    assert paired_speedup(baseline, candidate)[0] == pytest.approx(np.mean(ratios))
-    # Pairing matters: the mean of ratios is not the ratio of means.
-    assert paired_speedup(baseline, candidate)[0] != pytest.approx(np.mean(baseline) / np.mean(candidate))
+    # the interval of the mean log-ratio, exponentiated: the geometric mean of the ratios
+    mean, low, high = t_interval(np.log(ratios))
+    assert paired_speedup(baseline, candidate) == pytest.approx((np.exp(mean), np.exp(low), np.exp(high)))
+    assert paired_speedup(baseline, candidate)[0] == pytest.approx(np.exp(np.mean(np.log(ratios))))
+    # Pairing matters: the mean of the ratios is not the ratio of the (geometric) means.
+    geo = np.exp(np.mean(np.log(baseline)) - np.mean(np.log(candidate)))
+    assert paired_speedup(baseline, candidate)[0] == pytest.approx(geo)  # the point is the same ...
+    assert paired_speedup(baseline, candidate)[1:] != pytest.approx(unpaired_speedup(baseline, candidate)[1:])
     with pytest.raises(MetricsError, match="equal-length"):
         paired_speedup([1.0, 2.0], [1.0])
     with pytest.raises(MetricsError, match="> 0"):

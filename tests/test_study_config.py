@@ -122,19 +122,38 @@ def test_each_cli_expands_the_study_s_grid() -> None:
 # -- one comma-list parser ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("text", "items"),
-    [("a, b,c", ("a", "b", "c")), (" a ,, b ,", ("a", "b")), ("", ()), (None, ()), (",", ()),
-     (["a ", " b", ""], ("a", "b")), (("x",), ("x",))],
+    [("a, b,c", ("a", "b", "c")), (" a , b ", ("a", "b")), ("", ()), (None, ()), (["a ", " b"], ("a", "b")),
+     (("x",), ("x",))],
 )  # fmt: skip
 def test_one_comma_list_parser(text: object, items: tuple[str, ...]) -> None:
     assert split_list(text) == items  # type: ignore[arg-type]
 
 
-def test_every_comma_list_reads_alike() -> None:
+BLANKS = [
+    (" a ,, b ,", "item 2 of 4"),
+    (",", "item 1 of 2"),
+    ("a, ", "item 2 of 2"),
+    (["a", " "], "item 2 of 2"),
+]
+
+
+@pytest.mark.parametrize(("text", "where"), BLANKS)
+def test_a_blank_list_item_is_refused(text: object, where: str) -> None:
+    """A blank item (``1x,,2x``, a trailing comma) is a typo, not a shorter list (issue 27)."""
+    with pytest.raises(OptionError, match=f"--hint .*{where} is empty"):
+        split_list(text, "--hint")  # type: ignore[arg-type]
+
+
+def test_every_comma_list_refuses_a_blank_item_alike() -> None:
     text = " 1f1b, ,bf,"
-    assert Study(hints=text).hints == split_list(text) == ("1f1b", "bf")
-    assert parse_budgets(" 1x, ,2x,") == split_list(" 1x, ,2x,") == ("1x", "2x")
-    cfg = build_config({**run_main.make_context("rrfp-run", []).params, "gpus": 2, "hints": text,
-                        "trials": "fixed/1f1b, ,rrfp/bf,"})  # fmt: skip
+    with pytest.raises(OptionError, match="--hint ' 1f1b, ,bf,': item 2 of 4 is empty"):
+        Study(hints=text)
+    with pytest.raises(OptionError, match="--memory-budget ' 1x, ,2x,': item 2 of 4 is empty"):
+        parse_budgets(" 1x, ,2x,")
+    params = {**run_main.make_context("rrfp-run", []).params, "gpus": 2}
+    with pytest.raises(OptionError, match="--trials"):
+        build_config({**params, "trials": "fixed/1f1b, ,rrfp/bf,"})
+    cfg = build_config({**params, "hints": "1f1b, bf", "trials": "fixed/1f1b,rrfp/bf"})
     assert cfg.study.hints == ("1f1b", "bf") and _labels(cfg.trials) == ["fixed/1f1b", "rrfp/bf"]
 
 

@@ -138,7 +138,8 @@ def plan(req: Request, memory: MemoryFn | None = None) -> Plan:
     closest: Plan | None = None  # the layout whose fullest rank needs least: named when none fits
     for tp in _tp_choices(req):
         for pp in _pp_choices(req, tp):
-            candidate = _candidate(req, pp, tp, req.gpus // (pp * tp), memory)
+            dp = req.dp if req.dp is not None else req.gpus // (pp * tp)  # an explicit --dp wins
+            candidate = _candidate(req, pp, tp, dp, memory)
             if candidate is None:
                 continue
             fullest = max(candidate.total, default=0)

@@ -26,7 +26,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from rrfp.exec.config import ExecConfigError
-from rrfp.study.options import TOKEN_SHARED
+from rrfp.study.options import TOKEN_SHARED, check_pack_tokens
 from rrfp.workload.lengths import LengthsTable
 from rrfp.workload.model import WorkloadConfig
 from rrfp.workload.tokens import TokenWorkload, batch_sizes, token_workload
@@ -52,6 +52,7 @@ def run_lengths(o: Mapping[str, Any], given: Collection[str]) -> LengthsTable | 
         return None
     if "workload" in given:
         raise ExecConfigError("--workload does not apply with --lengths: the samples drive the costs")
+    check_pack_tokens(o["packing"], given)
     encoder = _encoder(o, given)
     if not o["synthetic"] and (encoder == "separate" or o["freeze_encoder"]):
         what = "--encoder separate" if encoder == "separate" else "--freeze-encoder"

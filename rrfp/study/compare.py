@@ -76,7 +76,7 @@ class Comparison:
     ci_high: float
     paired: bool = True
     """Paired per replication (rrfp-sim) or per interleaved iteration (rrfp-run); False: the two
-    trials ran one after the other (rrfp-run --sequential) and the interval is Welch's."""
+    trials ran one after the other (rrfp-run --sequential) and the interval is Welch's (on the logs)."""
 
     @property
     def rated(self) -> bool:

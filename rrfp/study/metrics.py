@@ -5,9 +5,10 @@
   utilisation = 1 - bubble fraction.
 * lower bound from realised durations (:func:`lower_bound`): per rank head + work + tail, at least every
   task's longest dependency path; report policy / LB.
-* speedup = baseline / candidate iteration time, paired per replication (common random numbers), with a
-  Student-t interval (:func:`paired_speedup`); for trials that ran one after the other, the ratio of
-  means with Welch's interval (:func:`unpaired_speedup`).
+* speedup = baseline / candidate iteration time, paired per replication (common random numbers): the
+  Student-t interval of the mean log-ratio, exponentiated (:func:`paired_speedup`); for trials that ran
+  one after the other, the difference of mean log times with Welch's interval, exponentiated
+  (:func:`unpaired_speedup`). On the log scale a ratio's interval never goes below 0.
 
 Only numpy at import time; scipy.special is imported inside :func:`t_interval`.
 
@@ -217,10 +218,19 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float
     return mean, mean - half, mean + half
 
 
+def _exp(interval: tuple[float, float, float]) -> tuple[float, float, float]:
+    """An interval on the log scale, back on the ratio scale (nan stays nan): a ratio's bounds > 0."""
+    mean, low, high = interval
+    return math.exp(mean), math.exp(low), math.exp(high)
+
+
 def paired_speedup(
     baseline: Sequence[float], candidate: Sequence[float], confidence: float = 0.95
 ) -> tuple[float, float, float]:
-    """Speedup of ``candidate`` over ``baseline``: per-replication ratios baseline/candidate, t-interval.
+    """Speedup of ``candidate`` over ``baseline``, paired per replication: the Student-t interval of the
+    mean of log(baseline/candidate), exponentiated -- the geometric mean of the ratios with bounds that
+    cannot go below 0 (an interval on the ratios themselves could: 1.90 [-0.26, 4.06] over 5 noisy
+    iterations, issue 27). (x, nan, nan) with a single pair.
 
     Replication i of both must share its random numbers (common random numbers), so the ratios are paired.
     """
@@ -230,29 +240,36 @@ def paired_speedup(
         raise MetricsError(f"paired_speedup needs equal-length samples, got {b.size} and {c.size}")
     if b.size and (b.min() <= 0 or c.min() <= 0):
         raise MetricsError("paired_speedup needs iteration times > 0")
-    return t_interval(b / c, confidence)
+    with np.errstate(all="ignore"):  # inf/nan times: t_interval names them
+        logs = np.log(b) - np.log(c)
+    mean, low, high = _exp(t_interval(logs, confidence))
+    if b.size == 1:  # no interval: the ratio itself, exactly (exp(log(x)) may differ in the last bit)
+        return float(b[0] / c[0]), low, high
+    return mean, low, high
 
 
 def unpaired_speedup(
     baseline: Sequence[float], candidate: Sequence[float], confidence: float = 0.95
 ) -> tuple[float, float, float]:
     """Speedup of ``candidate`` over ``baseline`` when their samples are not paired (the trials ran
-    one after the other): mean(baseline) / mean(candidate), with a delta-method interval on Welch's
-    degrees of freedom. (x, nan, nan) when either side has a single value."""
+    one after the other): the difference of the mean log times, with Welch's interval, exponentiated
+    -- the ratio of geometric means, bounds > 0. (x, nan, nan) when either side has a single value."""
     b = np.asarray(baseline, dtype=np.float64).ravel()
     c = np.asarray(candidate, dtype=np.float64).ravel()
     if not b.size or not c.size or b.min() <= 0 or c.min() <= 0 or not np.all(np.isfinite([*b, *c])):
         raise MetricsError("unpaired_speedup needs finite iteration times > 0 on both sides")
     if not 0 < confidence < 1:
         raise MetricsError(f"confidence must be in (0, 1), got {confidence!r}")
-    ratio = float(b.mean() / c.mean())
+    lb, lc = np.log(b), np.log(c)
+    diff = float(lb.mean() - lc.mean())
     if b.size < 2 or c.size < 2:
-        return ratio, math.nan, math.nan
+        point = float(b[0] / c[0]) if b.size == c.size == 1 else math.exp(diff)  # 1 and 1: the ratio, exactly
+        return point, math.nan, math.nan
     from scipy import special
 
-    vb, vc = b.var(ddof=1) / b.size / b.mean() ** 2, c.var(ddof=1) / c.size / c.mean() ** 2  # relative
+    vb, vc = lb.var(ddof=1) / b.size, lc.var(ddof=1) / c.size
     if vb + vc == 0:
-        return ratio, ratio, ratio
+        return _exp((diff, diff, diff))
     df = (vb + vc) ** 2 / (vb**2 / (b.size - 1) + vc**2 / (c.size - 1))
-    half = float(special.stdtrit(df, 0.5 + confidence / 2)) * ratio * math.sqrt(vb + vc)
-    return ratio, ratio - half, ratio + half
+    half = float(special.stdtrit(df, 0.5 + confidence / 2)) * math.sqrt(vb + vc)
+    return _exp((diff, diff - half, diff + half))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 import shlex
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,15 +210,30 @@ def version() -> str:
         return "0+unknown"
 
 
+def check_pack_tokens(packing: str, given: Collection[str]) -> None:
+    """``--pack-tokens`` is the size of a packed row: given without ``--packing greedy`` (``packing``,
+    after any scenario applied) it would be silently ignored, so it is refused, in both CLIs."""
+    if "pack_tokens" in given and packing != "greedy":
+        raise OptionError(
+            f"--pack-tokens needs --packing greedy (got --packing {packing}): it sizes packed rows"
+        )
+
+
 # -- comma lists -------------------------------------------------------------------------------------
-def split_list(text: str | Iterable[str] | None) -> tuple[str, ...]:
+def split_list(text: str | Iterable[str] | None, option: str = "a comma list") -> tuple[str, ...]:
     """``"a, b,c"`` -> ("a", "b", "c"): the one reading of a comma-list option in both CLIs (--hint,
-    --policy, --memory-budget, --trials, --baseline, a --grid's values). Each item is stripped and blank
-    items are dropped; a sequence is taken item by item the same way; None or ``""`` is ()."""
+    --policy, --memory-budget, --trials, --baseline, a --grid's values). Each item is stripped; a
+    sequence is taken item by item the same way; None or ``""`` (an option not given) is (). A blank
+    item (``1x,,2x``, a trailing comma) is refused, naming ``option`` and the item: a typo there must
+    not silently shorten the list."""
     if not text:
         return ()
-    items = text.split(",") if isinstance(text, str) else text
-    return tuple(item.strip() for item in items if item.strip())
+    items = [item.strip() for item in (text.split(",") if isinstance(text, str) else text)]
+    for i, item in enumerate(items, 1):
+        if not item:
+            shown = text if isinstance(text, str) else ",".join(items)
+            raise OptionError(f"{option} {shown!r}: item {i} of {len(items)} is empty")
+    return tuple(items)
 
 
 # -- the memory-budget grammar -----------------------------------------------------------------------
@@ -230,7 +245,7 @@ def parse_budgets(text: str | Iterable[str]) -> tuple[str, ...]:
     factor of the hint's own peak), a whole number of activation slots, or in byte mode bytes
     (``40GiB``) or ``device`` (rrfp.sim.memory). Whether a factor is at least
     1x, or a count covers the hint's peak, depends on the hint (rrfp.plan.budget.resolve_budget)."""
-    out = split_list(text if isinstance(text, str) else [str(i) for i in text])
+    out = split_list(text if isinstance(text, str) else [str(i) for i in text], "--memory-budget")
     if not out:
         raise OptionError("--memory-budget needs at least one budget, e.g. 1x or 1x,2x")
     for item in out:

@@ -16,8 +16,8 @@
   rrfp-sim, over the measured iterations in rrfp-run (which adds ``median`` and ``values``). An interval
   is null where it has one value.
 * A speedup is the baseline's iteration time / the trial's (> 1: faster), ``paired`` per replication or
-  per interleaved iteration; unpaired (rrfp-run --sequential) it is the ratio of means with Welch's
-  interval.
+  per interleaved iteration: the mean log-ratio with its Student-t interval, exponentiated (bounds > 0);
+  unpaired (rrfp-run --sequential) the ratio of geometric means with Welch's interval on the logs.
 * ``vs_best_fixed`` (new in version 3): the same speedup against the trial's *best fixed* order -- the
   fastest ``fixed`` trial whose peak on every rank is within this trial's budget there
   (rrfp.study.compare.best_fixed), paired alike; null where no fixed trial fits.

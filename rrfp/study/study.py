@@ -52,6 +52,7 @@ Every shared option is in :data:`STUDY_OPTIONS` or here (tests/test_study.py hol
 says where it belongs."""
 
 _LISTS = ("hints", "policies", "memory_budget")
+_FLAGS = {"hints": "--hint", "policies": "--policy", "memory_budget": "--memory-budget"}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -83,7 +84,7 @@ class Study:
             value = getattr(self, name)
             texts = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
             if isinstance(value, str) or texts:
-                object.__setattr__(self, name, split_list(value))
+                object.__setattr__(self, name, split_list(value, _FLAGS[name]))
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> Study:
