@@ -235,8 +235,9 @@ def _plan_split_references(
     """With ``fixed`` among the policies, each split class hint's :func:`split_reference` runs as one
     more fixed trial (at 1x: fixed's schedule is the same at any budget, and 1x always fits) unless
     the grid has it: a candidate for the best fixed order, so a split backward's gain is never
-    credited to readiness."""
-    if BASELINE_POLICY not in cfg.study.policies:
+    credited to readiness. Not under ``--send megatron``: its fixed baseline is Megatron-core's 1F1B
+    program, which runs no other order (rrfp.plan.megatron)."""
+    if BASELINE_POLICY not in cfg.study.policies or cfg.cluster.send == "megatron":
         return
     ran = {k.hint for k in planned if k.policy == BASELINE_POLICY}
     for p in list(planned.values()):

@@ -132,11 +132,11 @@ def build(
     if "gpu_memory" in given and "memory_budget" not in given:
         options["memory_budget"] = DEVICE  # a device's capacity given: budget by it (rrfp.sim.memory)
     if scenario is None:
-        check_pack_tokens(options["packing"], given)
+        check_pack_tokens(options.get("packing", "none"), given)
         return Built(token_config(options))
     explicit = {k: v for k, v in options.items() if k in given or (k == "memory_budget" and v == DEVICE)}
     applied = apply_scenario(scenario, explicit)
-    check_pack_tokens(applied.values["packing"], given)
+    check_pack_tokens(applied.values.get("packing", "none"), given)
     return Built(token_config(applied.values), scenario, applied.values, applied.sources)
 
 

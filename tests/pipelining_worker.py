@@ -711,7 +711,9 @@ def rank_main(rank: int, world: int, port: int, suite: str, out: str) -> None:
 
 
 def csv_path(out: str) -> str:
-    return os.path.join(os.path.dirname(os.path.abspath(out)), "hint.csv")
+    """The CSV hint beside this launch's output: one per launch, as launches of different sizes run at
+    once in one folder (a shared name let a 4-rank launch overwrite a 2-rank one's CSV)."""
+    return os.path.abspath(out) + ".hint.csv"
 
 
 def free_port() -> int:

@@ -133,7 +133,8 @@ def test_speedup_is_the_paired_ratio():
     base = np.array(result.stats[0].iteration_time)
     for sp in result.speedups:
         cand = np.array(next(s for s in result.stats if s.key == sp.key).iteration_time)
-        assert sp.mean == pytest.approx(float(np.mean(base / cand)))
+        # the geometric mean of the paired ratios: its interval is a log-ratio one (issue 27)
+        assert sp.mean == pytest.approx(float(np.exp(np.mean(np.log(base / cand)))))
         assert sp.ci_low < sp.mean < sp.ci_high
 
 

@@ -346,8 +346,10 @@ def test_megatron_equals_eager_at_zero_latency_and_jitter(name, pp, m):
                 workload=default_workload(jitter="none", costs=costs),
                 cluster=ClusterConfig(send=send),
             )
-            times[send] = [s.measured for s in run_experiment(cfg, progress=False).stats]
-        assert times["megatron"] == times["eager"]
+            times[send] = {s.key: s.measured for s in run_experiment(cfg, progress=False).stats}
+        # eager also runs a split class hint's zero-bubble order as a best-fixed candidate; megatron cannot
+        assert times["megatron"] == {k: v for k, v in times["eager"].items() if k in times["megatron"]}
+        assert len(times["megatron"]) >= 2
     hint = rrfp.make_hint(rrfp.make_hint(name, pp, m).reference, pp, m)
     for f, b in ((1.0, 2.0), (0.3, 4.0)):
         check_same_as_eager(hint, const_sample(hint.spec, f, b), shapes_vary=True)

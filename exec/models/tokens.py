@@ -52,7 +52,7 @@ def run_lengths(o: Mapping[str, Any], given: Collection[str]) -> LengthsTable | 
         return None
     if "workload" in given:
         raise ExecConfigError("--workload does not apply with --lengths: the samples drive the costs")
-    check_pack_tokens(o["packing"], given)
+    check_pack_tokens(o.get("packing", "none"), given)
     encoder = _encoder(o, given)
     if not o["synthetic"] and (encoder == "separate" or o["freeze_encoder"]):
         what = "--encoder separate" if encoder == "separate" else "--freeze-encoder"
