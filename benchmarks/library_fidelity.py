@@ -72,20 +72,13 @@ def trace_path(out: Path, name: str) -> Path:
 def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
+    from library_vs_torch import gpt_stage  # the same model and set-up (benchmarks/ is on the path)
     from torch import nn
-    from torch.distributed.pipelining import PipelineStage
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    from train_gpt_varlen import GptStage, lengths
+    from train_gpt_varlen import lengths
 
     from rrfp.exec import ReadinessPipeline, ScheduleReadiness
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = [GptStage(s == 0, s == world - 1, a.blocks, a.vocab, a.dim, 4) for s in range(world)][rank]
-    stage = PipelineStage(model, rank, world, torch.device("cpu"))
+    model, stage, rank, world = gpt_stage(a)
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor, total: int = 1) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum") / total

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))  # the model is examples/train_gpt_varlen.py's
 
 
 def policies() -> list[str]:
@@ -42,23 +43,32 @@ def policies() -> list[str]:
     return list(dict.fromkeys(["fixed", DEFAULT_POLICY]))
 
 
-def worker(a: argparse.Namespace) -> None:
+def gpt_stage(a: argparse.Namespace) -> tuple[Any, Any, int, int]:
+    """(module, PipelineStage, rank, world) of this torchrun worker: examples/train_gpt_varlen.py's GPT
+    stage, the same init on every rank (also benchmarks/library_fidelity.py's model)."""
     import torch
     import torch.distributed as dist
-    from torch import nn
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    sys.path.insert(0, str(ROOT / "examples"))
-    from train_gpt_varlen import GptStage, lengths
-
-    from rrfp.exec import ScheduleReadiness
+    from torch.distributed.pipelining import PipelineStage
+    from train_gpt_varlen import GptStage
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = [GptStage(s == 0, s == world - 1, a.blocks, a.vocab, a.dim, 4) for s in range(world)][rank]
-    stage = PipelineStage(model, rank, world, torch.device("cpu"))
+    return model, PipelineStage(model, rank, world, torch.device("cpu")), rank, world
+
+
+def worker(a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from train_gpt_varlen import lengths
+
+    from rrfp.exec import ScheduleReadiness
+
+    model, stage, rank, world = gpt_stage(a)
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor, total: int = 1) -> torch.Tensor:
         flat = logits.flatten(0, 1)
