@@ -104,18 +104,14 @@ def study_regime(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from rrfp.study.execution import parse_workers, resolve_workers, run_jobs
+    from rrfp.study.execution import resolve_workers, run_jobs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--split", choices=("tune", "heldout"), required=True)
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--horizon", type=int, default=HORIZON, help=f"iterations a row stands for [{HORIZON}]")
     ap.add_argument("--margins", default=f"{MARGIN:g}", help="choice margins to evaluate, comma-separated")
-    ap.add_argument("--workers", type=parse_workers, default=1)
-    ap.add_argument("--out", type=Path, default=None, help="write the rows (CSV)")
-    ap.add_argument("--limit", type=int, default=None, help="the split's first N regimes only")
-    ap.add_argument("--tiny", action="store_true", help="every regime at pp 4, m 8 (a smoke test)")
-    ap.add_argument("--final", action="store_true", help="allow --split heldout (the last step of a study)")
+    rg.add_run_options(ap)
     a = ap.parse_args(argv)
     if a.split == "heldout" and not a.final:
         ap.error("--split heldout judges a finished policy: give --final (tune on --split tune)")

@@ -336,9 +336,19 @@ def goal_report(frame: pd.DataFrame, candidate: str) -> list[str]:
     return lines
 
 
+def add_run_options(ap: argparse.ArgumentParser) -> None:
+    """The options every study over the regimes takes (this runner and benchmarks/auto_study.py)."""
+    from rrfp.study.execution import parse_workers
+
+    ap.add_argument("--workers", type=parse_workers, default=1)
+    ap.add_argument("--out", type=Path, default=None, help="write the rows (CSV)")
+    ap.add_argument("--limit", type=int, default=None, help="the split's first N regimes only")
+    ap.add_argument("--tiny", action="store_true", help="every regime at pp 4, m 8 (a smoke test)")
+    ap.add_argument("--final", action="store_true", help="allow --split heldout (the last step of a study)")
+
+
 def main(argv: list[str] | None = None) -> None:
     from rrfp.dispatch.policies import DEFAULT_POLICY
-    from rrfp.study.execution import parse_workers
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--split", choices=("tune", "heldout"), required=True)
@@ -346,11 +356,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policies", default=",".join(POLICIES), help=f"default {','.join(POLICIES)}")
     ap.add_argument("--candidate", default=DEFAULT_POLICY, help="the policy judged [DEFAULT_POLICY]")
     ap.add_argument("--seeds", type=int, default=10)
-    ap.add_argument("--workers", type=parse_workers, default=1)
-    ap.add_argument("--out", type=Path, default=None, help="write the rows (CSV)")
-    ap.add_argument("--limit", type=int, default=None, help="the split's first N regimes only")
-    ap.add_argument("--tiny", action="store_true", help="every regime at pp 4, m 8 (a smoke test)")
-    ap.add_argument("--final", action="store_true", help="allow --split heldout (the last step of a study)")
+    add_run_options(ap)
     a = ap.parse_args(argv)
     if a.list:
         sys.stdout.write("".join(r.line + "\n" for r in regimes(a.split, a.limit)))

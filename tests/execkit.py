@@ -38,10 +38,16 @@ def session_procs(sid: int) -> list[psutil.Process]:
     return out
 
 
-def assert_no_leftovers(sid: int) -> None:
-    deadline = time.monotonic() + LEFTOVER_WAIT_S
+def left_after(sid: int, seconds: float) -> list[psutil.Process]:
+    """The processes of session ``sid`` still there after waiting up to ``seconds`` for them to leave."""
+    deadline = time.monotonic() + seconds
     while (left := session_procs(sid)) and time.monotonic() < deadline:
         time.sleep(0.2)
+    return left
+
+
+def assert_no_leftovers(sid: int) -> None:
+    left = left_after(sid, LEFTOVER_WAIT_S)
     for p in left:  # clean up before failing, so one failure does not poison the machine
         try:
             p.resume()

@@ -616,7 +616,7 @@ def test_a_killed_launcher_leaves_no_false_semaphore_warning(tmp_path: Path) -> 
     """kill -9 of the launcher: its workers leave, the semaphores they mapped are gone, and nothing prints
     multiprocessing's resource_tracker warning about "leaked semaphore objects" -- the launcher unlinked
     them itself once every worker had opened them (rrfp.exec.jobs.launch.release_semaphores)."""
-    from execkit import BIN, assert_shared_memory_gone, session_procs, start_job, stop_job, wait_until_running
+    from execkit import BIN, assert_shared_memory_gone, left_after, start_job, stop_job, wait_until_running
 
     args = [str(BIN / "rrfp-run"), "--gpus", "4", "--synthetic", "-m", "8", "--iterations", "100000",
             "--time-unit-ms", "5", "--dump-dir", str(tmp_path)]  # fmt: skip
@@ -626,10 +626,7 @@ def test_a_killed_launcher_leaves_no_false_semaphore_warning(tmp_path: Path) -> 
         time.sleep(1)
         proc.kill()
         _, err = proc.communicate(timeout=60)  # until every process holding its stderr (the tracker) left
-        deadline = time.monotonic() + 30
-        while session_procs(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = session_procs(proc.pid)
+        left = left_after(proc.pid, 30)
     finally:
         stop_job(proc)
     assert not left, f"workers outlived their launcher: {[p.pid for p in left]}"

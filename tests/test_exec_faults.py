@@ -17,7 +17,7 @@ from execkit import (
     BIN,
     assert_no_leftovers,
     assert_shared_memory_gone,
-    session_procs,
+    left_after,
     start_job,
     stop_job,
     wait_for_rank,
@@ -66,10 +66,7 @@ def test_workers_die_with_their_launcher(tmp_path: Path) -> None:
         time.sleep(1)
         proc.kill()
         proc.wait(10)
-        deadline = time.monotonic() + EXIT_BOUND_S
-        while session_procs(proc.pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        left = session_procs(proc.pid)
+        left = left_after(proc.pid, EXIT_BOUND_S)
     finally:
         stop_job(proc)
     assert not left, f"workers outlived their launcher: {[p.pid for p in left]}"
