@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from rrfp.dispatch.auto import Auto
 from rrfp.study import schema
 from rrfp.study.compare import Comparison, budget_note, summary
 from rrfp.study.metrics import paired_speedup
@@ -241,6 +242,18 @@ COLUMNS = (
 """The table's footer: what each column means (rrfp.study.compare.legend)."""
 
 
+def auto_note(result: ExperimentResult) -> list[str]:
+    """Say so when ``auto`` ran too few iterations to choose: before that it is its safe arm."""
+    study = result.config.study
+    if "auto" not in study.policies or study.warmup + study.iterations > Auto.rounds:
+        return []
+    r = Auto.rounds
+    return [
+        f"note: auto ran only its safe arm, {Auto.arms[0]}: it replays its first {r} iteration(s) under "
+        f"every arm before it chooses; --iterations {r + 1} or more shows its choice"
+    ]
+
+
 def format_table(result: ExperimentResult, header: list[str] | None = None) -> str:
     """The readable summary: what ran (``header``: lines under the first, e.g. a scenario's values), one
     line per run, who won, and what each column means."""
@@ -266,7 +279,7 @@ def format_table(result: ExperimentResult, header: list[str] | None = None) -> s
         )
     infeasible = [f"{s.key.label}: {s.infeasible}" for s in result.stats if s.infeasible]
     note = budget_note(comps, [s.key.budget for s in result.stats])
-    notes = [summary_line(result), *infeasible, *([note] if note else [])]
+    notes = [summary_line(result), *infeasible, *([note] if note else []), *auto_note(result)]
     return format_report(columns, rows, notes, COLUMNS, head=[describe(result), *(header or []), ""])
 
 

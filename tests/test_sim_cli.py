@@ -156,3 +156,17 @@ def test_options_given_on_the_command_line_are_read_from_the_context_passed_in(c
     # --cv next to --replay is refused because it was typed, not because it differs from the default.
     code, _, err = run_cli(["--replay", "traces/gpt-fixed-1f1b.parquet", "--cv", "0.3"], capsys)
     assert code == 2 and "--cv cannot be combined with --replay" in err
+
+
+def test_auto_with_too_few_iterations_says_it_ran_its_safe_arm(capsys):
+    """auto replays its first Auto.rounds iterations before it chooses: a run that ends there says so."""
+    from rrfp.dispatch.auto import Auto
+
+    base = ["--stages", "4", "-m", "8", "--policy", "fixed,auto", "--seeds", "2"]
+    code, out, _ = run_cli(base, capsys)
+    assert code == 0
+    assert f"note: auto ran only its safe arm, {Auto.arms[0]}" in out
+    code, out, _ = run_cli([*base, "--warmup", str(Auto.rounds)], capsys)
+    assert code == 0 and "auto ran only its safe arm" not in out
+    code, out, _ = run_cli(["--stages", "4", "-m", "8", "--policy", "fixed,backfill", "--seeds", "2"], capsys)
+    assert code == 0 and "auto ran only" not in out
