@@ -163,7 +163,8 @@ def test_replay_keeps_backfill(budget: str, scale: list[float], why: str) -> Non
 
 def test_replay_reads_every_input_and_any_gather_order() -> None:
     """The gathered shares may come in any order; a slow message and a rank's overhead lengthen the
-    replay (they are read), and the replay equals run_reference on the same numbers."""
+    replay (they are read); the replay equals run_reference on the same numbers; two shares of one
+    pipeline rank (TP members) give each task the slower time."""
     hint = rrfp.make_hint("1f1b", pp=2, microbatches=4)
     gathered = planted(hint, [1.0] * 4, latency=0.0)
     arms = [get_policy("fixed"), get_policy("rrfp")]
@@ -178,6 +179,9 @@ def test_replay_reads_every_input_and_any_gather_order() -> None:
     assert replay(hint, arms, late, budget)[0] > base[0] + 4.0
     busy = [(r, d, a, 0.5 if r == 0 else 0.0) for r, d, a, _ in gathered]
     assert replay(hint, arms, busy, budget)[0] > base[0]
+    twin = [(r, [x / 2 for x in d], a, o) for r, d, a, o in gathered]  # a faster member of each rank
+    assert replay(hint, arms, [*twin, *gathered], budget) == replay(hint, arms, [*gathered, *twin], budget)
+    assert replay(hint, arms, [*twin, *gathered], budget) == base  # the slowest measurement counts
 
 
 def test_task_meter_keeps_each_task_and_input() -> None:
@@ -204,3 +208,20 @@ def test_only_the_safe_arm_may_need_a_clock() -> None:
     hint = rrfp.make_hint("1f1b", pp=2, microbatches=2)
     with pytest.raises(AutoError, match="arm 'guarded' needs a clock"):
         AutoSwitch(Guarded(), hint, 0, rrfp.resolve_budget("1x", hint), None)
+
+
+def test_runtime_drive_clocks_only_a_clocked_policy() -> None:
+    """PipelineRuntime.drive: backfill gets the clock, rrfp none; a scheduler of another rank is refused."""
+    from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
+    from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
+
+    hint = rrfp.make_hint("1f1b", pp=2, microbatches=2)
+    ctx = RankContext(rank=0, pp_rank=0, to_global=lambda r: r, transport=None)
+    runtime = PipelineRuntime(ctx, RankScheduler(hint, 0, "fixed"), None, 0)  # type: ignore[arg-type]
+    runtime.drive(RankScheduler(hint, 0, "backfill"))
+    assert runtime.clocked and runtime.sched.policy.name == "backfill"
+    plain = RankScheduler(hint, 0, "rrfp")
+    runtime.drive(plain)
+    assert not runtime.clocked and runtime.sched is plain
+    with pytest.raises(SchedulerError, match="needs a scheduler of this hint and rank"):
+        runtime.drive(RankScheduler(hint, 1, "rrfp"))

@@ -91,16 +91,17 @@ class TaskMeter(CostMeter):
 def replay(
     hint: Hint, arms: Sequence[Policy], gathered: Sequence[Measured], budget: Mapping[int, int | None]
 ) -> tuple[float, ...]:
-    """Each arm's makespan on the gathered step (run_reference; deterministic): every task lasts its
-    measured time plus its rank's overhead, a cross-rank input its measured time (the step's mean where
-    one was not measured)."""
+    """Each arm's makespan on the gathered step (run_reference; deterministic, in any gather order):
+    every task lasts its measured time plus its rank's overhead, a cross-rank input its measured time
+    (the step's mean where one was not measured). Shares of the same pipeline rank (TP members, or DP
+    replicas gathered on one group) give each task its slowest measurement."""
     duration: dict[Task, float] = {}
     latency: dict[Task, float] = {}
-    for rank, durations, arrivals, overhead in sorted(gathered, key=lambda g: g[0]):
+    for rank, durations, arrivals, overhead in gathered:
         for task, d, a in zip(hint.orders[rank], durations, arrivals, strict=True):
-            duration[task] = d + overhead
+            duration[task] = max(duration.get(task, 0.0), d + overhead)
             if a >= 0:
-                latency[task] = a
+                latency[task] = max(latency.get(task, 0.0), a)
     mean = math.fsum(latency.values()) / len(latency) if latency else 0.0
 
     def lat(_producer: Task, consumer: Task) -> float:

@@ -41,7 +41,8 @@ Rules this schedule follows (torch's where torch has one):
 * ``auto`` (rrfp.dispatch.auto) runs backfill for its first ``rounds`` training steps; after each, one
   all-gather gives every rank every task's measured duration and every rank replays both arms on them;
   then every rank switches to the same arm (backfill, calibrated, or rrfp) for the rest of the run
-  (rrfp.exec.loop.switch). :attr:`ScheduleReadiness.auto_choice` says what it replayed and chose.
+  (rrfp.exec.loop.switch). :attr:`ScheduleReadiness.auto_choice` says what it replayed and chose. Not
+  yet: its replay admits by slots under ``byte_budget`` and prices no per-microbatch sizes.
 * Errors are one-line ``UserError`` subclasses (rrfp.exec.pipelining.errors). Set-up errors are found from
   every rank's arguments gathered once, so every rank raises the same one. A rank that raises during a
   step tells its neighbours (they stop waiting at once; the word spreads rank by rank), then every rank
