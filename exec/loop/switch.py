@@ -16,9 +16,10 @@ rrfp-run's trials can, as they run the same loop):
 * at the boundary (``rounds`` steps replayed) :meth:`AutoSwitch.end` returns the chosen arm's policy
   (``Auto.choose``) after a second, tiny all-gather of each rank's (choice, history): if any rank differs
   -- a replay that is not deterministic, ranks fed different numbers -- every rank raises
-  :class:`AutoSwitchError` instead of running different arms (which would deadlock or mis-order the
-  pipeline). The caller builds a fresh scheduler with that policy (a scheduler's policy never changes while
-  it runs) and installs it with :meth:`PipelineRuntime.drive` (clocked for backfill, plain for rrfp).
+  :class:`AutoSwitchError` rather than each running the arm its own replay picked (the choice is one for
+  the whole pipeline, and a replay that differs between ranks is a bug). The caller builds a fresh
+  scheduler with that policy (a scheduler's policy never changes while it runs) and installs it with
+  :meth:`PipelineRuntime.drive` (clocked for backfill, plain for rrfp).
   Nothing more is measured or exchanged after that.
 
 A task's replayed duration is its measured compute time plus its rank's mean loop overhead per task
