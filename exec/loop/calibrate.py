@@ -45,7 +45,8 @@ class CostMeter:
         self.task_sum[key] += seconds
         self.task_count[key] += 1
 
-    def message(self, seconds: float) -> None:
+    def message(self, seconds: float, task: Task | None = None) -> None:
+        """One message's send-to-arrival time; ``task``: its consumer (the class means ignore it)."""
         self.msg_sum += max(0.0, seconds)
         self.msg_count += 1
 

@@ -153,6 +153,17 @@ class PipelineRuntime:
         if sched.policy.use_busy and self.ctx.board is not None:
             self._busy = BusyBoard(sched, self.ctx.board, self.ctx.board_running, self.ctx.pp_rank)
 
+    def drive(self, sched: SchedulerProtocol) -> None:
+        """From the next iteration on, drive ``sched`` (same hint and rank): with the clock
+        (:meth:`clock`) if its policy reads it, else without -- no ticks, no announcements (``auto``
+        switching to ``rrfp``, rrfp.exec.loop.switch)."""
+        if sched.policy.needs_clock:
+            self.clock(sched)
+            return
+        if sched.hint is not self.sched.hint or sched.rank != self.sched.rank:
+            raise SchedulerError(f"rank {self.sched.rank}: drive() needs a scheduler of this hint and rank")
+        self.sched, self.clocked, self._remote, self._busy = sched, False, {}, None
+
     # -- one iteration --------------------------------------------------------------------------
     def run_iteration(self, iteration: int) -> LoopStats:
         """Run every task of this rank for ``iteration`` (the runner was begun by the caller)."""
@@ -276,7 +287,7 @@ class PipelineRuntime:
             if self.clocked:
                 self.sched.announce(item.task, item.since)
             return
-        self.meter.message(item.end - item.sent)
+        self.meter.message(item.end - item.sent, item.task)
         tensor = item.tensor
         if tensor.is_cuda:
             tensor.record_stream(torch.cuda.current_stream(tensor.device))  # received on another stream

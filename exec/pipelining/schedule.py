@@ -38,6 +38,11 @@ Rules this schedule follows (torch's where torch has one):
   while every rank meters its tasks; then the costs are merged over the pipeline (a collective) and the
   loop ticks their clock and announces producer starts from the next step on (rrfp.exec.loop.calibrate,
   as rrfp-run does).
+* ``auto`` (rrfp.dispatch.auto) runs backfill for its first ``rounds`` training steps; after each, one
+  all-gather gives every rank every task's measured duration and every rank replays both arms on them;
+  then every rank switches to the same arm (backfill, calibrated, or rrfp) for the rest of the run
+  (rrfp.exec.loop.switch). :attr:`ScheduleReadiness.auto_choice` says what it replayed and chose. Not
+  yet: its replay admits by slots under ``byte_budget`` and prices no per-microbatch sizes.
 * Errors are one-line ``UserError`` subclasses (rrfp.exec.pipelining.errors). Set-up errors are found from
   every rank's arguments gathered once, so every rank raises the same one. A rank that raises during a
   step tells its neighbours (they stop waiting at once; the word spreads rank by rank), then every rank
@@ -72,6 +77,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _split_tensor
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
+from rrfp.dispatch.auto import Auto
 from rrfp.dispatch.backfill import Backfill
 from rrfp.dispatch.policies import DEFAULT_POLICY, Policy, get_policy
 from rrfp.dispatch.scheduler import RankScheduler
@@ -79,6 +85,7 @@ from rrfp.exec.comm.wire import one_line
 from rrfp.exec.faults import LostPeerError, WaitTimeoutError
 from rrfp.exec.loop.calibrate import CostMeter, calibrate
 from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
+from rrfp.exec.loop.switch import AutoRecord, AutoSwitch, TaskMeter
 from rrfp.exec.pipelining.channels import ReadinessPipeline
 from rrfp.exec.pipelining.compute import StageCompute
 from rrfp.exec.pipelining.errors import (
@@ -177,6 +184,10 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self._template = policy_obj if isinstance(policy_obj, Backfill) else None
         self.budget = resolve_budget(memory_budget, self.hint)[pipe.pp_rank]
         self.sched = RankScheduler(self.hint, pipe.pp_rank, policy_obj, self.budget)
+        self.auto = None  # auto: the switch between its arms (rrfp.exec.loop.switch)
+        if isinstance(policy_obj, Auto):
+            budgets = resolve_budget(memory_budget, self.hint)
+            self.auto = AutoSwitch(policy_obj, self.hint, pipe.pp_rank, budgets, pipe.ctrl)
         by_index = {s.stage_index: s for s in stages}
         self.compute = StageCompute(by_index, self.hint.spec, pipe.pp_rank, loss_fn, fork_rng)
         self.byte_budget: ByteBudget | None = None
@@ -356,9 +367,10 @@ class ScheduleReadiness(PipelineScheduleMulti):
                 raise LossError("a training step needs target= on the last stage's rank")
             if has_last and target_mbs is not None and self._loss_fn is None:
                 raise LossError("a target was given but the schedule has no loss_fn")
-            calibrating = training and self._template is not None and not self.runtime.clocked
-            if calibrating:
-                self.runtime.meter = CostMeter()  # this step's costs only (no forward-only step's)
+            calibrating = training and self._template is not None and self.calibration is None
+            meter = self.auto.begin() if training and self.auto is not None else None
+            if calibrating or meter is not None:  # this step's costs only (no forward-only step's)
+                self.runtime.meter = CostMeter() if meter is None else meter
             # Only training steps go into the trace (a forward-only step's backward tasks cost nothing).
             self.runtime.ctx = self._ctx if training else dataclasses.replace(self._ctx, recorder=None)
             self.compute.begin(
@@ -373,6 +385,8 @@ class ScheduleReadiness(PipelineScheduleMulti):
                 self.compute.measure = False
             if calibrating:
                 self._calibrate()
+            if meter is not None:
+                self._switch(meter)
         except Exception as e:
             self._fail(e)
         if training:
@@ -422,6 +436,20 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self.calibration = info
         self.sched = RankScheduler(hint, self.sched.rank, policy, self.budget)
         self.runtime.clock(self.sched)
+
+    def _switch(self, meter: TaskMeter) -> None:
+        """auto: this step replayed under every arm; at the boundary every rank runs the chosen arm."""
+        assert self.auto is not None and isinstance(self.sched.policy, Backfill)
+        policy = self.auto.end(meter, self.sched.policy)  # the safe arm: backfill as calibrated
+        if policy is not None and policy is not self.sched.policy:
+            self.sched = RankScheduler(self.hint, self.sched.rank, policy, self.budget)
+            self.runtime.drive(self.sched)
+
+    @property
+    def auto_choice(self) -> AutoRecord | None:
+        """``auto``: its arms, each replayed step's times, the arm of every training step and the arm
+        chosen (the same on every rank); None for another policy."""
+        return None if self.auto is None else self.auto.record
 
     def _fail(self, e: Exception) -> None:
         """Stop this step on every rank: tell the neighbours, learn who raised first, raise StageFailed."""
