@@ -81,6 +81,7 @@ from rrfp.exec.loop.calibrate import CostMeter, calibrate
 from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
 from rrfp.exec.pipelining.channels import ReadinessPipeline
 from rrfp.exec.pipelining.compute import StageCompute
+from rrfp.exec.pipelining.engine import DriverHooks, DriverSteps
 from rrfp.exec.pipelining.errors import (
     LossError,
     MicrobatchError,
@@ -96,7 +97,7 @@ from rrfp.traces.trace import TraceRecorder
 _TARGET_SPEC = TensorChunkSpec(0)
 
 
-class ScheduleReadiness(PipelineScheduleMulti):
+class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
     """A readiness-driven pipeline schedule over torch ``PipelineStage`` objects.
 
     ``stages``: this rank's ``PipelineStage`` (or a list of them: interleaved ``loop`` placement, stage
@@ -107,7 +108,8 @@ class ScheduleReadiness(PipelineScheduleMulti):
     ``fork_rng=False`` skips the per-forward RNG fork (a little faster; dropout then depends on the
     order). ``timeout``: the most seconds a rank waits for an input (default: the pipeline's, 120 s for one
     made here); after a failure the others are waited for up to twice the pipeline's timeout.
-    The chunk and merge specs are torch's.
+    The chunk and merge specs are torch's. ``driver``: a compute of the caller's own and its loop's
+    surroundings instead of the stages' modules (rrfp.exec.pipelining.engine; rrfp-run's trials).
     """
 
     def __init__(
@@ -129,8 +131,10 @@ class ScheduleReadiness(PipelineScheduleMulti):
         args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
         kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
         output_merge_spec: Any = None,
+        driver: DriverHooks | None = None,
     ) -> None:
         stages = _stage_list(stages)
+        self._driver = driver
         if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
             raise MicrobatchError(f"n_microbatches must be an integer >= 1, got {n_microbatches!r}")
         super().__init__(
@@ -151,6 +155,8 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self.policy_name = policy if isinstance(policy, str) else policy.name
         self.hint_name, self.seed = hint, int(seed)
         self.timeout = pipe.timeout if timeout is None else float(timeout)
+        if driver is not None and trace_out is not None:
+            raise StageLayoutError("a driven schedule's trace goes to driver.recorder, not trace_out")
         self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget))
         try:  # every rank checked the same arguments: what fails now fails on every rank alike
             self._build(stages, policy, memory_budget, byte_budget, fork_rng, trace_out)
@@ -176,6 +182,9 @@ class ScheduleReadiness(PipelineScheduleMulti):
         policy_obj = get_policy(policy) if isinstance(policy, str) else policy
         self._template = policy_obj if isinstance(policy_obj, Backfill) else None
         self.budget = resolve_budget(memory_budget, self.hint)[pipe.pp_rank]
+        if self._driver is not None:
+            self._build_driven(self._driver, policy_obj, byte_budget)
+            return
         self.sched = RankScheduler(self.hint, pipe.pp_rank, policy_obj, self.budget)
         by_index = {s.stage_index: s for s in stages}
         self.compute = StageCompute(by_index, self.hint.spec, pipe.pp_rank, loss_fn, fork_rng)
@@ -346,6 +355,8 @@ class ScheduleReadiness(PipelineScheduleMulti):
         """Prepare the microbatches and run every task of this rank; any error becomes a StageFailed on
         every rank."""
         self.pipeline.check_open()
+        if self._driver is not None:
+            raise PipeliningError("a schedule built with driver= runs run_iteration(), not step()")
         training = self._has_backward and torch.is_grad_enabled()
         step = self._steps
         self._steps += 1
