@@ -49,6 +49,11 @@ builds its own at the same time), and the user all-reduces the stage gradients o
 ``step`` (tests/test_pipelining.py does). DDP/FSDP-wrapped stage modules go through torch's own
 ``backward_maybe_with_nosync``/``perform_reduce_grad``, untested here.
 
+A driver with a compute of its own -- rrfp-run's trials -- passes it as ``driver=`` (with
+:class:`~rrfp.exec.pipelining.engine.StageSlot` placements instead of ``PipelineStage`` objects) and
+calls ``run_iteration(it)`` per iteration instead of ``step``: the extension points are documented in
+rrfp.exec.pipelining.engine.
+
 ``trace_out=PATH``: the training steps' tasks, waits and messages as a trace (schema v3) written by
 ``close()`` (or :meth:`ScheduleReadiness.write_trace`) that ``rrfp-sim --replay PATH`` replays.
 
