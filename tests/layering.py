@@ -53,6 +53,13 @@ PLAIN_ARGUMENTS = ("rrfp.exec.comm", "rrfp.exec.loop", "rrfp.exec.pipelining")
 RUN_CONFIG_USERS: frozenset[str] = frozenset()
 """...with no exception: the CLI's trial runner and its torch baseline, which read the run's
 configuration, live in ``exec/jobs/``."""
+DISPATCH_DRIVERS = {"RankScheduler": "rrfp.dispatch.scheduler", "PipelineRuntime": "rrfp.exec.loop.runtime"}
+"""The dispatch's own constructors (class -> its module): a rank's scheduler and its runtime loop..."""
+DRIVEN_ROOMS = ("rrfp.exec.jobs",)
+"""...which these rooms never name -- rrfp-run's trials dispatch through ``ScheduleReadiness``
+(rrfp.exec.pipelining), the library being the one driver of rrfp's dispatch on real ranks. The
+Megatron baseline's ``MegatronRuntime`` (rrfp.exec.loop.megatron, a separate program) is a different
+name and so not held here."""
 
 
 @dataclass(frozen=True)
@@ -193,6 +200,46 @@ def room_violations(all_edges: list[Edge] | None = None) -> list[str]:
     return bad
 
 
+@dataclass(frozen=True)
+class NameUse:
+    module: str
+    name: str  # a DISPATCH_DRIVERS class, as written (import, call, attribute or base class)
+    line: int
+
+
+def driver_uses(known: dict[str, Path] | None = None) -> list[NameUse]:
+    """Every mention of a DISPATCH_DRIVERS class in a module of DRIVEN_ROOMS: imported (under any
+    alias), called, read as an attribute (``scheduler.RankScheduler``) or subclassed."""
+    known = modules() if known is None else known
+    out: list[NameUse] = []
+    for module, path in known.items():
+        if any(module == r or module.startswith(r + ".") for r in DRIVEN_ROOMS):
+            out += _names_in(module, ast.parse(path.read_text(), filename=str(path)))
+    return out
+
+
+def _names_in(module: str, tree: ast.AST) -> list[NameUse]:
+    found = []
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        found += [NameUse(module, n, node.lineno) for n in names if n in DISPATCH_DRIVERS]  # type: ignore[attr-defined]
+    return found
+
+
+def driver_violations(uses: list[NameUse] | None = None) -> list[str]:
+    """Modules of DRIVEN_ROOMS that build the dispatch themselves instead of through ScheduleReadiness."""
+    return [
+        f"{u.module}:{u.line} names {u.name} ({DISPATCH_DRIVERS[u.name]}): build it through ScheduleReadiness"
+        for u in (driver_uses() if uses is None else uses)
+    ]
+
+
 def _allowed(e: Edge) -> bool:
     return any(e.source == s and (e.target == t or e.target.startswith(t + ".")) for s, t in ALLOWED)
 
@@ -242,4 +289,5 @@ if __name__ == "__main__":
         print(f"{layer}: {len(names)} modules")
     print("violations:", *violations(found) or ["none"], sep="\n  ")
     print("exec rooms:", *room_violations(found) or ["none"], sep="\n  ")
+    print("dispatch drivers:", *driver_violations() or ["none"], sep="\n  ")
     print("cycles:", *[" <-> ".join(c) for c in cycles(found)] or ["none"], sep="\n  ")

@@ -86,7 +86,7 @@ def test_the_trial_context_is_frozen() -> None:
     from rrfp.exec.loop.runtime import RankContext
 
     loop = RankContext(0, 0, lambda p: p, None, origin=2.0)
-    ctx = TrialContext(RunConfig(world=1, study=run_study(pp=1)), None, None, None, loop, "all")  # type: ignore[arg-type]
+    ctx = TrialContext(RunConfig(world=1, study=run_study(pp=1)), None, None, None, loop, "all", None)  # type: ignore[arg-type]
     assert ctx.origin == 2.0
     with pytest.raises(dataclasses.FrozenInstanceError):
         ctx.announce = "board"  # type: ignore[misc]

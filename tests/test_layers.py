@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from layering import (
@@ -18,6 +19,8 @@ from layering import (
     LAYERS,
     Edge,
     cycles,
+    driver_uses,
+    driver_violations,
     edges,
     layer_of,
     modules,
@@ -59,6 +62,33 @@ def test_exec_rooms_import_only_the_rooms_before_them() -> None:
 def test_the_room_check_fails_on_a_planted_violation(planted: Edge, complaint: str) -> None:
     bad = room_violations([planted])
     assert len(bad) == 1 and complaint in bad[0]
+
+
+def test_rrfp_run_trials_dispatch_only_through_schedule_readiness() -> None:
+    assert driver_violations() == []
+    trials = modules()["rrfp.exec.jobs.trials"]
+    text = trials.read_text()
+    # What it builds instead: the library's schedule, and Megatron's runtime for the Megatron baseline.
+    assert "ScheduleReadiness(" in text and "MegatronRuntime(" in text
+
+
+@pytest.mark.parametrize(
+    "planted",
+    [
+        "from rrfp.dispatch.scheduler import RankScheduler as Ranked\n",
+        "from rrfp.exec.loop import runtime\nLOOP = runtime.PipelineRuntime(None, None, None, 0)\n",
+        "from rrfp.exec.loop.runtime import PipelineRuntime\n\nclass Mine(PipelineRuntime):\n    pass\n",
+    ],
+)
+def test_the_dispatch_driver_check_fails_on_a_planted_violation(planted: str, tmp_path: Path) -> None:
+    real = modules()["rrfp.exec.jobs.trials"]
+    broken = tmp_path / "trials.py"
+    broken.write_text(real.read_text() + "\n" + planted)
+    bad = driver_violations(driver_uses({"rrfp.exec.jobs.trials": broken}))
+    assert len(bad) >= 1 and all("build it through ScheduleReadiness" in b for b in bad), bad
+    assert all(b.startswith("rrfp.exec.jobs.trials:") for b in bad)
+    # The same text outside the driven rooms is not this check's business (the library builds them).
+    assert driver_uses({"rrfp.exec.pipelining.engine": broken}) == []
 
 
 def test_no_import_cycle_even_inside_functions() -> None:

@@ -1,9 +1,13 @@
 """One trial of a launch -- a (policy, hint, budget) triple run by rrfp's loop -- step by step.
 
 A trial owns its stages (built from the run's seed, so every trial starts from identical weights), its
-scheduler, runner, optimizer and trace recorder. :meth:`RrfpTrial.step` runs one iteration after a
-barrier and records its time; the worker calls ``step`` for every trial in turn (interleaved, so
-background load hits all trials alike) or trial after trial. torch's baselines
+runner, optimizer and trace recorder; the dispatch -- hint, scheduler, runtime loop, calibration, byte
+budget -- is a :class:`~rrfp.exec.pipelining.schedule.ScheduleReadiness` driven with the trial's own
+compute (rrfp.exec.pipelining.engine), on the pipeline every trial of the rank shares (the worker's
+transport). The trial is that schedule's user: it feeds each iteration's data, and keeps the DP
+all-reduce, the optimizer step, --check's gradients and its outcome. :meth:`RrfpTrial.step` runs one
+iteration after a barrier and records its time; the worker calls ``step`` for every trial in turn
+(interleaved, so background load hits all trials alike) or trial after trial. torch's baselines
 (:mod:`rrfp.exec.jobs.baseline`) offer the same two methods.
 
 A trial sees its rank through a :class:`TrialContext` the worker builds once (config, topology, groups,
@@ -11,13 +15,13 @@ device, the loop's surroundings, the decided --announce); it is frozen, so no tr
 next one sees.
 
 ``backfill`` runs in two phases: untimed until the warm-up has measured the costs, then clocked with a
-calibrated policy (rrfp.exec.loop.calibrate). The clocked phase gets a scheduler of its own, built on the
-same hint, rank and budget; the scheduler's policy is never swapped under it.
+calibrated policy (rrfp.exec.loop.calibrate; the schedule's ``calibrate()``). The clocked phase gets a
+scheduler of its own, built on the same hint, rank and budget; the scheduler's policy is never swapped
+under it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,18 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rrfp.dispatch.backfill import Backfill
-from rrfp.dispatch.policies import get_policy
-from rrfp.dispatch.protocol import SchedulerProtocol
-from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.exec import faults
 from rrfp.exec.comm import liveness
 from rrfp.exec.comm.topology import Groups, Topology
 from rrfp.exec.config import RunConfig, variable_shapes
-from rrfp.exec.loop.calibrate import ANNOUNCED_OPS, calibrate
 from rrfp.exec.loop.decision_log import RankDecisionLog
 from rrfp.exec.loop.megatron import GroupComm, MegatronRuntime, align_messages
-from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
+from rrfp.exec.loop.runtime import RankContext
 from rrfp.exec.models.check import digest, local_grads
 from rrfp.exec.models.data import run_batch
 from rrfp.exec.models.layers import TPContext
@@ -44,7 +43,10 @@ from rrfp.exec.models.memory import batch_act_bytes
 from rrfp.exec.models.model import Stage, build_stage
 from rrfp.exec.models.stage import StageRunner
 from rrfp.exec.models.synthetic import Injector, SyntheticRunner
-from rrfp.plan.budget import ByteBudget, parse_byte_item, position_bytes, resolve_budget
+from rrfp.exec.pipelining.channels import ReadinessPipeline
+from rrfp.exec.pipelining.engine import DriverHooks, RuntimeFactory, driver_stages
+from rrfp.exec.pipelining.schedule import ScheduleReadiness
+from rrfp.plan.budget import ByteBudget, parse_byte_item, resolve_budget
 from rrfp.plan.sources import make_hint
 from rrfp.study.trial import TrialId
 from rrfp.traces.trace import TraceRecorder
@@ -66,6 +68,8 @@ class TrialContext:
     trace recorder."""
     announce: str
     """--announce with ``auto`` decided (rrfp.exec.jobs.worker.resolve_announce)."""
+    pipeline: ReadinessPipeline
+    """This rank's pipeline over the worker's transport (``loop``'s), shared by every trial's schedule."""
 
     @property
     def origin(self) -> float:
@@ -102,7 +106,7 @@ class TrialOutcome:
 
 
 class RrfpTrial:
-    """One (policy, hint, budget) on this rank, driven by :class:`PipelineRuntime`."""
+    """One (policy, hint, budget) on this rank, dispatched by a :class:`ScheduleReadiness`."""
 
     def __init__(self, ctx: TrialContext, index: int, trial: TrialId) -> None:
         cfg, topo = ctx.cfg, ctx.topo
@@ -112,37 +116,51 @@ class RrfpTrial:
         """Token mode: the budget in bytes (rrfp.plan.budget.ByteBudget); slots are then the hint's peak,
         for the record only."""
         budgets = resolve_budget(None if self.bytes is not None else trial.budget, hint)
-        self.policy = get_policy(trial.policy)
-        """The policy asked for; backfill's clocked phase plans with a calibrated copy of it."""
-        self.sched: SchedulerProtocol = RankScheduler(hint, topo.pp_rank, self.policy, budgets[topo.pp_rank])
         self.decisions: RankDecisionLog | None = None
-        if cfg.decision_log is not None:  # the runtime drives a recorder of this scheduler (and of clock()'s)
+        if cfg.decision_log is not None:  # the runtime drives a recorder of each scheduler it gets
             self.decisions = RankDecisionLog(topo.coords(), topo.rank, index, trial.label)
-            self.sched = self.decisions.attach(self.sched)
         self.stages, self.runner = self._build(hint.spec)
-        injector = Injector(cfg.jitter, cfg.cv, cfg.inject_ms, cfg.study.seed, topo.dp_rank)
         self.recorder = recorder(cfg, trial, topo.coords, budgets)
-        loop = dataclasses.replace(ctx.loop, recorder=self.recorder)
-        self.runtime = self._runtime(loop, index, injector)
+        self.schedule = self._schedule(hint, index)
         if self.decisions is not None:
-            self.decisions.runtime = self.runtime  # lines carry its iteration from now on
+            self.decisions.runtime = self.schedule.runtime  # lines carry its iteration from now on
         params = [p for m in self.stages.values() for p in m.parameters()]
         self.opt = torch.optim.SGD(params, lr=cfg.lr) if params else None
-        self.out = TrialOutcome(topo.coords(), budget=self.sched.budget)
+        self.out = TrialOutcome(topo.coords(), budget=self.schedule.budget)
         self._act: Any = None  # byte mode: this iteration's predicted bytes per (stage, microbatch)
 
-    def _runtime(self, loop: RankContext, index: int, injector: Injector) -> PipelineRuntime:
-        """rrfp's loop over the transport; with ``--send megatron`` a fixed trial runs Megatron-core's
-        blocking P2P calls on the pipeline group instead (rrfp.exec.loop.megatron; the preflight checked that
-        it runs the 1f1b order)."""
-        if self.cfg.send != "megatron" or self.trial.policy != "fixed":
-            return PipelineRuntime(loop, self.sched, self.runner, index, injector)
-        ctx = self.ctx
-        comm = GroupComm(ctx.groups.pp, ctx.topo.global_rank, ctx.device)
-        return MegatronRuntime(
-            loop, self.sched, self.runner, index, injector, comm, variable_shapes(self.cfg), self.trial.label,
-            ctx.device,
+    def _schedule(self, hint: Any, index: int) -> ScheduleReadiness:
+        """The trial's dispatch: a schedule on the shared pipeline, driven with this trial's runner."""
+        cfg, ctx, trial = self.cfg, self.ctx, self.trial
+        driver = DriverHooks(
+            compute=self.runner, loop=ctx.loop, number=index,
+            injector=Injector(cfg.jitter, cfg.cv, cfg.inject_ms, cfg.study.seed, ctx.topo.dp_rank),
+            wrap=None if self.decisions is None else self.decisions.attach,
+            runtime=self._megatron(), recorder=self.recorder, announce=ctx.announce, costs=ctx.groups.ctrl,
         )  # fmt: skip
+        spec = hint.spec
+        return ScheduleReadiness(
+            driver_stages(ctx.pipeline, spec.stages_of(ctx.topo.pp_rank), spec.num_stages),
+            cfg.study.microbatches, hint=trial.hint, policy=trial.policy,
+            memory_budget="1x" if self.bytes is not None or trial.budget is None else trial.budget,
+            byte_budget=None if self.bytes is None else trial.budget or "1x",
+            pipeline=ctx.pipeline, timeout=cfg.timeout, driver=driver,
+        )  # fmt: skip
+
+    def _megatron(self) -> RuntimeFactory | None:
+        """With ``--send megatron`` a fixed trial runs Megatron-core's blocking P2P calls on the pipeline
+        group instead of rrfp's loop over the transport (rrfp.exec.loop.megatron; the preflight checked
+        that it runs the 1f1b order); None: rrfp's loop."""
+        if self.cfg.send != "megatron" or self.trial.policy != "fixed":
+            return None
+        ctx, cfg, label = self.ctx, self.cfg, self.trial.label
+        comm = GroupComm(ctx.groups.pp, ctx.topo.global_rank, ctx.device)
+        shapes = variable_shapes(cfg)
+
+        def build(loop: RankContext, sched: Any, runner: Any, number: int, injector: Any) -> MegatronRuntime:
+            return MegatronRuntime(loop, sched, runner, number, injector, comm, shapes, label, ctx.device)
+
+        return build
 
     def _build(self, spec: Any) -> tuple[dict[int, Stage], Any]:
         cfg, topo = self.cfg, self.ctx.topo
@@ -164,14 +182,15 @@ class RrfpTrial:
 
     def step(self, it: int) -> None:
         """Iteration ``it``: barrier, run every task, DP all-reduce, optimizer step; record the time."""
-        cfg, out = self.cfg, self.out
-        self._begin(it)
-        faults.watch(self.runtime.describe)
+        cfg, out, schedule = self.cfg, self.out, self.schedule
+        sizes = self._begin(it)
+        faults.watch(schedule.runtime.describe)
         # The first barrier follows the trial's set-up (--sequential builds a model right before it).
         what = f"the iteration barrier ({self.trial.label}, iteration {it})"
         liveness.barrier(self.ctx.groups.ctrl, what, setup=it == 0)
         t0 = time.monotonic()
-        stats = self.runtime.run_iteration(it)
+        act = self._act if self.bytes is not None else None
+        stats = schedule.run_iteration(it, sizes=sizes, act_bytes=act)
         with liveness.waiting(f"the DP all-reduce ({self.trial.label}, iteration {it})"):
             self._dp_allreduce(it)
         keep_grads(out, self.stages, it, cfg)
@@ -181,69 +200,43 @@ class RrfpTrial:
         out.times.append(time.monotonic() - t0)
         out.losses.append(self.runner.loss)
         out.overhead.append(stats.overhead_per_task)
-        out.peak = max(out.peak, self.sched.peak)  # the scheduler's peak restarts every iteration
-        out.peak_bytes = max(out.peak_bytes, self.sched.peak_bytes)
+        out.peak = max(out.peak, schedule.sched.peak)  # the scheduler's peak restarts every iteration
+        out.peak_bytes = max(out.peak_bytes, schedule.sched.peak_bytes)
         if self._act is not None:  # what each forward kept, beside the formula's prediction
             out.saved += [(b, int(self._act[s, m, 0])) for s, m, b in getattr(self.runner, "saved", ())]
-        if isinstance(self.policy, Backfill) and not self.runtime.clocked and it + 1 >= cfg.study.warmup:
-            self._calibrate(self.policy)
-
-    def _calibrate(self, template: Backfill) -> None:
-        """After the warm-up (at least one iteration): backfill plans with the measured mean costs,
-        and the loop starts ticking the clock and announcing producer starts (on every rank at once:
-        the all-gather is a collective over the control group). A fresh scheduler (same hint, rank and
-        budget; cheap, the rank's wiring is memoised on the hint) carries the calibrated policy from
-        the next iteration on, which starts from reset() anyway."""
-        hint, how = self.sched.hint, self.ctx.announce
-        ops = {t.op for order in hint.orders.values() for t in order}
-        with liveness.waiting(f"every rank's costs to calibrate backfill ({self.trial.label})"):
-            policy, info = calibrate(
-                self.runtime.meter, self.ctx.groups.ctrl, template, hint.spec.num_stages, ops,
-                ANNOUNCED_OPS[how], board=how == "board",
-            )  # fmt: skip
-        info["announce"] = how
-        self.out.calibration = info
-        self.sched = RankScheduler(hint, self.sched.rank, policy, self.sched.budget)
-        if self.decisions is not None:
-            self.sched = self.decisions.attach(self.sched)
-        self.runtime.clock(self.sched)
+        if schedule.calibrating and it + 1 >= cfg.study.warmup:
+            # After the warm-up (at least one iteration): backfill plans with the measured mean costs
+            # from the next iteration on (a collective over every rank: all calibrate at once).
+            with liveness.waiting(f"every rank's costs to calibrate backfill ({self.trial.label})"):
+                self.out.calibration = schedule.calibrate()
 
     def outcome(self) -> TrialOutcome:
         out = self.out
         out.digest = digest(out.grads[0]) if out.grads else None
         out.decisions = self.decisions.lines if self.decisions is not None else []
         out.trace = self.recorder.frame() if self.recorder is not None else None
-        if out.trace is not None and isinstance(self.runtime, MegatronRuntime):  # every rank has a recorder
+        if out.trace is not None and isinstance(self.schedule.runtime, MegatronRuntime):  # every rank records
             out.trace = align_messages(out.trace, self.ctx.groups.ctrl)
         return out
 
-    def _begin(self, it: int) -> None:
-        """Start the runner on iteration ``it``'s data; in token mode the trace's compute rows carry each
-        microbatch's tokens and images (trace schema v3)."""
+    def _begin(self, it: int) -> Any:
+        """Start the runner on iteration ``it``'s data, and keep its predicted activation bytes (byte
+        mode); returns its microbatch sizes in token mode (the trace's compute rows carry each
+        microbatch's tokens and images, trace schema v3), else None."""
         if isinstance(self.runner, SyntheticRunner):
             self.runner.begin(it)
             sample = self.runner.sample
-            self._use_bytes(None if sample is None else sample.act_bytes)
-            if self.cfg.tokens is not None and sample is not None and sample.known is not None:
-                self.runtime.sizes = sample.known
-            return
+            self._act = None if sample is None else sample.act_bytes
+            if self.cfg.tokens is not None and sample is not None:
+                return sample.known
+            return None
         ctx = self.ctx
         batch, sizes = run_batch(self.cfg, ctx.topo.dp_rank, it)
-        if sizes is not None:
-            self.runtime.sizes = self.cfg.tokens.known_sizes(sizes)
         if self.bytes is not None:
-            act = batch_act_bytes(self.cfg.model, batch, self.sched.hint.spec.num_stages, self.cfg.tp)
-            self._use_bytes(act)
+            num_stages = self.schedule.hint.spec.num_stages
+            self._act = batch_act_bytes(self.cfg.model, batch, num_stages, self.cfg.tp)
         self.runner.begin([mb.to(ctx.device) for mb in batch])
-
-    def _use_bytes(self, act: Any) -> None:
-        """Byte mode: this iteration's byte deltas and budget for the runtime to hand the scheduler."""
-        self._act = act
-        if self.bytes is None or act is None:
-            return
-        sched = self.sched
-        deltas = position_bytes(sched.hint.plan.wiring(sched.rank), act)
-        self.runtime.memory = (deltas, self.bytes.resolve(sched.rank, deltas, sched.hint.name))
+        return None if sizes is None else self.cfg.tokens.known_sizes(sizes)
 
     def _dp_allreduce(self, it: int) -> None:
         """Average gradients over the DP replicas (one flat buffer per stage)."""

@@ -38,6 +38,7 @@ from rrfp.exec.jobs.trials import RrfpTrial, TrialContext, TrialOutcome
 from rrfp.exec.loop.decision_log import write_decision_log
 from rrfp.exec.loop.runtime import RankContext
 from rrfp.exec.models.check import Reference, compare_run, reference
+from rrfp.exec.pipelining.channels import ReadinessPipeline
 from rrfp.exec.report import announce, emit
 from rrfp.exec.results import ExecMeasures, exec_result
 from rrfp.plan.sources import make_hint
@@ -113,6 +114,7 @@ class Worker:
         self.offset = 0.0 if one_host else _ping_pong(self.groups.ctrl, 8)
         if self.transport is not None:
             self.transport.offset = self.offset  # times on the wire are on rank 0's clock
+        self.pipeline_ctrl = pipeline_ctrl(self.topo, cfg.timeout)
         self.announce = resolve_announce(cfg, one_host)
         self.board, self.board_base, self.board_running = None, 0, -1
         if self.announce == "board":
@@ -181,7 +183,11 @@ class Worker:
             t.rank, t.pp_rank, t.global_rank, self.transport, self.groups.tp_ctrl, self.cfg.timeout,
             origin=origin, board=self.board, board_base=self.board_base, board_running=self.board_running,
         )  # fmt: skip
-        return TrialContext(self.cfg, t, self.groups, self.device, loop, self.announce)
+        ranks = [t.global_rank(p) for p in range(t.pp)]
+        pipe = ReadinessPipeline.over(
+            self.transport, ranks, self.pipeline_ctrl, self.device, self.cfg.timeout, early=loop.early
+        )
+        return TrialContext(self.cfg, t, self.groups, self.device, loop, self.announce, pipe)
 
     @staticmethod
     def _make(ctx: TrialContext, index: int, trial: TrialId) -> Any:
@@ -299,6 +305,22 @@ def progress_bar(cfg: RunConfig, total: int, rank0: bool) -> Any:
     enabled = cfg.progress and rank0
     stream = os.fdopen(os.dup(faults.console()), "w") if enabled else None
     return tqdm(total=total, disable=not enabled, file=stream, desc="rrfp-run", unit="it", leave=False)
+
+
+def pipeline_ctrl(topo: Topology, timeout_s: float) -> Any:
+    """A gloo group over this rank's pipeline (same tp and dp ranks), where the trials' schedules agree
+    on their set-up (rrfp.exec.pipelining.channels.ReadinessPipeline.over); every pipeline's is created,
+    in one order on every rank (new_group is collective)."""
+    wait = timedelta(seconds=max(timeout_s, CTRL_MIN_TIMEOUT_S))
+    _, tp_rank, dp_rank = topo.coords()
+    mine = None
+    for d in range(topo.dp):
+        for t in range(topo.tp):
+            ranks = [topo.global_rank(p, t, d) for p in range(topo.pp)]
+            g = dist.new_group(ranks, timeout=wait, backend="gloo")
+            if (t, d) == (tp_rank, dp_rank):
+                mine = g
+    return mine
 
 
 def same_host(group: Any) -> bool:

@@ -8,7 +8,8 @@
     schedule.close()
 
 Modules: ``schedule`` (:class:`ScheduleReadiness`, its rules), ``channels`` (:class:`ReadinessPipeline`,
-the collective set-up shared by schedules), ``compute`` (F/B/I/W of torch stages as runtime tasks),
+the collective set-up shared by schedules), ``engine`` (extension points for a driver with its own
+compute: rrfp-run's trials), ``compute`` (F/B/I/W of torch stages as runtime tasks),
 ``codec`` (tuples of tensors as one message), ``errors`` (the one-line errors).
 """
 

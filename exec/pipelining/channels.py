@@ -81,10 +81,36 @@ class ReadinessPipeline:
             self.transport = Transport(channels, self.pp_rank, self.to_global, self.device)
         self.early: dict[tuple[int, int], list[Any]] = defaultdict(list)
         """Messages for a schedule's later step (a peer ran ahead), shared by every schedule's loop."""
+        self._finish(owned=True)
+
+    def _finish(self, owned: bool) -> None:
+        self._owned = owned  # close() frees the transport and groups only when this pipeline made them
         self._trials = itertools.count()
         self.closed = False
         self.broken: str | None = None
         """Why the channels carry nothing more (a step failed), or None."""
+
+    @classmethod
+    def over(
+        cls, transport: Transport | None, ranks: list[int], ctrl: Any, device: torch.device | str,
+        timeout: float, early: dict[tuple[int, int], list[Any]] | None = None, group: Any = None,
+    ) -> ReadinessPipeline:  # fmt: skip
+        """A pipeline on channels its caller already has (not collective): ``transport`` between this
+        pipeline's ranks (None: one rank), their global ``ranks`` in pipeline order, ``ctrl`` a gloo group
+        of exactly those ranks (set-up agreement), ``early`` the mailbox shared with the caller's other
+        loops on the same transport, ``group`` the stages' process group (None: ``ctrl``). rrfp-run's
+        worker builds one over its own transport, shared by every trial. :meth:`close` leaves the
+        transport and groups to their owner."""
+        self = cls.__new__(cls)
+        self.device, self.ranks, self.rank = torch.device(device), list(ranks), dist.get_rank()
+        if self.rank not in self.ranks:
+            raise StageLayoutError(f"rank {self.rank} is not in the pipeline's ranks {self.ranks}")
+        self.group = ctrl if group is None else group
+        self.pp, self.pp_rank = len(self.ranks), self.ranks.index(self.rank)
+        self.timeout, self.ctrl, self.transport, self._groups = float(timeout), ctrl, transport, []
+        self.early = defaultdict(list) if early is None else early
+        self._finish(owned=False)
+        return self
 
     def to_global(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank``."""
@@ -115,7 +141,7 @@ class ReadinessPipeline:
         if self.closed:
             return
         self.closed = True
-        if self.transport is not None and self.broken is None:
+        if self.transport is not None and self.broken is None and self._owned:
             self.transport.close(self.timeout)
             dist.barrier(group=self.ctrl)  # every peer's threads took our close before the groups go
             for g in self._groups:

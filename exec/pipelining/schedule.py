@@ -54,6 +54,11 @@ builds its own at the same time), and the user all-reduces the stage gradients o
 ``step`` (tests/test_pipelining.py does). DDP/FSDP-wrapped stage modules go through torch's own
 ``backward_maybe_with_nosync``/``perform_reduce_grad``, untested here.
 
+A driver with a compute of its own -- rrfp-run's trials -- passes it as ``driver=`` (with
+:class:`~rrfp.exec.pipelining.engine.StageSlot` placements instead of ``PipelineStage`` objects) and
+calls ``run_iteration(it)`` per iteration instead of ``step``: the extension points are documented in
+rrfp.exec.pipelining.engine.
+
 ``trace_out=PATH``: the training steps' tasks, waits and messages as a trace (schema v3) written by
 ``close()`` (or :meth:`ScheduleReadiness.write_trace`) that ``rrfp-sim --replay PATH`` replays.
 
@@ -88,6 +93,7 @@ from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
 from rrfp.exec.loop.switch import AutoRecord, AutoSwitch, TaskMeter
 from rrfp.exec.pipelining.channels import ReadinessPipeline
 from rrfp.exec.pipelining.compute import StageCompute
+from rrfp.exec.pipelining.engine import DriverHooks, DriverSteps
 from rrfp.exec.pipelining.errors import (
     LossError,
     MicrobatchError,
@@ -103,7 +109,7 @@ from rrfp.traces.trace import TraceRecorder
 _TARGET_SPEC = TensorChunkSpec(0)
 
 
-class ScheduleReadiness(PipelineScheduleMulti):
+class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
     """A readiness-driven pipeline schedule over torch ``PipelineStage`` objects.
 
     ``stages``: this rank's ``PipelineStage`` (or a list of them: interleaved ``loop`` placement, stage
@@ -114,7 +120,8 @@ class ScheduleReadiness(PipelineScheduleMulti):
     ``fork_rng=False`` skips the per-forward RNG fork (a little faster; dropout then depends on the
     order). ``timeout``: the most seconds a rank waits for an input (default: the pipeline's, 120 s for one
     made here); after a failure the others are waited for up to twice the pipeline's timeout.
-    The chunk and merge specs are torch's.
+    The chunk and merge specs are torch's. ``driver``: a compute of the caller's own and its loop's
+    surroundings instead of the stages' modules (rrfp.exec.pipelining.engine; rrfp-run's trials).
     """
 
     def __init__(
@@ -136,8 +143,10 @@ class ScheduleReadiness(PipelineScheduleMulti):
         args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
         kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
         output_merge_spec: Any = None,
+        driver: DriverHooks | None = None,
     ) -> None:
         stages = _stage_list(stages)
+        self._driver = driver
         if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
             raise MicrobatchError(f"n_microbatches must be an integer >= 1, got {n_microbatches!r}")
         super().__init__(
@@ -158,6 +167,8 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self.policy_name = policy if isinstance(policy, str) else policy.name
         self.hint_name, self.seed = hint, int(seed)
         self.timeout = pipe.timeout if timeout is None else float(timeout)
+        if driver is not None and trace_out is not None:
+            raise StageLayoutError("a driven schedule's trace goes to driver.recorder, not trace_out")
         self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget))
         try:  # every rank checked the same arguments: what fails now fails on every rank alike
             self._build(stages, policy, memory_budget, byte_budget, fork_rng, trace_out)
@@ -183,6 +194,9 @@ class ScheduleReadiness(PipelineScheduleMulti):
         policy_obj = get_policy(policy) if isinstance(policy, str) else policy
         self._template = policy_obj if isinstance(policy_obj, Backfill) else None
         self.budget = resolve_budget(memory_budget, self.hint)[pipe.pp_rank]
+        if self._driver is not None:
+            self._build_driven(self._driver, policy_obj, byte_budget)
+            return
         self.sched = RankScheduler(self.hint, pipe.pp_rank, policy_obj, self.budget)
         self.auto = None  # auto: the switch between its arms (rrfp.exec.loop.switch)
         if isinstance(policy_obj, Auto):
@@ -357,6 +371,8 @@ class ScheduleReadiness(PipelineScheduleMulti):
         """Prepare the microbatches and run every task of this rank; any error becomes a StageFailed on
         every rank."""
         self.pipeline.check_open()
+        if self._driver is not None:
+            raise PipeliningError("a schedule built with driver= runs run_iteration(), not step()")
         training = self._has_backward and torch.is_grad_enabled()
         step = self._steps
         self._steps += 1
