@@ -13,6 +13,14 @@ machine's load hits every arm alike), on a small GPT stage pair (examples/train_
   its shapes once, so every step is padded to that length; pads are ignored by the loss). The figure is
   rrfp's real tokens per second / torch's.
 
+The simulator's prediction of the variable-length figure, from the unpadded run's own trace (the
+variable-length arm runs a ScheduleReadiness with ``trace_out``, one trace per launch in ``--out``):
+the unpadded arm by replaying the trace with its own policy (rrfp.sim.replay.run_replay), torch's padded
+arm by a what-if on the same trace -- fixed/1f1b (torch's order) with every microbatch resized to the
+padded length, each task's cost fitted per (stage, op) as a + b t + c t^2 of its microbatch's tokens
+(rrfp.traces.resize). Per round, predicted padded step / predicted unpadded step; the benchmark prints
+it beside the measured ratio and the error. It assumes torch's per-task overhead is ScheduleReadiness's.
+
 A step's time is the slowest rank's (an all-reduce of each rank's time after a barrier). Each launch
 gives the mean of its per-round ratios with a 95% t-interval; the benchmark prints every launch's and
 the median over the launches. It needs 2 free cores to mean anything: on a shared machine quote it with
@@ -96,10 +104,12 @@ def worker(a: argparse.Namespace) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         times.setdefault(name, []).append(float(t))
 
-    default = ours[f"{policies()[-1]}/1f1b"]
+    # The variable-length arm: the default policy, in a schedule of its own that records its trace.
+    traced = ScheduleReadiness(stage, m, loss_fn, hint="1f1b", policy=policies()[-1], scale_grads=False,
+                               trace_out=str(a.trace))  # fmt: skip
 
     def unpadded(*v: Any, **k: Any) -> None:  # (arg_mbs on the first stage,) target_mbs
-        default.step_microbatches(v[0] if len(v) > 1 else None, v[-1], **k)
+        traced.step_microbatches(v[0] if len(v) > 1 else None, v[-1], **k)
 
     for lens in runs:
         static = torch.randint(0, a.vocab, (m * a.rows, a.static_len + 1), generator=gen)
@@ -117,12 +127,12 @@ def worker(a: argparse.Namespace) -> None:
         inputs, targets = [(t[:, :-1],) for t in rows], [t[:, 1:] for t in rows]
         timed("varlen rrfp unpadded", unpadded, (inputs,), targets, loss_kwargs={"total": real})
         tokens.append(real)
-    for s in ours.values():
-        s.close()
+    for s in [*ours.values(), traced]:
+        s.close()  # the traced one writes its trace (collective)
     if rank == 0:
         keep = slice(2, None)  # the first two rounds warm up every arm
         print(json.dumps({"times": {k: v[keep] for k, v in times.items()}, "tokens": tokens[keep],
-                          "longest": longest}))  # fmt: skip
+                          "longest": longest, "lengths": runs, "rows": a.rows}))  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -146,6 +156,36 @@ def ratios(run: dict) -> dict[str, list[float]]:
     return out
 
 
+def predict(run: dict, trace: Path) -> dict[str, Any]:
+    """The simulator's prediction of the variable-length ratio from the unpadded arm's trace (see the
+    module docstring), over the rounds the measured ratio keeps; with the measured one and each arm's
+    measured and predicted step time (ms)."""
+    from rrfp.sim.replay import run_replay
+    from rrfp.traces.replay import load_replay
+    from rrfp.traces.resize import fit_token_costs
+
+    rep = load_replay(trace)
+    tokens = [[run["rows"] * t for t in lens] for lens in run["lengths"]]
+    if len(rep.iterations) != len(tokens):
+        raise SystemExit(f"library_vs_torch: {trace} holds {len(rep.iterations)} steps, not {len(tokens)}")
+    costs = fit_token_costs(rep, tokens)
+    unpadded = run_replay(rep).recorded.times
+    result = run_replay(costs.resized(rep, tokens, run["rows"] * run["longest"]), hints=("1f1b",),
+                        policies=("fixed",))  # fmt: skip
+    found = [r for r in result.runs[1:] if r.key.policy == "fixed" and r.key.hint == "1f1b"]
+    (padded,) = [r.times for r in found or result.runs[:1]]
+    keep = slice(len(tokens) - len(run["tokens"]), None)  # the worker's kept rounds
+    ratio = statistics.fmean(p / u for p, u in zip(padded[keep], unpadded[keep], strict=True))
+    t = run["times"]
+    measured = statistics.fmean(ratios(run)["varlen tokens/s vs torch padded"])  # as the launch's line
+    ms = lambda v: 1e3 * statistics.fmean(v)  # noqa: E731
+    return {
+        "measured": measured, "predicted": ratio, "error_pct": 100 * (ratio / measured - 1),
+        "unpadded_ms": (ms(t["varlen rrfp unpadded"]), ms(rep.measured[keep]), ms(unpadded[keep])),
+        "padded_ms": (ms(t["varlen torch:1F1B padded"]), ms(padded[keep])), "r2": min(costs.r2.values()),
+    }  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--launches", type=int, default=3)
@@ -158,15 +198,20 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--blocks", type=int, default=2)
     p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--out", type=Path, default=Path("results/library_vs_torch"),
+                   help="where each launch's variable-length trace is written")  # fmt: skip
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--trace", type=Path, help=argparse.SUPPRESS)  # the worker's trace_out
     a = p.parse_args()
     if a.worker:
         return worker(a)
     argv = [a for a in sys.argv[1:] if a != "--worker"]
+    a.out.mkdir(parents=True, exist_ok=True)
     per: dict[str, list[float]] = {}
     for launch in range(a.launches):
+        trace = a.out / f"varlen-launch{launch}.parquet"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               __file__, "--worker", *argv]  # fmt: skip
+               __file__, "--worker", "--trace", str(trace), *argv]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
         if done.returncode:
@@ -177,6 +222,15 @@ def main() -> None:
             per.setdefault(name, []).append(mean)
             print(f"launch {launch}: {name:34s} {mean:.3f} [{lo:.3f}, {hi:.3f}]  ({len(values)} rounds)")
         print(f"launch {launch}: longest sample {run['longest']} tokens", flush=True)
+        pred = predict(run, trace)
+        for name in ("measured", "predicted", "error_pct"):
+            per.setdefault(f"varlen ratio {name}", []).append(pred[name])
+        (real, span, replayed), (torch_ms, padded_ms) = pred["unpadded_ms"], pred["padded_ms"]
+        print(f"launch {launch}: simulator, from {trace}: varlen ratio predicted {pred['predicted']:.3f}, "
+              f"measured {pred['measured']:.3f} (error {pred['error_pct']:+.1f}%); unpadded step "
+              f"{real:.1f} ms timed, {span:.1f} ms traced, {replayed:.1f} ms replayed; torch padded "
+              f"{torch_ms:.1f} ms timed, {padded_ms:.1f} ms predicted; fit R^2 >= {pred['r2']:.3f}",
+              flush=True)  # fmt: skip
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
     for name, means in per.items():
         print(f"median over {len(means)} launches: {name:34s} {statistics.median(means):.3f}")

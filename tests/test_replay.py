@@ -195,6 +195,60 @@ def test_runtime_timing_charges_gaps_to_tasks_and_median_timing_is_close() -> No
     assert abs(run_replay(median).fidelity()["error_pct"]) < 5.0
 
 
+def descheduled_sender_frame() -> pd.DataFrame:
+    """A hand-built runtime trace: pp=2, m=2, fixed/1f1b, one iteration, every wake-up lag 0 (times in s).
+
+    Rank 0 posts 0F0's activation at 1 and is descheduled until 3; rank 1 used it at 1.5, so 0F0's
+    message beat the rank's next compute. Rank 1 posts 1B0's gradient, used at 4.75, and only starts
+    waiting at 4.875, a wait that 1F1's activation ends at 5.5. The run spans 0 to 10.5.
+    """
+    from rrfp.plan.task import Task
+    from rrfp.traces.trace import TraceRecorder
+
+    rec = TraceRecorder(run="exec/fixed/1f1b", policy="fixed", hint="1f1b", seed=0)
+
+    def msg(n: int, task: str, src: int, send: tuple[float, float], recv: tuple[float, float]) -> None:
+        rec.add("send", 0, src, Task.parse(task), *send, nbytes=8, peer=1 - src, msg=n)
+        rec.add("recv", 0, 1 - src, Task.parse(task), *recv, nbytes=8, peer=src, msg=n)
+
+    for rank, task, start, end in [
+        (0, "0F0", 0, 1), (0, "0F1", 3, 4), (0, "0B0", 4.75, 6.75), (0, "0B1", 8.5, 10.5),
+        (1, "1F0", 1.5, 2.5), (1, "1B0", 2.5, 4.5), (1, "1F1", 5.5, 6.5), (1, "1B1", 6.5, 8.25),
+    ]:  # fmt: skip
+        rec.add("compute", 0, rank, Task.parse(task), start, end)
+    for rank, start, end in [(0, 4.25, 4.75), (0, 6.75, 8.5), (1, 0, 1.5), (1, 4.875, 5.5)]:
+        rec.add("wait", 0, rank, None, start, end)
+    msg(1, "1F0", 0, (1, 1.25), (1, 1.5))
+    msg(2, "1F1", 0, (4, 4.25), (4.25, 5.5))
+    msg(3, "0B0", 1, (4.5, 4.625), (4.5, 4.75))
+    msg(4, "0B1", 1, (8.25, 8.375), (8.25, 8.5))
+    return rec.frame()
+
+
+def test_a_message_that_beat_its_senders_next_step_ends_the_task_at_its_arrival() -> None:
+    # Occupancy until the rank's next compute or wait would make 0F0 last 3 s and 1B0 2.375 s, so the
+    # replay would deliver both messages late (1.5 s and 0.125 s) and predict 11.375 s. Instead 0F0 ends
+    # at its message's arrival (1.5) and 0F1, right after it, carries the 1.5 s left; 1B0 ends at 4.75,
+    # and what it leaves is idle time that the following wait (ended by a message) holds.
+    rep = load_replay(descheduled_sender_frame())
+    assert rep.timing == "runtime" and rep.measured == [10.5]
+    dur = rep.durations[0, 0, 0]
+    f, b = dur[0], dur[1]  # [stage, microbatch]
+    np.testing.assert_array_equal(f, [[1.5, 2.75], [1.0, 1.0]])
+    np.testing.assert_array_equal(b, [[2.0, 2.0], [2.25, 1.875]])
+    latency = rep.latency[0, 0, 0]
+    np.testing.assert_array_equal(latency[0, :, 0], [0.0, 1.25])  # activations from stage 0
+    np.testing.assert_array_equal(latency[1, :, 1], [0.0, 0.125])  # gradients from stage 1
+    assert rep.notes == [
+        "2 of 4 messages arrived before their sender's next compute or wait began: those tasks end at the "
+        "arrival (1.62e+03 ms earlier in all), and the rank's next task carries 1.5e+03 ms of it (the rest "
+        "came before a wait that a message ended)"
+    ]
+    # By hand: 0F0 [0, 1.5], 0F1 [1.5, 4.25]; 1F0 [1.5, 2.5], 1B0 [2.5, 4.75]; 0B0 [4.75, 6.75];
+    # 1F1 [5.5, 6.5] (its activation: 4.25 + 1.25), 1B1 [6.5, 8.375]; 0B1 [8.5, 10.5].
+    assert run_replay(rep).recorded.times == [10.5]
+
+
 # -- malformed traces: one line, exit 2 -------------------------------------------------------------
 def write_raw(frame: pd.DataFrame, path: Path) -> Path:
     pq.write_table(pa.Table.from_pandas(frame, preserve_index=False), path)  # no validation on the way
@@ -315,3 +369,17 @@ def test_v1_trace_without_budget_loads_with_the_default(good: pd.DataFrame, tmp_
 def test_load_replay_rejects_an_unknown_timing(good: pd.DataFrame) -> None:
     with pytest.raises(ReplayError, match="timing must be one of exact, runtime, runtime-median, got 'fast'"):
         load_replay(good, timing="fast")
+
+
+@pytest.mark.parametrize("name", ["GPipe", "LoopedBFS", "Interleaved1F1B", "InterleavedZeroBubble"])
+def test_torch_profile_imports_replay_their_own_run(name: str) -> None:
+    # torch posts its isends asynchronously: a quarter of these messages beat their sender's next step.
+    # Ending such a task at its message's arrival replays them to float rounding (+6% to +13% before).
+    from rrfp.traces.torch_profile import import_torch_profile
+
+    frame = import_torch_profile(
+        sorted((ROOT / "tests" / "data" / "torch_profile" / name).glob("rank*.json"))
+    )
+    rep = load_replay(frame)
+    assert rep.timing == "runtime" and any("before their sender's next compute" in n for n in rep.notes)
+    assert abs(run_replay(rep).fidelity()["error_pct"]) < 0.01

@@ -20,8 +20,13 @@ Two timing models, chosen by what the trace records:
   before them; the rank's last task runs until its last send was posted), and a rank's first task also
   carries the rank's start-up delay after the iteration began. A message takes from its producer's
   occupancy end to the moment the consumer rank could use it: its recv end plus, when it woke a waiting
-  rank, the wake-up lag until the next compute started (the rank's median lag otherwise). Latencies
-  are clamped at 0 (a payload that arrived before its sender's loop was free).
+  rank, the wake-up lag until the next compute started (the rank's median lag otherwise). A task whose
+  message was usable before that occupancy end (its rank descheduled right after posting the send)
+  ends at the message's arrival instead, so the message is not delayed, and the rank's next task
+  carries the rest so the rank's busy time stays the same: it starts there, or, after a wait, is longer
+  by that much -- except after a wait that a message's arrival ended, where the rank idled until that
+  arrival anyway (the replay's own wait holds that time). Latencies are clamped at 0 (what is left: a
+  payload that arrived before its sender's compute ended, or one under ``runtime-median``).
 * ``runtime-median`` (ask for it): as ``runtime``, but each task carries its rank's *median* overhead
   instead of its own, and every arrival the rank's median wake-up lag -- a check of how much fidelity
   rests on per-event attribution (on the shipped traces: within a few % instead of ~0%).
@@ -310,6 +315,7 @@ class _Loader:
         self.col = {c: rows[c].to_numpy() for c in rows.columns}
         self.notes: list[str] = []
         self.clamped: list[float] = []  # s: how early each clamped message arrived
+        self.cut: list[tuple[float, float]] = []  # s: (how much earlier, carried on) per task cut
 
     def fail(self, pos: int | None, field_name: str | None, problem: str) -> None:
         where = "" if pos is None else f" row {int(self.index[pos])},"
@@ -483,8 +489,10 @@ class _Loader:
         self, computes: dict[tuple[int, int], list[_Row]]
     ) -> dict[tuple[int, int, Task], tuple[float, float]]:
         """(iteration, gid, task) -> (start, occupancy end): the compute row itself under ``exact``;
-        under ``runtime`` until the rank's next compute or wait (or its last send) begins; under
-        ``runtime-median`` the compute end plus the rank's median of those overheads."""
+        under ``runtime`` until the rank's next compute or wait (or its last send) begins, or its first
+        message's arrival if that is earlier (the start of the rank's next task moves back by the
+        difference); under ``runtime-median`` the compute end plus the rank's median of the uncut
+        overheads."""
         occ = self._own_occupancy(computes)
         if self.timing != "runtime-median":
             return occ
@@ -509,8 +517,11 @@ class _Loader:
         waits = self._rows_of("wait")
         sends = self._rows_of("send")
         origin = self._origins()
+        cutting = self.timing == "runtime"  # tasks end at an earlier arrival of their message
+        first, woken = (self._first_arrivals(), self._woken_waits()) if cutting else ({}, set())
         for (it, gid), rows in computes.items():
             main = sorted(rows + waits.get((it, gid), []), key=lambda x: (x.start, x.end))
+            carry = 0.0  # s: what the rank's previous task left when it ended at its message's arrival
             for k, row in enumerate(main):
                 if row.task is None:
                     continue
@@ -524,7 +535,40 @@ class _Loader:
                         )
                     if k == 0:
                         start = origin[it]  # the rank's start-up delay belongs to its first task
+                start, carry = start - carry, 0.0
+                arrival = first.get((it, gid, row.task), math.inf)
+                if arrival < end - EPS:
+                    # Its message was usable before the rank's loop moved on (a rank descheduled right
+                    # after posting its send): the task ends there, so the replay delivers the message in
+                    # time, and the rank's next task carries the rest, so the rank's busy time stays --
+                    # unless a wait that a message ended comes next: the rank idled until that message
+                    # came, so the rest delayed nothing and the replay's wait holds it.
+                    cut = max(row.end, arrival)
+                    hidden = k + 1 < len(main) and main[k + 1].index in woken
+                    carry = 0.0 if hidden else end - cut
+                    self.cut.append((end - cut, carry))
+                    end = cut
                 out[it, gid, row.task] = (start, end)
+        return out
+
+    def _first_arrivals(self) -> dict[tuple[int, int, Task], float]:
+        """(iteration, sender gid, producer task) -> the earliest usable arrival of its messages."""
+        lag, median_lag = self._wake_lags()
+        out: dict[tuple[int, int, Task], float] = {}
+        for row, src, producer in self._messages():
+            key = (row.it, src, producer)
+            out[key] = min(out.get(key, math.inf), row.end + lag.get(row.index, median_lag.get(row.gid, 0.0)))
+        return out
+
+    def _messages(self) -> list[tuple[_Row, int, Task]]:
+        """Every recv row with its sender's gid and its producer (the consumer's input from that rank)."""
+        by_coords = {c: g for g, c in self.coords.items()}
+        out = []
+        for (_, gid), rows in self._rows_of("recv").items():
+            r, t, d = self.coords[gid]
+            for row in rows:
+                producer = self._producer(row, r)
+                out.append((row, by_coords[(self.spec.rank_of(producer.stage), t, d)], producer))
         return out
 
     def _rows_of(self, kind: str) -> dict[tuple[int, int], list[_Row]]:
@@ -568,23 +612,19 @@ class _Loader:
         woke = set(lag)
         if self.timing == "runtime-median":
             lag = {}
-        by_coords = {c: g for g, c in self.coords.items()}
-        for (it, gid), rows in self._rows_of("recv").items():
-            r, t, d = self.coords[gid]
-            for row in rows:
-                assert row.task is not None
-                producer = self._producer(row, r)
-                src = by_coords[(spec.rank_of(producer.stage), t, d)]
-                if (it, src, producer) not in occ:
-                    continue  # checked by _computes; a recv of another iteration's task is skipped
-                sent = occ[it, src, producer][1]
-                arrival = row.end + lag.get(row.index, median_lag.get(gid, 0.0))
-                at = (self.iters[it], d, t, producer.stage, producer.mb, 0 if producer.op is Op.F else 1)
-                out[at] = max(0.0, arrival - sent)
-                if arrival < sent:
-                    self.clamped.append(sent - arrival)
-                link[at] = row.end - row.start
-                waited[at] = self.timing == "exact" or row.index in woke
+        for row, src, producer in self._messages():
+            it, gid = row.it, row.gid
+            _, t, d = self.coords[gid]
+            if (it, src, producer) not in occ:
+                continue  # checked by _computes; a recv of another iteration's task is skipped
+            sent = occ[it, src, producer][1]
+            arrival = row.end + lag.get(row.index, median_lag.get(gid, 0.0))
+            at = (self.iters[it], d, t, producer.stage, producer.mb, 0 if producer.op is Op.F else 1)
+            out[at] = max(0.0, arrival - sent)
+            if arrival < sent:
+                self.clamped.append(sent - arrival)
+            link[at] = row.end - row.start
+            waited[at] = self.timing == "exact" or row.index in woke
         return out, link, waited
 
     def _note_messages(self, spec: PipelineSpec, latency: np.ndarray) -> None:
@@ -596,6 +636,13 @@ class _Loader:
             self.notes.append(
                 f"{expected - recorded} of {expected} messages have no recv row: "
                 "they take the median recorded latency (0 if none)"
+            )
+        if self.cut:
+            early, carried = (1e3 * sum(c[i] for c in self.cut) for i in (0, 1))
+            self.notes.append(
+                f"{len(self.cut)} of {recorded} messages arrived before their sender's next compute or wait "
+                f"began: those tasks end at the arrival ({early:.3g} ms earlier in all), and the rank's next "
+                f"task carries {carried:.3g} ms of it (the rest came before a wait that a message ended)"
             )
         if self.clamped:
             self.notes.append(
@@ -612,6 +659,16 @@ class _Loader:
         if len(remote) != 1:
             self.fail(row.index, "op", f"recv for task {task}, which has no input from another rank")
         return remote[0]
+
+    def _woken_waits(self) -> set[int]:
+        """Positions of the wait rows that a message's arrival ended (a recv ended during the wait)."""
+        recvs = self._rows_of("recv")
+        return {
+            w.index
+            for key, rows in self._rows_of("wait").items()
+            for w in rows
+            if any(w.start - EPS <= r.end <= w.end + EPS for r in recvs.get(key, []))
+        }
 
     def _wake_lags(self) -> tuple[dict[int, float], dict[int, float]]:
         """(recv row position -> lag from its end to the next compute start, for each arrival that
