@@ -225,3 +225,23 @@ def test_calibrated_backfill_runs_clocked_on_gloo(tmp_path, announce: str) -> No
                 if t0 < end[dep] - 1e-6:
                     late[task].append(dep)
         assert not late, (run, it, dict(late))
+
+
+def test_auto_switches_every_rank_after_its_replayed_iterations_in_rrfp_run() -> None:
+    """rrfp-run's auto (through ScheduleReadiness's driven schedule): calibrated after the warm-up, then
+    Auto.rounds iterations replayed under both arms, then every later one on the chosen arm; the
+    gradients check on every iteration, whichever arm ran it."""
+    from rrfp.dispatch.auto import Auto
+
+    result = rrfp_run(
+        "--gpus", "2", "-m", "8", "--check", "--trials", "auto/zb-h1@2x", "--warmup", "1",
+        "--iterations", "3", "--jitter", "lognormal", "--cv", "1.0", "--inject-ms", "3",
+    )  # fmt: skip
+    assert result["ok"]
+    (row,) = result["results"]
+    assert row["check"]["ok"], row["check"]
+    auto = row["calibration"]["auto"]
+    assert auto["chosen"] in Auto.arms
+    assert len(auto["replayed_s"]) == Auto.rounds
+    assert all(len(times) == len(Auto.arms) for times in auto["replayed_s"])
+    assert auto["steps"] == [Auto.arms[0]] * Auto.rounds + [auto["chosen"]] * (3 - Auto.rounds)

@@ -204,6 +204,12 @@ class RrfpTrial:
         out.peak_bytes = max(out.peak_bytes, schedule.sched.peak_bytes)
         if self._act is not None:  # what each forward kept, beside the formula's prediction
             out.saved += [(b, int(self._act[s, m, 0])) for s, m, b in getattr(self.runner, "saved", ())]
+        record = schedule.auto.record if schedule.auto is not None else None
+        if record is not None and record.chosen is not None and out.calibration is not None:
+            # auto: what it replayed and chose (the same on every rank), beside backfill's costs
+            replayed = [list(h) for h in record.history]
+            auto = {"chosen": record.chosen, "replayed_s": replayed, "steps": list(record.steps)}
+            out.calibration["auto"] = auto
         if schedule.calibrating and it + 1 >= cfg.study.warmup:
             # After the warm-up (at least one iteration): backfill plans with the measured mean costs
             # from the next iteration on (a collective over every rank: all calibrate at once).

@@ -33,11 +33,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from rrfp.dispatch.auto import Auto
 from rrfp.dispatch.protocol import SchedulerProtocol
 from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.dispatch.sizes import Sizes
 from rrfp.exec.loop.calibrate import ANNOUNCED_OPS, calibrate
 from rrfp.exec.loop.runtime import LoopStats, PipelineRuntime, RankContext, Runner
+from rrfp.exec.loop.switch import AutoSwitch, TaskMeter
 from rrfp.exec.models.synthetic import Injector
 from rrfp.exec.pipelining.errors import PipeliningError, StageLayoutError
 from rrfp.plan.budget import ByteBudget, parse_byte_item, position_bytes
@@ -116,9 +118,10 @@ class DriverSteps:
     _template: Any
     _driver: DriverHooks | None
 
-    def _build_driven(self, driver: DriverHooks, policy: Any, byte_budget: str | None) -> None:
+    def _build_driven(self, driver: DriverHooks, policy: Any, byte_budget: str | None, budgets: Any) -> None:
         """The scheduler, compute and loop of a driven schedule (its byte budget admits by the bytes the
-        driver predicts per step, :meth:`run_iteration`'s ``act_bytes``)."""
+        driver predicts per step, :meth:`run_iteration`'s ``act_bytes``); ``budgets``: every rank's
+        activation budget (``auto``'s replay needs them)."""
         pipe = self.pipeline
         if driver.loop.transport is not pipe.transport or driver.loop.early is not pipe.early:
             raise StageLayoutError("driver.loop must carry the pipeline's transport and early mailbox")
@@ -135,6 +138,12 @@ class DriverSteps:
         self.runtime = make(self._ctx, self.sched, self.compute, driver.number, driver.injector)
         self._steps = 0
         self.calibration = None
+        self.auto: AutoSwitch | None = None
+        """``auto``: its switch; it replays the iterations after calibration (over ``driver.costs``, so
+        every replica and TP member switches with the pipeline)."""
+        if isinstance(policy, Auto):
+            group = pipe.ctrl if driver.costs is None else driver.costs
+            self.auto = AutoSwitch(policy, self.hint, pipe.pp_rank, budgets, group)
 
     def _wrap(self, sched: SchedulerProtocol) -> SchedulerProtocol:
         wrap = None if self._driver is None else self._driver.wrap
@@ -156,9 +165,30 @@ class DriverSteps:
             sched = runtime.sched
             deltas = position_bytes(sched.hint.plan.wiring(sched.rank), act_bytes)
             runtime.memory = (deltas, self.byte_budget.resolve(sched.rank, deltas, sched.hint.name))
+        meter = self._auto_meter()
         stats = runtime.run_iteration(iteration)
         self._steps += 1
+        if meter is not None:
+            self._auto_end(meter)
         return stats
+
+    def _auto_meter(self) -> TaskMeter | None:
+        """``auto`` once calibrated: note the iteration's arm, and meter it while replaying (else None).
+        Its replayed iterations follow the calibration, so the safe arm is replayed as it runs then."""
+        if self.auto is None or self.calibration is None:
+            return None
+        meter = self.auto.begin()
+        if meter is not None:
+            self.runtime.meter = meter
+        return meter
+
+    def _auto_end(self, meter: TaskMeter) -> None:
+        """After a replayed iteration (collective): at the boundary every rank runs the chosen arm."""
+        assert self.auto is not None
+        policy = self.auto.end(meter, self.sched.policy)
+        if policy is not None and policy is not self.sched.policy:
+            self.sched = self._wrap(RankScheduler(self.hint, self.sched.rank, policy, self.budget))
+            self.runtime.drive(self.sched)
 
     @property
     def calibrating(self) -> bool:

@@ -193,14 +193,14 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         self._check_placement()
         policy_obj = get_policy(policy) if isinstance(policy, str) else policy
         self._template = policy_obj if isinstance(policy_obj, Backfill) else None
-        self.budget = resolve_budget(memory_budget, self.hint)[pipe.pp_rank]
+        budgets = resolve_budget(memory_budget, self.hint)
+        self.budget = budgets[pipe.pp_rank]
         if self._driver is not None:
-            self._build_driven(self._driver, policy_obj, byte_budget)
+            self._build_driven(self._driver, policy_obj, byte_budget, budgets)
             return
         self.sched = RankScheduler(self.hint, pipe.pp_rank, policy_obj, self.budget)
         self.auto = None  # auto: the switch between its arms (rrfp.exec.loop.switch)
         if isinstance(policy_obj, Auto):
-            budgets = resolve_budget(memory_budget, self.hint)
             self.auto = AutoSwitch(policy_obj, self.hint, pipe.pp_rank, budgets, pipe.ctrl)
         by_index = {s.stage_index: s for s in stages}
         self.compute = StageCompute(by_index, self.hint.spec, pipe.pp_rank, loss_fn, fork_rng)
