@@ -88,7 +88,8 @@ from rrfp.exec.pipelining.errors import (
     StageFailed,
     StageLayoutError,
 )
-from rrfp.exec.pipelining.memory import ForwardBytes, microbatch_size
+from rrfp.exec.pipelining.memory import ForwardBytes
+from rrfp.exec.pipelining.sizing import SizedMeter, StepSizes, agree_sizes, check_mb_order, sized_model
 from rrfp.plan.budget import ByteBudget, parse_byte_item, position_bytes, resolve_budget
 from rrfp.plan.sources import make_hint
 from rrfp.traces.trace import TraceRecorder
@@ -129,6 +130,9 @@ class ScheduleReadiness(PipelineScheduleMulti):
         args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
         kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
         output_merge_spec: Any = None,
+        mb_order: str = "none",
+        sized: bool = False,
+        tp_group: Any = None,
     ) -> None:
         stages = _stage_list(stages)
         if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
@@ -138,9 +142,12 @@ class ScheduleReadiness(PipelineScheduleMulti):
             scale_grads=scale_grads,
         )  # fmt: skip
         self._owns_pipeline = pipeline is None
-        self.pipeline = pipeline or ReadinessPipeline(stages[0].group, stages[0].device, timeout or 120.0)
+        self.pipeline = pipeline or ReadinessPipeline(
+            stages[0].group, stages[0].device, timeout or 120.0, tp_group=tp_group
+        )
         pipe = self.pipeline
         pipe.check_open()
+        self._tp_error = _tp_mismatch(pipe, tp_group)
         world = list(range(dist.get_world_size()))
         for s in stages:
             ranks = world if s.group is None else dist.get_process_group_ranks(s.group)
@@ -151,7 +158,8 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self.policy_name = policy if isinstance(policy, str) else policy.name
         self.hint_name, self.seed = hint, int(seed)
         self.timeout = pipe.timeout if timeout is None else float(timeout)
-        self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget))
+        self.mb_order, self.sized = mb_order, bool(sized)
+        self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget, mb_order, self.sized))
         try:  # every rank checked the same arguments: what fails now fails on every rank alike
             self._build(stages, policy, memory_budget, byte_budget, fork_rng, trace_out)
         except Exception:
@@ -177,6 +185,12 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self._template = policy_obj if isinstance(policy_obj, Backfill) else None
         self.budget = resolve_budget(memory_budget, self.hint)[pipe.pp_rank]
         self.sched = RankScheduler(self.hint, pipe.pp_rank, policy_obj, self.budget)
+        check_mb_order(self.mb_order)
+        if self.sized and self._template is None:
+            raise StageLayoutError(
+                "sized=True prices a planning policy per microbatch (backfill, guarded), "
+                f"not {self.policy_name!r}"
+            )
         by_index = {s.stage_index: s for s in stages}
         self.compute = StageCompute(by_index, self.hint.spec, pipe.pp_rank, loss_fn, fork_rng)
         self.byte_budget: ByteBudget | None = None
@@ -190,6 +204,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
         ctx = RankContext(
             rank=pipe.rank, pp_rank=pipe.pp_rank, to_global=pipe.to_global, transport=pipe.transport,
             timeout=self.timeout, early=pipe.early, recorder=self.recorder, origin=self._views[0]["now"],
+            tp_ctrl=pipe.tp_ctrl,
         )  # fmt: skip
         self._ctx = ctx
         self.runtime = PipelineRuntime(ctx, self.sched, self.compute, pipe.next_schedule())
@@ -237,16 +252,19 @@ class ScheduleReadiness(PipelineScheduleMulti):
             "stages": sorted(s.stage_index for s in stages), "num_stages": stages[0].num_stages,
             "n": self._n_microbatches, "hint": hint, "policy": self.policy_name, "budget": repr(budget),
             "loss": self._loss_fn is not None, "rank": pipe.rank, "extras": extras,
-            "now": time.monotonic(),
+            "now": time.monotonic(), "tp_error": self._tp_error,
         }  # fmt: skip
         views: list[Any] = [None] * pipe.pp
         dist.all_gather_object(views, mine, group=pipe.ctrl)
         self._views = views
+        for v in views:
+            if v["tp_error"]:
+                raise StageLayoutError(f"rank {v['rank']}: {v['tp_error']}")
         for key, what, err in (
             ("n", "n_microbatches", MicrobatchError), ("num_stages", "num_stages", StageLayoutError),
             ("hint", "hint", StageLayoutError), ("policy", "policy", StageLayoutError),
             ("budget", "memory_budget", StageLayoutError), ("loss", "loss_fn given", LossError),
-            ("extras", "(trace_out given, byte_budget)", StageLayoutError),
+            ("extras", "(trace_out given, byte_budget, mb_order, sized)", StageLayoutError),
         ):  # fmt: skip
             values = {v["rank"]: v[key] for v in views}
             if len(set(values.values())) > 1:
@@ -262,6 +280,23 @@ class ScheduleReadiness(PipelineScheduleMulti):
             )
         if num_stages % pipe.pp:
             raise StageLayoutError(f"{num_stages} stages on {pipe.pp} ranks: not the same count per rank")
+        if pipe.tp_ctrl is not None:
+            self._agree_tp(mine)
+
+    def _agree_tp(self, mine: dict[str, Any]) -> None:
+        """Tensor parallel: every pipeline of the model replica must run the same schedule (its TP members
+        start the same tasks), checked over the replica so every rank raises alike."""
+        pipe = self.pipeline
+        views: list[Any] = [None] * dist.get_world_size(pipe.model_ctrl)
+        same = {k: v for k, v in mine.items() if k not in ("rank", "now", "tp_error")}
+        dist.all_gather_object(views, (pipe.pp_rank, same), group=pipe.model_ctrl)
+        for pp_rank, theirs in views:
+            ours = next(v for r, v in views if r == pp_rank)
+            if theirs != ours:
+                diff = sorted(k for k in ours if ours[k] != theirs.get(k))
+                raise StageLayoutError(
+                    f"tensor-parallel members of pipeline rank {pp_rank} disagree on {', '.join(diff)}"
+                )
 
     def _check_placement(self) -> None:
         spec = self.hint.spec
@@ -349,23 +384,37 @@ class ScheduleReadiness(PipelineScheduleMulti):
         training = self._has_backward and torch.is_grad_enabled()
         step = self._steps
         self._steps += 1
+        sizes: StepSizes | None = None
         try:
-            arg_mbs, kwarg_mbs, target_mbs = prepare()
+            try:
+                arg_mbs, kwarg_mbs, target_mbs = prepare()
+                failed = None
+            except Exception as e:  # raised after the sizes' collective, which every rank must join
+                arg_mbs, kwarg_mbs, target_mbs, failed = None, None, None, e
+            sizes = self._learn_sizes(training, arg_mbs)
+            if failed is not None:
+                raise failed
+            if sizes is not None:  # the hint's numbering (mb_order)
+                arg_mbs, kwarg_mbs = sizes.permute(arg_mbs), sizes.permute(kwarg_mbs)
+                target_mbs = sizes.permute(target_mbs)
             has_last = any(s.is_last for s in self._stages)
             if training and has_last and target_mbs is None:
                 raise LossError("a training step needs target= on the last stage's rank")
             if has_last and target_mbs is not None and self._loss_fn is None:
                 raise LossError("a target was given but the schedule has no loss_fn")
             calibrating = training and self._template is not None and not self.runtime.clocked
-            if calibrating:
-                self.runtime.meter = CostMeter()  # this step's costs only (no forward-only step's)
+            if calibrating:  # this step's costs only (no forward-only step's)
+                self.runtime.meter = SizedMeter() if self.sized else CostMeter()
+                if self.sized and sizes is not None:
+                    self.runtime.meter.tokens = sizes.hinted().tokens  # type: ignore[attr-defined]
             # Only training steps go into the trace (a forward-only step's backward tasks cost nothing).
             self.runtime.ctx = self._ctx if training else dataclasses.replace(self._ctx, recorder=None)
             self.compute.begin(
-                arg_mbs, kwarg_mbs, target_mbs, loss_kwargs,
+                arg_mbs or [], kwarg_mbs or [], target_mbs, loss_kwargs,
                 training=training, outputs=keep and has_last, seed=self.seed, step=step,
+                ids=None if sizes is None else sizes.order,
             )  # fmt: skip
-            self._use_bytes(training, arg_mbs)
+            self._use_bytes(training, sizes)
             self.runtime.run_iteration(step)
             if self.compute.measure:
                 assert self.compute.bytes is not None
@@ -380,25 +429,44 @@ class ScheduleReadiness(PipelineScheduleMulti):
                 stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
         if not any(s.is_last for s in self._stages):
             return None
+        by_mb, outs = self.compute.losses, self.compute.outputs
+        if sizes is not None:  # back to the user's numbering
+            by_mb, outs = sizes.restore(by_mb), sizes.restore(outs)
         if losses is not None:
             losses.clear()
-            losses.extend(self.compute.losses[m] for m in sorted(self.compute.losses))
-        outputs = [self.compute.outputs[m] for m in range(self._n_microbatches)] if keep else None
+            losses.extend(by_mb[m] for m in sorted(by_mb))
+        outputs = [outs[m] for m in range(self._n_microbatches)] if keep else None
         self.compute.outputs = {}
         return outputs
 
-    def _use_bytes(self, training: bool, arg_mbs: list[Any]) -> None:
-        """Byte budgets: learn this step's microbatch sizes from the first stage's rank (a collective),
+    # -- microbatch sizes (rrfp.exec.pipelining.sizing) -----------------------------------------------
+    def _uses_sizes(self, training: bool) -> bool:
+        """Does this step need its microbatches' sizes (then every rank joins one broadcast)?"""
+        if self.mb_order != "none" or self.sized:
+            return True
+        if training and self.byte_budget is not None:
+            return True
+        return getattr(self.runtime.sched.policy, "sized", None) is not None  # a user's sized policy
+
+    def _learn_sizes(self, training: bool, arg_mbs: list[Any] | None) -> StepSizes | None:
+        """This step's sizes from the first stage's rank (a collective), handed to the scheduler's reset;
+        None (and no collective) when nothing uses them."""
+        self.runtime.sizes = None
+        if not self._uses_sizes(training):
+            return None
+        sizes = agree_sizes(self.pipeline, arg_mbs, self._n_microbatches, self.mb_order)
+        self.runtime.sizes = sizes.hinted()
+        return sizes
+
+    def _use_bytes(self, training: bool, sizes: StepSizes | None) -> None:
+        """Byte budgets: this step's microbatch sizes (the first stage's rank's, learnt by every rank),
         then measure the forwards (the first training step: slots) or admit by their predicted bytes."""
         self.runtime.memory = None
         model = self.compute.bytes
         if model is None or self.byte_budget is None or not training:
             return
-        pipe = self.pipeline
-        sizes = [microbatch_size(a) for a in arg_mbs] if pipe.pp_rank == 0 else None
-        box = [sizes]
-        dist.broadcast_object_list(box, src=pipe.ranks[0], group=pipe.ctrl)
-        self.compute.sizes = box[0]  # type: ignore[assignment]
+        assert sizes is not None
+        self.compute.sizes = list(sizes.hinted().tokens)
         if not model.fit:
             self.compute.measure = True
             return
@@ -416,9 +484,15 @@ class ScheduleReadiness(PipelineScheduleMulti):
         assert self._template is not None
         hint = self.hint
         ops = {t.op for order in hint.orders.values() for t in order}
-        policy, info = calibrate(
-            self.runtime.meter, self.pipeline.ctrl, self._template, hint.spec.num_stages, ops
-        )
+        group = self.pipeline.model_ctrl  # TP members plan with the same costs (rrfp-run: the world)
+        policy, info = calibrate(self.runtime.meter, group, self._template, hint.spec.num_stages, ops)
+        if self.sized:
+            meter = self.runtime.meter
+            assert isinstance(meter, SizedMeter)
+            overhead = info["overhead_ms"] / 1e3
+            policy.sized, info["sized_ms"] = sized_model(meter, group, overhead, hint.spec.num_stages)
+        elif self._template.sized is not None:  # the user's own sized model (calibrate drops it)
+            policy.sized = self._template.sized
         self.calibration = info
         self.sched = RankScheduler(hint, self.sched.rank, policy, self.budget)
         self.runtime.clock(self.sched)
@@ -459,6 +533,16 @@ class ScheduleReadiness(PipelineScheduleMulti):
     def split_notes(self) -> list[str]:
         """What the first split backward check found (empty: I + W matched B, or no split)."""
         return list(self.compute.notes)
+
+
+def _tp_mismatch(pipe: ReadinessPipeline, tp_group: Any) -> str | None:
+    """Why a given ``tp_group`` is not the pipeline's (a shared pipeline is built with it), or None."""
+    if tp_group is None:
+        return None
+    ranks = tuple(dist.get_process_group_ranks(tp_group))
+    if ranks == pipe.tp_ranks:
+        return None
+    return f"tp_group {list(ranks)} is not the pipeline's ({pipe.tp_ranks}): give it to the ReadinessPipeline"
 
 
 def _stage_list(stages: Any) -> list[Any]:
