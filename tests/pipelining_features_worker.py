@@ -139,7 +139,198 @@ def run_refused(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     return {"raised": None}
 
 
-KINDS = {"sizes": run_sizes, "order_dropout": run_order_dropout, "refused": run_refused}
+# -- item 2: tensor-parallel stages ---------------------------------------------------------------------
+class _CopyToTP(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce of the input gradient over the TP group backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's g: all-reduce of the partial outputs forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g, None
+
+
+HID = 32
+
+
+class FullBlock(nn.Module):
+    """x + lin2(tanh(lin1(x))): the reference of :class:`TPBlock`."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.lin1, self.lin2 = nn.Linear(dim, HID), nn.Linear(HID, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.lin2(torch.tanh(self.lin1(x)))
+
+
+class TPBlock(nn.Module):
+    """:class:`FullBlock` split over a TP group: lin1 column-wise (its rows), lin2 row-wise (its
+    columns) with the partial products all-reduced before lin2's bias."""
+
+    def __init__(self, full: FullBlock, group: Any) -> None:
+        super().__init__()
+        k, tp = dist.get_rank(group), dist.get_world_size(group)
+        part = slice(k * HID // tp, (k + 1) * HID // tp)
+        self.group, self.part = group, part
+        self.w1 = nn.Parameter(full.lin1.weight.detach()[part].clone())
+        self.b1 = nn.Parameter(full.lin1.bias.detach()[part].clone())
+        self.w2 = nn.Parameter(full.lin2.weight.detach()[:, part].clone())
+        self.b2 = nn.Parameter(full.lin2.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(nn.functional.linear(_CopyToTP.apply(x, self.group), self.w1, self.b1))
+        return x + _ReduceFromTP.apply(nn.functional.linear(h, self.w2), self.group) + self.b2
+
+    def grads_error(self, full: FullBlock) -> float:
+        """Worst relative error of this shard's gradients against the reference's slices."""
+        want = (full.lin1.weight.grad[self.part], full.lin1.bias.grad[self.part],
+                full.lin2.weight.grad[:, self.part], full.lin2.bias.grad)  # fmt: skip
+        from pipelining_worker import rel_err
+
+        mine = (self.w1, self.b1, self.w2, self.b2)
+        return max(rel_err(p.grad, w) for p, w in zip(mine, want, strict=True))
+
+
+def run_tp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
+    """pp 2 x tp 2 on 4 ranks: pipelines [0, 2] and [1, 3], TP groups [0, 1] and [2, 3]; each stage two
+    TP blocks; ``steps`` steps against the single-process reference of the unsplit blocks."""
+    from rrfp.exec import ReadinessPipeline, ScheduleReadiness
+
+    rank, n = dist.get_rank(), 4
+    pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pp_rank, tp_rank = divmod(rank, 2)
+    pp_group, tp_group = pp_groups[tp_rank], tp_groups[pp_rank]
+    pipe = ReadinessPipeline(group=pp_group, timeout=30.0, tp_group=tp_group)
+    torch.manual_seed(7)
+    ref = [nn.Sequential(FullBlock(), FullBlock()) for _ in range(2)]
+    mine = nn.Sequential(*(TPBlock(b, tp_group) for b in ref[pp_rank]))
+    stage = stages_of({pp_rank: mine}, 2, group=pp_group)[0]
+    sched = ScheduleReadiness(stage, n, mse, hint=case["hint"], policy=case["policy"], pipeline=pipe,
+                              tp_group=tp_group, mb_order=case.get("mb_order", "none"))  # fmt: skip
+    worst = 0.0
+    for step in range(case.get("steps", 1)):
+        g = torch.Generator().manual_seed(300 + step)
+        rows = [2, 1, 3, 2]
+        arg_mbs = [(torch.randn(r, 16, generator=g),) for r in rows]
+        tgt_mbs = [torch.randn(r, 16, generator=g) for r in rows]
+        zero(*ref, mine)
+        reference(ref, arg_mbs, tgt_mbs, mse, True, step)
+        sched.step_microbatches(arg_mbs if pp_rank == 0 else None, tgt_mbs if pp_rank == 1 else None)
+        worst = max(worst, *(b.grads_error(f) for b, f in zip(mine, ref[pp_rank], strict=True)))
+    agree, means = sched.runtime.stats.agree, (sched.calibration or {}).get("mean_ms")
+    sched.close()
+    pipe.close()
+    return {"worst": worst, "agree_s": agree, "tp_ctrl": pipe.tp_ctrl is not None, "means": means}
+
+
+# -- item 5: DDP-wrapped stages ---------------------------------------------------------------------
+def run_ddp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
+    """pp 2 x dp 2: PipelineStage(DistributedDataParallel(module, process_group=dp_group)) for each of the
+    rank's stages; torch's own no_sync / last-backward handling all-reduces the gradients (no user
+    all-reduce), ``steps`` steps against the reference over both replicas' microbatches."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from rrfp.errors import UserError
+    from rrfp.exec import ReadinessPipeline, ScheduleReadiness
+
+    rank, n = dist.get_rank(), 4
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, pp_rank = divmod(rank, 2)
+    pipe = ReadinessPipeline(group=pp_groups[replica], timeout=30.0)
+    mine, num_stages = stage_indices(case["hint"], 2, pp_rank, n)
+    ref = mlp_stages(num_stages)
+    local = copies(ref, mine)
+    wrapped = {s: DDP(local[s], process_group=dp_groups[pp_rank]) for s in mine}
+    stages = stages_of(wrapped, num_stages, group=pp_groups[replica])
+    from rrfp.exec.pipelining import schedule
+
+    check = schedule._ddp_stages
+    if case.get("unchecked"):  # the refusal's own evidence: without it, the split stages go unreduced
+        schedule._ddp_stages = lambda stages: []  # type: ignore[attr-defined]
+    try:
+        sched = ScheduleReadiness(stages, n, mse, hint=case["hint"], policy=case["policy"], pipeline=pipe)
+    except UserError as e:
+        pipe.close()
+        return {"raised": type(e).__name__, "text": str(e)}
+    finally:
+        schedule._ddp_stages = check  # type: ignore[attr-defined]
+    first, last = 0 in mine, num_stages - 1 in mine
+    worst = 0.0
+    for step in range(case.get("steps", 1)):
+        g = torch.Generator().manual_seed(9 + step)
+        x, y = torch.randn(4 * n, 16, generator=g), torch.randn(4 * n, 16, generator=g)
+        zero(*ref, *local.values())
+        reference(ref, [(c,) for c in x.chunk(2 * n)], list(y.chunk(2 * n)), mse, True, step)
+        half = slice(replica * 2 * n, (replica + 1) * 2 * n)
+        sched.step(*((x[half],) if first else ()), target=y[half] if last else None)
+        worst = max(worst, compare(local, ref))
+    sched.close()
+    pipe.close()
+    return {"worst": worst}
+
+
+def run_fsdp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
+    """pp 2 x dp 2 with fully_shard(module, mesh=the dp group's) stages: what happens (the evidence for
+    the docs' statement on FSDP)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from rrfp.exec import ReadinessPipeline, ScheduleReadiness
+
+    rank, n = dist.get_rank(), 4
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, pp_rank = divmod(rank, 2)
+    pipe = ReadinessPipeline(group=pp_groups[replica], timeout=20.0)
+    ref = mlp_stages(2)
+    local = copies(ref, [pp_rank])
+    g = torch.Generator().manual_seed(9)
+    x, y = torch.randn(4 * n, 16, generator=g), torch.randn(4 * n, 16, generator=g)
+    reference(ref, [(c,) for c in x.chunk(2 * n)], list(y.chunk(2 * n)), mse, True, 0)
+    try:
+        mesh = DeviceMesh.from_group(dp_groups[pp_rank], "cpu")
+        sharded = fully_shard(local[pp_rank], mesh=mesh)
+        stage = stages_of({pp_rank: sharded}, 2, group=pp_groups[replica])[0]
+        sched = ScheduleReadiness(stage, n, mse, hint=case["hint"], policy=case["policy"], pipeline=pipe)
+        half = slice(replica * 2 * n, (replica + 1) * 2 * n)
+        sched.step(*((x[half],) if pp_rank == 0 else ()), target=y[half] if pp_rank == 1 else None)
+    except Exception as e:
+        return {"outcome": f"{type(e).__name__}: {str(e)[:300]}"}
+    worst = 0.0
+    for p, q in zip(local[pp_rank].parameters(), ref[pp_rank].parameters(), strict=True):
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        from pipelining_worker import rel_err
+
+        worst = max(worst, rel_err(grad, q.grad))
+    sched.close()
+    pipe.close()
+    return {"outcome": "ran", "worst": worst}
+
+
+KINDS = {"sizes": run_sizes, "order_dropout": run_order_dropout, "refused": run_refused, "tp": run_tp,
+         "ddp": run_ddp, "fsdp": run_fsdp}  # fmt: skip
 TWO: list[dict[str, Any]] = [
     {"kind": "sizes", "hint": "1f1b", "policy": "backfill", "sized": True},
     {"kind": "sizes", "hint": "zbv", "policy": "guarded", "sized": True, "mb_order": "size-desc"},
@@ -152,7 +343,18 @@ TWO: list[dict[str, Any]] = [
     {"kind": "refused", "error": "mb_order"},
     {"kind": "refused", "error": "sized"},
 ]
-SUITES: dict[str, list[dict[str, Any]]] = {"two": TWO}
+FOUR: list[dict[str, Any]] = [
+    {"kind": "tp", "hint": "1f1b", "policy": "rrfp"},
+    {"kind": "tp", "hint": "1f1b", "policy": "backfill", "steps": 2},
+    {"kind": "tp", "hint": "zb-h1", "policy": "guarded", "steps": 2, "mb_order": "size-desc"},
+    {"kind": "ddp", "hint": "1f1b", "policy": "rrfp"},
+    {"kind": "ddp", "hint": "interleaved-1f1b", "policy": "backfill", "steps": 2},
+    {"kind": "ddp", "hint": "zb-h1", "policy": "rrfp"},
+    {"kind": "ddp", "hint": "zb-h1", "policy": "fixed", "unchecked": True},
+    {"kind": "fsdp", "hint": "1f1b", "policy": "rrfp"},
+    {"kind": "fsdp", "hint": "zb-h1", "policy": "rrfp"},
+]
+SUITES: dict[str, list[dict[str, Any]]] = {"two": TWO, "four": FOUR}
 
 
 # -- launch -----------------------------------------------------------------------------------------

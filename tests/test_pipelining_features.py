@@ -53,7 +53,7 @@ class Launch:
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("features")
-    started = {"two": Launch("two", 2, tmp)}
+    started = {"two": Launch("two", 2, tmp), "four": Launch("four", 4, tmp)}
     yield started
     for launch in started.values():  # a test that failed before asking still reaps its launch
         if launch.rows is None:
@@ -66,6 +66,11 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def two(launches: dict[str, Launch]) -> list[dict[str, Any]]:
     return launches["two"].result()
+
+
+@pytest.fixture(scope="module")
+def four(launches: dict[str, Launch]) -> list[dict[str, Any]]:
+    return launches["four"].result()
 
 
 def rows(all_rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
@@ -139,3 +144,50 @@ def test_refused_on_every_rank(two: list[dict[str, Any]], error: str) -> None:
     found = rows(two, kind="refused", error=error)
     assert len(found) == 2
     assert all(r["raised"] == "StageLayoutError" and text[error] in r["text"] for r in found), found
+
+
+# -- item 2: tensor-parallel stages ---------------------------------------------------------------------
+def test_tensor_parallel_stages_equal_the_reference(four: list[dict[str, Any]]) -> None:
+    """pp 2 x tp 2, column/row-split linears with an all-reduce in forward and backward: every shard's
+    gradients equal the unsplit reference's slices under rrfp, backfill and guarded (split backward,
+    mb_order); the members agreed on every task, and backfill/guarded calibrated over both pipelines
+    (the same costs on all four ranks)."""
+    found = rows(four, kind="tp")
+    assert {r["case"]["policy"] for r in found} == {"rrfp", "backfill", "guarded"}
+    assert_equal_to_reference(found)
+    assert all(r["tp_ctrl"] and r["agree_s"] > 0 for r in found), found
+    for policy in ("backfill", "guarded"):
+        means = [r["means"] for r in found if r["case"]["policy"] == policy]
+        assert len(means) == 4 and means[0] and all(m == means[0] for m in means), means
+
+
+# -- item 5: DDP- and FSDP-wrapped stages --------------------------------------------------------------
+def test_ddp_wrapped_stages_reduce_over_the_replicas(four: list[dict[str, Any]]) -> None:
+    """PipelineStage(DistributedDataParallel(module, process_group=dp_group)), pp 2 x dp 2, no user
+    all-reduce: gradients equal the reference over both replicas' microbatches (one and two stages a
+    rank)."""
+    found = [r for r in rows(four, kind="ddp") if r["case"]["hint"] != "zb-h1"]
+    assert {r["case"]["hint"] for r in found} == {"1f1b", "interleaved-1f1b"}
+    assert_equal_to_reference(found)
+
+
+def test_ddp_with_a_split_backward_is_refused(four: list[dict[str, Any]]) -> None:
+    """DDP reduces in autograd hooks that W's manual weight gradients bypass: refused on every rank with
+    one line -- and without the refusal the split stage's gradients are indeed not reduced."""
+    refused = [r for r in rows(four, kind="ddp", hint="zb-h1") if not r["case"].get("unchecked")]
+    assert len(refused) == 4
+    for r in refused:
+        assert r["raised"] == "StageLayoutError" and "split backward's W" in r["text"], r
+        assert "\n" not in r["text"]
+    unchecked = rows(four, kind="ddp", unchecked=True)
+    assert max(ok(r)["worst"] for r in unchecked) > 1e-2, unchecked
+
+
+def test_fully_sharded_stages_equal_the_reference(four: list[dict[str, Any]]) -> None:
+    """fully_shard(module, mesh=DeviceMesh.from_group(dp_group, "cpu")) stages on gloo: torch's own FSDP
+    hooks (PipelineStage's no-sync and perform_reduce_grad) run under readiness dispatch; the gathered
+    gradients equal the reference, with and without a split backward."""
+    found = rows(four, kind="fsdp")
+    assert {r["case"]["hint"] for r in found} == {"1f1b", "zb-h1"}
+    assert all(r["outcome"] == "ran" for r in found), found
+    assert_equal_to_reference(found)

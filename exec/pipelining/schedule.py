@@ -181,6 +181,13 @@ class ScheduleReadiness(PipelineScheduleMulti):
         v = stages[0].num_stages // pipe.pp
         self.hint = make_hint(hint, pipe.pp, n_microbatches, v)
         self._check_placement()
+        ddp = [s for v in self._views for s in v["ddp"]]
+        if ddp and self.hint.spec.split:
+            raise StageLayoutError(
+                f"stages {ddp} are DistributedDataParallel modules: DDP reduces gradients in autograd hooks "
+                f"that a split backward's W (hint {self.hint_name!r}) bypasses; use an unsplit hint (1f1b, "
+                "interleaved-1f1b), fully_shard, or all-reduce the gradients yourself"
+            )
         policy_obj = get_policy(policy) if isinstance(policy, str) else policy
         self._template = policy_obj if isinstance(policy_obj, Backfill) else None
         self.budget = resolve_budget(memory_budget, self.hint)[pipe.pp_rank]
@@ -252,7 +259,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
             "stages": sorted(s.stage_index for s in stages), "num_stages": stages[0].num_stages,
             "n": self._n_microbatches, "hint": hint, "policy": self.policy_name, "budget": repr(budget),
             "loss": self._loss_fn is not None, "rank": pipe.rank, "extras": extras,
-            "now": time.monotonic(), "tp_error": self._tp_error,
+            "now": time.monotonic(), "tp_error": self._tp_error, "ddp": _ddp_stages(stages),
         }  # fmt: skip
         views: list[Any] = [None] * pipe.pp
         dist.all_gather_object(views, mine, group=pipe.ctrl)
@@ -288,7 +295,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
         start the same tasks), checked over the replica so every rank raises alike."""
         pipe = self.pipeline
         views: list[Any] = [None] * dist.get_world_size(pipe.model_ctrl)
-        same = {k: v for k, v in mine.items() if k not in ("rank", "now", "tp_error")}
+        same = {k: v for k, v in mine.items() if k not in ("rank", "now", "tp_error", "ddp")}
         dist.all_gather_object(views, (pipe.pp_rank, same), group=pipe.model_ctrl)
         for pp_rank, theirs in views:
             ours = next(v for r, v in views if r == pp_rank)
@@ -533,6 +540,12 @@ class ScheduleReadiness(PipelineScheduleMulti):
     def split_notes(self) -> list[str]:
         """What the first split backward check found (empty: I + W matched B, or no split)."""
         return list(self.compute.notes)
+
+
+def _ddp_stages(stages: list[Any]) -> list[int]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return sorted(s.stage_index for s in stages if isinstance(s.submod, DistributedDataParallel))
 
 
 def _tp_mismatch(pipe: ReadinessPipeline, tp_group: Any) -> str | None:
