@@ -30,6 +30,7 @@ from pipelining_worker import (
     mlp_stages,
     mse,
     reference,
+    rel_err,
     stage_indices,
     xent,
 )
@@ -139,6 +140,133 @@ def run_refused(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     return {"raised": None}
 
 
+# -- item 3: autocast -------------------------------------------------------------------------------
+def run_autocast(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
+    """Steps inside the user's torch.autocast("cpu", bfloat16): the gradients against torch's
+    Schedule1F1B on the same stages under the same autocast, against the single-process reference
+    under it, and (for scale) the float32 reference; then three SGD steps train (the loss falls)."""
+    from torch.distributed.pipelining import schedules as ts
+
+    from rrfp.exec import ScheduleReadiness
+
+    rank, pp, n = dist.get_rank(), dist.get_world_size(), 4
+    mine, num_stages = stage_indices("1f1b", pp, rank, n)
+    ref = mlp_stages(num_stages)
+    fp32 = copies(ref, range(num_stages))
+    ours, theirs = copies(ref, mine), copies(ref, mine)
+    g = torch.Generator().manual_seed(11)
+    x, y = torch.randn(2 * n, 16, generator=g), torch.randn(2 * n, 16, generator=g)
+    first, last = 0 in mine, num_stages - 1 in mine
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    with bf16:
+        reference(ref, [(c,) for c in x.chunk(n)], list(y.chunk(n)), mse, True, 0)
+    reference(
+        [fp32[s] for s in range(num_stages)], [(c,) for c in x.chunk(n)], list(y.chunk(n)), mse, True, 0
+    )
+    sched = ScheduleReadiness(stages_of(ours, num_stages), n, mse, hint="1f1b", policy=case["policy"],
+                              pipeline=pipe)  # fmt: skip
+    torch_sched = ts.Schedule1F1B(stages_of(theirs, num_stages)[0], n, mse)
+    losses: list[torch.Tensor] = []
+    with bf16:
+        sched.step(*((x,) if first else ()), target=y if last else None, losses=losses)
+        torch_sched.step(*((x,) if first else ()), target=y if last else None)
+    row = {
+        "worst": compare(ours, ref), "torch": compare(ours, _as_list(theirs)),
+        "fp32": compare(ours, _as_list(fp32)),
+        "bitwise": all(torch.equal(p.grad, q.grad) for s in mine
+                       for p, q in zip(ours[s].parameters(), theirs[s].parameters(), strict=True)),
+        "dtypes": sorted({str(v.dtype) for v in losses}),
+    }  # fmt: skip
+    opt = torch.optim.SGD([p for m in ours.values() for p in m.parameters()], lr=0.2)
+    trained = []
+    for _ in range(3):
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with bf16:
+            sched.step(*((x,) if first else ()), target=y if last else None, losses=losses)
+        trained.append(float(sum(losses)) if last else 0.0)
+    sched.close()
+    return {**row, "trained": trained}
+
+
+def _as_list(mods: dict[int, nn.Module]) -> list[nn.Module | None]:
+    """A {stage: module} dict as a list indexed by stage (compare() indexes the reference by stage)."""
+    out: list[nn.Module | None] = [None] * (max(mods) + 1)
+    for s, m in mods.items():
+        out[s] = m
+    return out
+
+
+# -- item 4: torch.distributed.checkpoint -------------------------------------------------------------
+def _train(sched: Any, mods: dict[int, nn.Module], opt: Any, steps: range, first: bool, last: bool) -> None:
+    for step in steps:
+        g = torch.Generator().manual_seed(400 + step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+        opt.zero_grad(set_to_none=True)
+        sched.step(*((x,) if first else ()), target=y if last else None)
+        opt.step()
+
+
+def _state(mods: dict[int, nn.Module], opt: Any) -> dict[str, Any]:
+    """The checkpoint's state: each stage under its own key -- plain tensors of one FQN on several ranks
+    would be saved once as replicated (every stage module names its parameters alike)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    ((s, mod),) = mods.items()
+    return {f"stage{s}": {"model": get_model_state_dict(mod), "optim": get_optimizer_state_dict(mod, opt)}}
+
+
+def run_dcp(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
+    """Train 2 steps, dcp.save the stage module's and Adam's state, build fresh modules (other weights),
+    optimizer and schedule, dcp.load, train 2 more: the weights equal a 4-step uninterrupted run's
+    exactly (policy fixed: the same order, so the same float sums)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_state_dict
+
+    from rrfp.exec import ScheduleReadiness
+
+    rank, pp, n = dist.get_rank(), dist.get_world_size(), 4
+    mine, num_stages = stage_indices("1f1b", pp, rank, n)
+    first, last = 0 in mine, num_stages - 1 in mine
+    ref = mlp_stages(num_stages)
+
+    def build(mods: dict[int, nn.Module]) -> tuple[Any, Any]:
+        opt = torch.optim.Adam([p for m in mods.values() for p in m.parameters()], lr=1e-2)
+        sched = ScheduleReadiness(stages_of(mods, num_stages), n, mse, hint="1f1b", policy=case["policy"],
+                                  pipeline=pipe)  # fmt: skip
+        return sched, opt
+
+    whole = copies(ref, mine)
+    sched, opt = build(whole)
+    _train(sched, whole, opt, range(4), first, last)
+    part = copies(ref, mine)
+    sched, opt = build(part)
+    _train(sched, part, opt, range(2), first, last)
+    path = os.path.join(case["dir"], "dcp-model-only" if case.get("model_only") else "dcp")
+    dcp.save(_state(part, opt), checkpoint_id=path)
+    torch.manual_seed(99)
+    fresh = copies(mlp_stages(num_stages), mine)
+    for m in fresh.values():  # other weights than the checkpoint's: the load must set them
+        for p in m.parameters():
+            p.data.uniform_(-1, 1)
+    sched, opt = build(fresh)
+    state = _state(fresh, opt)
+    ((s, mod),) = fresh.items()
+    if case.get("model_only"):  # the check's own check: a resume without Adam's moments must differ
+        del state[f"stage{s}"]["optim"]  # (dcp.load loads the keys asked for; the state's tensors in place)
+    dcp.load(state, checkpoint_id=path)
+    optim_sd = state[f"stage{s}"].get("optim") or get_optimizer_state_dict(mod, opt)
+    set_state_dict(mod, opt, model_state_dict=state[f"stage{s}"]["model"], optim_state_dict=optim_sd)
+    _train(sched, fresh, opt, range(2, 4), first, last)
+    pairs = [(p, q) for s in mine for p, q in zip(fresh[s].parameters(), whole[s].parameters(), strict=True)]
+    differ = sum(not torch.equal(p, q) for p, q in pairs)
+    worst = max(rel_err(p.detach(), q.detach()) for p, q in pairs)
+    moved = max(rel_err(p.detach(), q.detach()) for s in mine
+                for p, q in zip(whole[s].parameters(), ref[s].parameters(), strict=True))  # fmt: skip
+    sched.close()
+    return {"worst": worst, "differ": differ, "params": len(pairs), "moved": moved}
+
+
 # -- item 2: tensor-parallel stages ---------------------------------------------------------------------
 class _CopyToTP(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce of the input gradient over the TP group backward."""
@@ -205,8 +333,6 @@ class TPBlock(nn.Module):
         """Worst relative error of this shard's gradients against the reference's slices."""
         want = (full.lin1.weight.grad[self.part], full.lin1.bias.grad[self.part],
                 full.lin2.weight.grad[:, self.part], full.lin2.bias.grad)  # fmt: skip
-        from pipelining_worker import rel_err
-
         mine = (self.w1, self.b1, self.w2, self.b2)
         return max(rel_err(p.grad, w) for p, w in zip(mine, want, strict=True))
 
@@ -321,8 +447,6 @@ def run_fsdp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     worst = 0.0
     for p, q in zip(local[pp_rank].parameters(), ref[pp_rank].parameters(), strict=True):
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        from pipelining_worker import rel_err
-
         worst = max(worst, rel_err(grad, q.grad))
     sched.close()
     pipe.close()
@@ -330,6 +454,7 @@ def run_fsdp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
 
 
 KINDS = {"sizes": run_sizes, "order_dropout": run_order_dropout, "refused": run_refused, "tp": run_tp,
+         "autocast": run_autocast, "dcp": run_dcp,
          "ddp": run_ddp, "fsdp": run_fsdp}  # fmt: skip
 TWO: list[dict[str, Any]] = [
     {"kind": "sizes", "hint": "1f1b", "policy": "backfill", "sized": True},
@@ -342,6 +467,10 @@ TWO: list[dict[str, Any]] = [
     {"kind": "order_dropout", "hint": "1f1b", "policy": "fixed", "mb_order": "size-desc", "broken": True},
     {"kind": "refused", "error": "mb_order"},
     {"kind": "refused", "error": "sized"},
+    {"kind": "autocast", "policy": "fixed"},
+    {"kind": "autocast", "policy": "rrfp"},
+    {"kind": "dcp", "policy": "fixed"},
+    {"kind": "dcp", "policy": "fixed", "model_only": True},
 ]
 FOUR: list[dict[str, Any]] = [
     {"kind": "tp", "hint": "1f1b", "policy": "rrfp"},

@@ -146,6 +146,41 @@ def test_refused_on_every_rank(two: list[dict[str, Any]], error: str) -> None:
     assert all(r["raised"] == "StageLayoutError" and text[error] in r["text"] for r in found), found
 
 
+# -- item 3: autocast --------------------------------------------------------------------------------
+BF16_RTOL = 2e-2
+"""bf16 keeps 8 bits of mantissa (relative 3.9e-3 a rounding): a few roundings' worth."""
+
+
+def test_autocast_matches_torchs_schedule_under_the_same_autocast(two: list[dict[str, Any]]) -> None:
+    """A step inside the user's torch.autocast("cpu", bfloat16) runs its forwards (and backwards) under
+    it, as torch's Schedule1F1B does: the gradients equal torch's on the same stages bit for bit, and
+    the single-process reference under autocast within bf16 rounding (it differs: its one backward sums
+    the microbatches' gradients of the cached bf16 weight casts in bf16, the pipelines sum them into the
+    float32 .grad). The losses are float32, and three SGD steps train."""
+    found = rows(two, kind="autocast")
+    assert {r["case"]["policy"] for r in found} == {"fixed", "rrfp"}
+    for r in map(ok, found):
+        assert r["bitwise"] and r["torch"] == 0.0, r
+        assert 1e-4 < r["worst"] <= BF16_RTOL, r  # autocast really ran (not float32 all through)
+        assert r["fp32"] <= 2 * BF16_RTOL, r
+        if r["rank"] == 1:  # the last stage's rank has the losses
+            assert r["dtypes"] == ["torch.float32"], r
+            assert r["trained"][0] > r["trained"][1] > r["trained"][2], r
+
+
+# -- item 4: torch.distributed.checkpoint ----------------------------------------------------------------
+def test_checkpoint_round_trip_resumes_exactly(two: list[dict[str, Any]]) -> None:
+    """2 steps, dcp.save (each stage's module and Adam state under its own key), fresh modules with other
+    weights, a fresh optimizer and schedule, dcp.load + set_state_dict, 2 more steps: every weight
+    equals a 4-step uninterrupted run's exactly; resuming without Adam's state is caught."""
+    (a, b) = rows(two, kind="dcp", model_only=None)
+    for r in (ok(a), ok(b)):
+        assert r["params"] == 8 and r["differ"] == 0 and r["worst"] == 0.0, r
+        assert r["moved"] > 1e-2, r  # training moved the weights: equality is not the start's
+    model_only = rows(two, kind="dcp", model_only=True)
+    assert all(ok(r)["differ"] > 0 for r in model_only), model_only
+
+
 # -- item 2: tensor-parallel stages ---------------------------------------------------------------------
 def test_tensor_parallel_stages_equal_the_reference(four: list[dict[str, Any]]) -> None:
     """pp 2 x tp 2, column/row-split linears with an all-reduce in forward and backward: every shard's
