@@ -40,6 +40,9 @@ class ReadinessPipeline:
     default group). ``device``: where activations live (CUDA: NCCL channels; CPU: gloo).
     ``timeout``: seconds a schedule's rank waits for an input (its default); control collectives (set-up
     checks, failure reports) wait up to twice that, so a rank that had to time out still reports in.
+    ``tp_group``: this rank's tensor-parallel group (every rank gives one, or none): gloo control groups
+    for the TP members' task agreement and for the model replica's calibration are built with the
+    channels.
     """
 
     def __init__(

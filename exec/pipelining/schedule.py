@@ -46,8 +46,17 @@ Rules this schedule follows (torch's where torch has one):
 
 Data parallel: one :class:`ReadinessPipeline` per replica, each on its own pipeline group (every rank
 builds its own at the same time), and the user all-reduces the stage gradients over the replicas after
-``step`` (tests/test_pipelining.py does). DDP/FSDP-wrapped stage modules go through torch's own
-``backward_maybe_with_nosync``/``perform_reduce_grad``, untested here.
+``step`` (tests/test_pipelining.py does) -- or DDP/FSDP-wrapped stage modules, which reduce through
+torch's own ``backward_maybe_with_nosync``/``perform_reduce_grad`` (tests/test_pipelining_features.py).
+DDP with a split backward is refused: W writes the weight gradients past DDP's autograd hooks.
+
+Tensor parallel (``tp_group=``): the members of a TP group (each its own pipeline of the same stages)
+agree on every task before starting it (rrfp.dispatch.tp, as rrfp-run does), so their collectives
+match; the calibration merges costs over the whole model replica so they plan alike.
+
+Microbatch sizes (rrfp.exec.pipelining.sizing): ``mb_order=`` (``size-asc``/``size-desc``, rrfp-sim's
+``--mb-order``) dispatches the microbatches by size, each keeping its RNG stream, losses returned in
+the user's order; ``sized=True`` prices backfill/guarded per microbatch from costs fitted per token.
 
 ``trace_out=PATH``: the training steps' tasks, waits and messages as a trace (schema v3) written by
 ``close()`` (or :meth:`ScheduleReadiness.write_trace`) that ``rrfp-sim --replay PATH`` replays.
@@ -56,8 +65,8 @@ builds its own at the same time), and the user all-reduces the stage gradients o
 by the bytes their activations hold instead of slots: fitted per stage from the first training step's
 saved tensors (rrfp.exec.pipelining.memory), which runs on slots.
 
-Not yet: microbatch sizes for sized policies and ``mb_order``, a tensor-parallel group (``tp_group``),
-CUDA runs (the transport's NCCL path is rrfp-run's, itself not yet run on a GPU).
+Not yet: CUDA runs (the transport's NCCL path is rrfp-run's, itself not yet run on a GPU); FSDP with
+several stages a rank (untested: its all-gathers follow the dispatch order).
 """
 
 from __future__ import annotations
@@ -108,7 +117,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
     ``fork_rng=False`` skips the per-forward RNG fork (a little faster; dropout then depends on the
     order). ``timeout``: the most seconds a rank waits for an input (default: the pipeline's, 120 s for one
     made here); after a failure the others are waited for up to twice the pipeline's timeout.
-    The chunk and merge specs are torch's.
+    The chunk and merge specs are torch's. ``mb_order``, ``sized``, ``tp_group``: the module docstring.
     """
 
     def __init__(
