@@ -370,6 +370,36 @@ def run_tp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     return {"worst": worst, "agree_s": agree, "tp_ctrl": pipe.tp_ctrl is not None, "means": means}
 
 
+def run_tp_refused(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
+    """TP groups that do not fit the pipelines, or TP members that would run different schedules: every
+    rank raises the same StageLayoutError (found from every rank's groups, before anything waits)."""
+    from rrfp.errors import UserError
+    from rrfp.exec import ReadinessPipeline, ScheduleReadiness
+
+    rank, what = dist.get_rank(), case["error"]
+    pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    pairs = ([0, 3], [1, 2]) if what == "span" else ([0, 1], [2, 3])
+    tp_groups = [dist.new_group(pairs[0]), dist.new_group(pairs[1])]
+    pp_rank, tp_rank = divmod(rank, 2)
+    tp_group = next(g for g, p in zip(tp_groups, pairs, strict=True) if rank in p)
+    if what == "partial" and pp_rank == 1:
+        tp_group = None
+    pipe = None
+    try:
+        pipe = ReadinessPipeline(group=pp_groups[tp_rank], timeout=20.0, tp_group=tp_group)
+        torch.manual_seed(7)
+        mod = nn.Sequential(TPBlock(FullBlock(), tp_group))
+        policy = "fixed" if what == "disagree" and tp_rank == 1 else "rrfp"
+        ScheduleReadiness(stages_of({pp_rank: mod}, 2, group=pp_groups[tp_rank])[0], 4, mse, hint="1f1b",
+                          policy=policy, pipeline=pipe, tp_group=tp_group)  # fmt: skip
+    except UserError as e:
+        return {"raised": type(e).__name__, "text": str(e)}
+    finally:
+        if pipe is not None:
+            pipe.close()
+    return {"raised": None}
+
+
 # -- item 5: DDP-wrapped stages ---------------------------------------------------------------------
 def run_ddp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     """pp 2 x dp 2: PipelineStage(DistributedDataParallel(module, process_group=dp_group)) for each of the
@@ -454,7 +484,7 @@ def run_fsdp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
 
 
 KINDS = {"sizes": run_sizes, "order_dropout": run_order_dropout, "refused": run_refused, "tp": run_tp,
-         "autocast": run_autocast, "dcp": run_dcp,
+         "autocast": run_autocast, "dcp": run_dcp, "tp_refused": run_tp_refused,
          "ddp": run_ddp, "fsdp": run_fsdp}  # fmt: skip
 TWO: list[dict[str, Any]] = [
     {"kind": "sizes", "hint": "1f1b", "policy": "backfill", "sized": True},
@@ -476,6 +506,7 @@ FOUR: list[dict[str, Any]] = [
     {"kind": "tp", "hint": "1f1b", "policy": "rrfp"},
     {"kind": "tp", "hint": "1f1b", "policy": "backfill", "steps": 2},
     {"kind": "tp", "hint": "zb-h1", "policy": "guarded", "steps": 2, "mb_order": "size-desc"},
+    *({"kind": "tp_refused", "error": e} for e in ("partial", "span", "disagree")),
     {"kind": "ddp", "hint": "1f1b", "policy": "rrfp"},
     {"kind": "ddp", "hint": "interleaved-1f1b", "policy": "backfill", "steps": 2},
     {"kind": "ddp", "hint": "zb-h1", "policy": "rrfp"},

@@ -196,6 +196,21 @@ def test_tensor_parallel_stages_equal_the_reference(four: list[dict[str, Any]]) 
         assert len(means) == 4 and means[0] and all(m == means[0] for m in means), means
 
 
+TP_ERRORS = {
+    "partial": "every rank or none must give a tp_group",
+    "span": "spans different pipeline ranks",
+    "disagree": "tensor-parallel members of pipeline rank 0 disagree on policy",
+}
+
+
+@pytest.mark.parametrize("error", list(TP_ERRORS))
+def test_tensor_parallel_layouts_refused_on_every_rank(four: list[dict[str, Any]], error: str) -> None:
+    found = rows(four, kind="tp_refused", error=error)
+    assert len(found) == 4
+    for r in found:
+        assert r["raised"] == "StageLayoutError" and TP_ERRORS[error] in r["text"], r
+
+
 # -- item 5: DDP- and FSDP-wrapped stages --------------------------------------------------------------
 def test_ddp_wrapped_stages_reduce_over_the_replicas(four: list[dict[str, Any]]) -> None:
     """PipelineStage(DistributedDataParallel(module, process_group=dp_group)), pp 2 x dp 2, no user

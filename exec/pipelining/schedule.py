@@ -168,7 +168,9 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self.hint_name, self.seed = hint, int(seed)
         self.timeout = pipe.timeout if timeout is None else float(timeout)
         self.mb_order, self.sized = mb_order, bool(sized)
-        self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget, mb_order, self.sized))
+        self._user_sized = getattr(policy, "sized", None) is not None  # a policy object's own sized model
+        sizing = (mb_order, self.sized, self._user_sized)
+        self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget, *sizing))
         try:  # every rank checked the same arguments: what fails now fails on every rank alike
             self._build(stages, policy, memory_budget, byte_budget, fork_rng, trace_out)
         except Exception:
@@ -280,7 +282,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
             ("n", "n_microbatches", MicrobatchError), ("num_stages", "num_stages", StageLayoutError),
             ("hint", "hint", StageLayoutError), ("policy", "policy", StageLayoutError),
             ("budget", "memory_budget", StageLayoutError), ("loss", "loss_fn given", LossError),
-            ("extras", "(trace_out given, byte_budget, mb_order, sized)", StageLayoutError),
+            ("extras", "(trace_out given, byte_budget, mb_order, sized, a sized policy)", StageLayoutError),
         ):  # fmt: skip
             values = {v["rank"]: v[key] for v in views}
             if len(set(values.values())) > 1:
@@ -407,7 +409,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
                 failed = None
             except Exception as e:  # raised after the sizes' collective, which every rank must join
                 arg_mbs, kwarg_mbs, target_mbs, failed = None, None, None, e
-            sizes = self._learn_sizes(training, arg_mbs)
+            sizes = self._learn_sizes(arg_mbs)
             if failed is not None:
                 raise failed
             if sizes is not None:  # the hint's numbering (mb_order)
@@ -456,19 +458,16 @@ class ScheduleReadiness(PipelineScheduleMulti):
         return outputs
 
     # -- microbatch sizes (rrfp.exec.pipelining.sizing) -----------------------------------------------
-    def _uses_sizes(self, training: bool) -> bool:
-        """Does this step need its microbatches' sizes (then every rank joins one broadcast)?"""
-        if self.mb_order != "none" or self.sized:
-            return True
-        if training and self.byte_budget is not None:
-            return True
-        return getattr(self.runtime.sched.policy, "sized", None) is not None  # a user's sized policy
+    def _uses_sizes(self) -> bool:
+        """Does this schedule's step need its microbatches' sizes (then every rank joins one broadcast)?
+        Only agreed settings decide (not whether this rank trains), so every rank asks alike."""
+        return self.mb_order != "none" or self.sized or self.byte_budget is not None or self._user_sized
 
-    def _learn_sizes(self, training: bool, arg_mbs: list[Any] | None) -> StepSizes | None:
+    def _learn_sizes(self, arg_mbs: list[Any] | None) -> StepSizes | None:
         """This step's sizes from the first stage's rank (a collective), handed to the scheduler's reset;
         None (and no collective) when nothing uses them."""
         self.runtime.sizes = None
-        if not self._uses_sizes(training):
+        if not self._uses_sizes():
             return None
         sizes = agree_sizes(self.pipeline, arg_mbs, self._n_microbatches, self.mb_order)
         self.runtime.sizes = sizes.hinted()
