@@ -404,17 +404,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
         self._steps += 1
         sizes: StepSizes | None = None
         try:
-            try:
-                arg_mbs, kwarg_mbs, target_mbs = prepare()
-                failed = None
-            except Exception as e:  # raised after the sizes' collective, which every rank must join
-                arg_mbs, kwarg_mbs, target_mbs, failed = None, None, None, e
-            sizes = self._learn_sizes(arg_mbs)
-            if failed is not None:
-                raise failed
-            if sizes is not None:  # the hint's numbering (mb_order)
-                arg_mbs, kwarg_mbs = sizes.permute(arg_mbs), sizes.permute(kwarg_mbs)
-                target_mbs = sizes.permute(target_mbs)
+            arg_mbs, kwarg_mbs, target_mbs, sizes = self._sized(prepare)
             has_last = any(s.is_last for s in self._stages)
             if training and has_last and target_mbs is None:
                 raise LossError("a training step needs target= on the last stage's rank")
@@ -422,9 +412,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
                 raise LossError("a target was given but the schedule has no loss_fn")
             calibrating = training and self._template is not None and not self.runtime.clocked
             if calibrating:  # this step's costs only (no forward-only step's)
-                self.runtime.meter = SizedMeter() if self.sized else CostMeter()
-                if self.sized and sizes is not None:
-                    self.runtime.meter.tokens = sizes.hinted().tokens  # type: ignore[attr-defined]
+                self.runtime.meter = self._meter(sizes)
             # Only training steps go into the trace (a forward-only step's backward tasks cost nothing).
             self.runtime.ctx = self._ctx if training else dataclasses.replace(self._ctx, recorder=None)
             self.compute.begin(
@@ -447,8 +435,13 @@ class ScheduleReadiness(PipelineScheduleMulti):
                 stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
         if not any(s.is_last for s in self._stages):
             return None
+        return self._results(sizes, losses, keep)
+
+    def _results(self, sizes: StepSizes | None, losses: list | None, keep: bool) -> list[Any] | None:
+        """The last stage's rank: the step's losses into ``losses`` and its outputs, in the user's
+        microbatch order."""
         by_mb, outs = self.compute.losses, self.compute.outputs
-        if sizes is not None:  # back to the user's numbering
+        if sizes is not None:  # back from the hint's numbering (mb_order)
             by_mb, outs = sizes.restore(by_mb), sizes.restore(outs)
         if losses is not None:
             losses.clear()
@@ -458,6 +451,32 @@ class ScheduleReadiness(PipelineScheduleMulti):
         return outputs
 
     # -- microbatch sizes (rrfp.exec.pipelining.sizing) -----------------------------------------------
+    def _sized(self, prepare: Any) -> tuple[Any, Any, Any, StepSizes | None]:
+        """This rank's microbatches (``prepare()``) and the step's sizes, the microbatches renumbered
+        as the hint runs them. A rank whose ``prepare`` raises still joins the sizes' collective first,
+        so the others do not wait on it."""
+        try:
+            arg_mbs, kwarg_mbs, target_mbs = prepare()
+            failed = None
+        except Exception as e:
+            arg_mbs, kwarg_mbs, target_mbs, failed = None, None, None, e
+        sizes = self._learn_sizes(arg_mbs)
+        if failed is not None:
+            raise failed
+        if sizes is not None:
+            arg_mbs, kwarg_mbs = sizes.permute(arg_mbs), sizes.permute(kwarg_mbs)
+            target_mbs = sizes.permute(target_mbs)
+        return arg_mbs, kwarg_mbs, target_mbs, sizes
+
+    def _meter(self, sizes: StepSizes | None) -> CostMeter:
+        """The calibrating step's meter: with ``sized``, one that keeps each task's tokens too."""
+        if not self.sized:
+            return CostMeter()
+        assert sizes is not None  # sized steps always learn their sizes
+        meter = SizedMeter()
+        meter.tokens = sizes.hinted().tokens
+        return meter
+
     def _uses_sizes(self) -> bool:
         """Does this schedule's step need its microbatches' sizes (then every rank joins one broadcast)?
         Only agreed settings decide (not whether this rank trains), so every rank asks alike."""
