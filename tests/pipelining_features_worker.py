@@ -483,8 +483,30 @@ def run_fsdp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     return {"outcome": "ran", "worst": worst}
 
 
+def run_size_error(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
+    """mb_order with a first stage's rank whose microbatches are wrong: it still joins the sizes'
+    broadcast, so every rank raises StageFailed naming it at once (no rank sits out its timeout)."""
+    from rrfp.errors import UserError
+    from rrfp.exec import ReadinessPipeline, ScheduleReadiness
+
+    rank, pp = dist.get_rank(), dist.get_world_size()
+    pipe = ReadinessPipeline(timeout=10.0)  # a failed step leaves its pipeline unusable
+    mine, num_stages = stage_indices("1f1b", pp, rank, 4)
+    sched = ScheduleReadiness(stages_of(copies(mlp_stages(num_stages), mine), num_stages), 4, mse,
+                              hint="1f1b", policy="rrfp", pipeline=pipe, mb_order="size-asc")  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    x, y = list(torch.randn(8, 16, generator=g).chunk(4)), list(torch.randn(8, 16, generator=g).chunk(4))
+    start = time.monotonic()
+    try:
+        sched.step_microbatches(x[:3] if 0 in mine else None, y if num_stages - 1 in mine else None)
+    except UserError as e:
+        return {"raised": type(e).__name__, "text": str(e), "seconds": time.monotonic() - start}
+    return {"raised": None}
+
+
 KINDS = {"sizes": run_sizes, "order_dropout": run_order_dropout, "refused": run_refused, "tp": run_tp,
          "autocast": run_autocast, "dcp": run_dcp, "tp_refused": run_tp_refused,
+         "size_error": run_size_error,
          "ddp": run_ddp, "fsdp": run_fsdp}  # fmt: skip
 TWO: list[dict[str, Any]] = [
     {"kind": "sizes", "hint": "1f1b", "policy": "backfill", "sized": True},
@@ -497,6 +519,7 @@ TWO: list[dict[str, Any]] = [
     {"kind": "order_dropout", "hint": "1f1b", "policy": "fixed", "mb_order": "size-desc", "broken": True},
     {"kind": "refused", "error": "mb_order"},
     {"kind": "refused", "error": "sized"},
+    {"kind": "size_error"},
     {"kind": "autocast", "policy": "fixed"},
     {"kind": "autocast", "policy": "rrfp"},
     {"kind": "dcp", "policy": "fixed"},

@@ -146,6 +146,30 @@ def test_refused_on_every_rank(two: list[dict[str, Any]], error: str) -> None:
     assert all(r["raised"] == "StageLayoutError" and text[error] in r["text"] for r in found), found
 
 
+def test_a_failing_first_rank_still_joins_the_sizes_broadcast(two: list[dict[str, Any]]) -> None:
+    found = rows(two, kind="size_error")
+    assert len(found) == 2
+    for r in found:
+        assert r["raised"] == "StageFailed" and "rank 0 raised MicrobatchError: arg_mbs has 3" in r["text"], r
+        assert r["seconds"] < 5.0, r  # the other rank did not wait out its 10 s timeout
+
+
+def test_step_sizes_order_and_measure() -> None:
+    import torch
+
+    from rrfp.exec.pipelining.sizing import StepSizes, measure
+
+    tokens = [5, 2, 5, 9, 2]
+    asc = StepSizes.of(tokens, tokens, "size-asc")
+    assert asc.order == (1, 4, 0, 2, 3)  # ties in the user's order
+    assert StepSizes.of(tokens, tokens, "size-desc").order == (3, 0, 2, 1, 4)
+    assert StepSizes.of(tokens, tokens, "none").order == (0, 1, 2, 3, 4)
+    assert asc.hinted().tokens == (2, 2, 5, 5, 9) and asc.permute(list("abcde")) == list("beacd")
+    assert asc.restore({0: "x", 4: "y"}) == {1: "x", 3: "y"}
+    assert measure((torch.zeros(2, 7, dtype=torch.long), torch.ones(3))) == (14, 2 * 7 * 7)
+    assert measure(("no tensor",)) == (1, 1)
+
+
 # -- item 3: autocast --------------------------------------------------------------------------------
 BF16_RTOL = 2e-2
 """bf16 keeps 8 bits of mantissa (relative 3.9e-3 a rounding): a few roundings' worth."""

@@ -489,7 +489,7 @@ class ScheduleReadiness(PipelineScheduleMulti):
         if not self._uses_sizes():
             return None
         sizes = agree_sizes(self.pipeline, arg_mbs, self._n_microbatches, self.mb_order)
-        self.runtime.sizes = sizes.hinted()
+        self.runtime.sizes = None if sizes is None else sizes.hinted()  # None: this rank's prepare failed
         return sizes
 
     def _use_bytes(self, training: bool, sizes: StepSizes | None) -> None:
