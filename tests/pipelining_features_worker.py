@@ -207,19 +207,21 @@ def _train(sched: Any, mods: dict[int, nn.Module], opt: Any, steps: range, first
         opt.step()
 
 
-def _state(mods: dict[int, nn.Module], opt: Any) -> dict[str, Any]:
+def _state(mods: dict[int, nn.Module], opt: Any, sched: Any) -> dict[str, Any]:
     """The checkpoint's state: each stage under its own key -- plain tensors of one FQN on several ranks
-    would be saved once as replicated (every stage module names its parameters alike)."""
+    would be saved once as replicated (every stage module names its parameters alike) -- and the
+    schedule itself (a Stateful: its step count numbers the dropout streams)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     ((s, mod),) = mods.items()
-    return {f"stage{s}": {"model": get_model_state_dict(mod), "optim": get_optimizer_state_dict(mod, opt)}}
+    stage = {"model": get_model_state_dict(mod), "optim": get_optimizer_state_dict(mod, opt)}
+    return {f"stage{s}": stage, "schedule": sched}
 
 
 def run_dcp(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
-    """Train 2 steps, dcp.save the stage module's and Adam's state, build fresh modules (other weights),
-    optimizer and schedule, dcp.load, train 2 more: the weights equal a 4-step uninterrupted run's
-    exactly (policy fixed: the same order, so the same float sums)."""
+    """Train 2 steps (dropout 0.2), dcp.save the stage module's, Adam's and the schedule's state, build
+    fresh modules (other weights), optimizer and schedule, dcp.load, train 2 more: the weights equal a
+    4-step uninterrupted run's exactly (policy fixed: the same order, so the same float sums)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_state_dict
 
@@ -228,7 +230,7 @@ def run_dcp(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     rank, pp, n = dist.get_rank(), dist.get_world_size(), 4
     mine, num_stages = stage_indices("1f1b", pp, rank, n)
     first, last = 0 in mine, num_stages - 1 in mine
-    ref = mlp_stages(num_stages)
+    ref = mlp_stages(num_stages, dropout=0.2)
 
     def build(mods: dict[int, nn.Module]) -> tuple[Any, Any]:
         opt = torch.optim.Adam([p for m in mods.values() for p in m.parameters()], lr=1e-2)
@@ -242,18 +244,21 @@ def run_dcp(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     part = copies(ref, mine)
     sched, opt = build(part)
     _train(sched, part, opt, range(2), first, last)
-    path = os.path.join(case["dir"], "dcp-model-only" if case.get("model_only") else "dcp")
-    dcp.save(_state(part, opt), checkpoint_id=path)
+    variant = "-".join(k for k in ("model_only", "no_schedule") if case.get(k))
+    path = os.path.join(case["dir"], f"dcp-{variant}")
+    dcp.save(_state(part, opt, sched), checkpoint_id=path)
     torch.manual_seed(99)
-    fresh = copies(mlp_stages(num_stages), mine)
+    fresh = copies(mlp_stages(num_stages, dropout=0.2), mine)
     for m in fresh.values():  # other weights than the checkpoint's: the load must set them
         for p in m.parameters():
             p.data.uniform_(-1, 1)
     sched, opt = build(fresh)
-    state = _state(fresh, opt)
+    state = _state(fresh, opt, sched)
     ((s, mod),) = fresh.items()
     if case.get("model_only"):  # the check's own check: a resume without Adam's moments must differ
         del state[f"stage{s}"]["optim"]  # (dcp.load loads the keys asked for; the state's tensors in place)
+    if case.get("no_schedule"):  # ... and one without the schedule's step count (other dropout draws)
+        del state["schedule"]
     dcp.load(state, checkpoint_id=path)
     optim_sd = state[f"stage{s}"].get("optim") or get_optimizer_state_dict(mod, opt)
     set_state_dict(mod, opt, model_state_dict=state[f"stage{s}"]["model"], optim_state_dict=optim_sd)
@@ -264,7 +269,13 @@ def run_dcp(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     moved = max(rel_err(p.detach(), q.detach()) for s in mine
                 for p, q in zip(whole[s].parameters(), ref[s].parameters(), strict=True))  # fmt: skip
     sched.close()
-    return {"worst": worst, "differ": differ, "params": len(pairs), "moved": moved}
+    return {
+        "worst": worst,
+        "differ": differ,
+        "params": len(pairs),
+        "moved": moved,
+        "steps": sched.state_dict()["steps"],
+    }
 
 
 # -- item 2: tensor-parallel stages ---------------------------------------------------------------------
@@ -524,6 +535,7 @@ TWO: list[dict[str, Any]] = [
     {"kind": "autocast", "policy": "rrfp"},
     {"kind": "dcp", "policy": "fixed"},
     {"kind": "dcp", "policy": "fixed", "model_only": True},
+    {"kind": "dcp", "policy": "fixed", "no_schedule": True},
 ]
 FOUR: list[dict[str, Any]] = [
     {"kind": "tp", "hint": "1f1b", "policy": "rrfp"},

@@ -194,15 +194,17 @@ def test_autocast_matches_torchs_schedule_under_the_same_autocast(two: list[dict
 
 # -- item 4: torch.distributed.checkpoint ----------------------------------------------------------------
 def test_checkpoint_round_trip_resumes_exactly(two: list[dict[str, Any]]) -> None:
-    """2 steps, dcp.save (each stage's module and Adam state under its own key), fresh modules with other
-    weights, a fresh optimizer and schedule, dcp.load + set_state_dict, 2 more steps: every weight
-    equals a 4-step uninterrupted run's exactly; resuming without Adam's state is caught."""
-    (a, b) = rows(two, kind="dcp", model_only=None)
+    """2 steps with dropout, dcp.save (each stage's module and Adam state under its own key, and the
+    schedule: a Stateful holding its step count), fresh modules with other weights, a fresh optimizer
+    and schedule, dcp.load + set_state_dict, 2 more steps: every weight equals a 4-step uninterrupted
+    run's exactly. Resuming without Adam's state, or without the schedule's, is caught."""
+    (a, b) = rows(two, kind="dcp", model_only=None, no_schedule=None)
     for r in (ok(a), ok(b)):
         assert r["params"] == 8 and r["differ"] == 0 and r["worst"] == 0.0, r
-        assert r["moved"] > 1e-2, r  # training moved the weights: equality is not the start's
-    model_only = rows(two, kind="dcp", model_only=True)
-    assert all(ok(r)["differ"] > 0 for r in model_only), model_only
+        assert r["moved"] > 1e-2 and r["steps"] == 4, r  # training moved the weights, from step 2 on
+    for broken in ("model_only", "no_schedule"):
+        found = rows(two, kind="dcp", **{broken: True})
+        assert all(ok(r)["differ"] > 0 for r in found), found
 
 
 # -- item 2: tensor-parallel stages ---------------------------------------------------------------------
@@ -265,3 +267,15 @@ def test_fully_sharded_stages_equal_the_reference(four: list[dict[str, Any]]) ->
     assert {r["case"]["hint"] for r in found} == {"1f1b", "zb-h1"}
     assert all(r["outcome"] == "ran" for r in found), found
     assert_equal_to_reference(found)
+
+
+def test_schedule_state_refuses_a_bad_step_count() -> None:
+    from rrfp.exec import ScheduleReadiness
+    from rrfp.exec.pipelining import PipeliningError
+
+    sched = object.__new__(ScheduleReadiness)  # the state methods only (no process group here)
+    sched.load_state_dict({"steps": 3})
+    assert sched.state_dict() == {"steps": 3}
+    for bad in ({}, {"steps": -1}, {"steps": 2.0}, {"steps": True}):
+        with pytest.raises(PipeliningError, match="integer 'steps'"):
+            sched.load_state_dict(bad)

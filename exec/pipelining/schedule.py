@@ -563,6 +563,20 @@ class ScheduleReadiness(PipelineScheduleMulti):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """The schedule's own state for a checkpoint (torch.distributed.checkpoint's ``Stateful``: put
+        the schedule itself in the state you save and load): its step count, which numbers the dropout
+        streams, so a resumed run draws what the uninterrupted one would have."""
+        return {"steps": self._steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the step count (every rank loads the same checkpoint, so they stay alike)."""
+        steps = state.get("steps")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise PipeliningError(f"a schedule state has an integer 'steps' >= 0, got {steps!r}")
+        self._steps = steps
+
     @property
     def split_notes(self) -> list[str]:
         """What the first split backward check found (empty: I + W matched B, or no split)."""
