@@ -65,6 +65,10 @@ the user's order; ``sized=True`` prices backfill/guarded per microbatch from cos
 by the bytes their activations hold instead of slots: fitted per stage from the first training step's
 saved tensors (rrfp.exec.pipelining.memory), which runs on slots.
 
+Checkpoints: torch.distributed.checkpoint on the stage modules and optimizers as in any loop; the
+schedule itself is a ``Stateful`` (:meth:`ScheduleReadiness.state_dict`: the step count that numbers the
+dropout streams), so a resumed run equals an uninterrupted one (tests/test_pipelining_features.py).
+
 Not yet: CUDA runs (the transport's NCCL path is rrfp-run's, itself not yet run on a GPU); FSDP with
 several stages a rank (untested: its all-gathers follow the dispatch order).
 """
