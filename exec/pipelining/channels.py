@@ -40,9 +40,15 @@ class ReadinessPipeline:
     default group). ``device``: where activations live (CUDA: NCCL channels; CPU: gloo).
     ``timeout``: seconds a schedule's rank waits for an input (its default); control collectives (set-up
     checks, failure reports) wait up to twice that, so a rank that had to time out still reports in.
+    ``tp_group``: this rank's tensor-parallel group (every rank gives one, or none): gloo control groups
+    for the TP members' task agreement and for the model replica's calibration are built with the
+    channels.
     """
 
-    def __init__(self, group: Any = None, device: torch.device | str = "cpu", timeout: float = 120.0) -> None:
+    def __init__(
+        self, group: Any = None, device: torch.device | str = "cpu", timeout: float = 120.0,
+        tp_group: Any = None,
+    ) -> None:  # fmt: skip
         if not dist.is_initialized():
             raise StageLayoutError("torch.distributed is not initialised: call init_process_group first")
         self.device = torch.device(device)
@@ -57,9 +63,15 @@ class ReadinessPipeline:
         self.pp_rank = self.ranks.index(self.rank)
         self.timeout = float(timeout)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.tp_ranks: tuple[int, ...] | None = None
+        """The global ranks of this rank's tensor-parallel group (None: no TP)."""
+        if tp_group is not None:
+            self.tp_ranks = tuple(dist.get_process_group_ranks(tp_group))
         mine: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(mine, self.ranks)  # every rank's pipeline, to build them all in one order
-        pipelines = list(dict.fromkeys(tuple(r) for r in mine))
+        # Every rank's pipeline and TP group, to build them all in one order.
+        dist.all_gather_object(mine, (tuple(self.ranks), self.tp_ranks))
+        pipelines = list(dict.fromkeys(r for r, _ in mine))
+        self._all_pipelines = pipelines
         wait = timedelta(seconds=2 * self.timeout + 5)
         channels: dict[tuple[int, int], Any] = {}
         self._groups: list[Any] = []
@@ -76,6 +88,12 @@ class ReadinessPipeline:
                 if ours and self.pp_rank in (src, dst):
                     channels[(src, dst)] = ch
                     self._groups.append(ch)
+        self.tp_ctrl: Any = None
+        """gloo over this rank's TP group: its members agree on every task they start (None: no TP)."""
+        self.model_ctrl: Any = self.ctrl
+        """gloo over this pipeline and every pipeline its TP groups reach (one model replica): set-up
+        checks and the calibration, so TP members plan alike; the pipeline's control group without TP."""
+        self._tp_groups([tp for _, tp in mine], wait)
         self.transport: Transport | None = None
         if self.pp > 1:
             self.transport = Transport(channels, self.pp_rank, self.to_global, self.device)
@@ -109,8 +127,39 @@ class ReadinessPipeline:
         self.pp, self.pp_rank = len(self.ranks), self.ranks.index(self.rank)
         self.timeout, self.ctrl, self.transport, self._groups = float(timeout), ctrl, transport, []
         self.early = defaultdict(list) if early is None else early
+        # The caller's own TP agreement (rrfp-run: its loop's TP group), so none of the library's.
+        self.tp_ranks, self.tp_ctrl, self.model_ctrl = None, None, ctrl
+        self._all_pipelines = [tuple(self.ranks)]
         self._finish(owned=False)
         return self
+
+    def _tp_groups(self, given: list[tuple[int, ...] | None], wait: timedelta) -> None:
+        """The TP control groups and the model replicas' control groups, every one on every rank in one
+        order (new_group is collective over the world); nothing when no rank has a TP group. Checked
+        from every rank's groups, so every rank raises alike."""
+        if all(tp is None for tp in given):
+            return
+        tps = [tp for tp in given if tp is not None]
+        if len(tps) != len(given):
+            raise StageLayoutError("every rank or none must give a tp_group")
+        for rank, tp in enumerate(tps):
+            if rank not in tp or any(tps[r] != tp for r in tp):
+                raise StageLayoutError(f"rank {rank}'s tp_group {list(tp)} is not its members' tp_group")
+        where = {r: (len(p), p.index(r)) for p in self._all_pipelines for r in p}
+        for tp in tps:
+            if len({where[r] for r in tp}) > 1:
+                raise StageLayoutError(
+                    f"tp_group {list(tp)} spans different pipeline ranks (each member holds the same stages)"
+                )
+        me = dist.get_rank()
+        for tp in dict.fromkeys(tps):
+            g = dist.new_group(list(tp), timeout=wait, backend="gloo")
+            if me in tp:
+                self.tp_ctrl = g
+        for model in _replicas(tps, self._all_pipelines):
+            g = dist.new_group(list(model), timeout=wait, backend="gloo")
+            if me in model:
+                self.model_ctrl = g
 
     def to_global(self, pp_rank: int) -> int:
         """Global rank of pipeline rank ``pp_rank``."""
@@ -147,3 +196,23 @@ class ReadinessPipeline:
             for g in self._groups:
                 dist.destroy_process_group(g)
         self._groups = []
+
+
+def _replicas(tps: list[tuple[int, ...]], pipelines: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """The model replicas: the ranks of pipelines that TP groups join, in one order on every rank."""
+    owner = {r: i for i, p in enumerate(pipelines) for r in p}
+    parent = list(range(len(pipelines)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for tp in tps:
+        for r in tp[1:]:
+            a, b = root(owner[tp[0]]), root(owner[r])
+            parent[max(a, b)] = min(a, b)
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(pipelines):
+        groups.setdefault(root(i), []).extend(p)
+    return [tuple(sorted(g)) for _, g in sorted(groups.items())]

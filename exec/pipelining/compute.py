@@ -23,6 +23,7 @@ a task start; it returns the messages the task produces as ``(consumer task, pay
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -74,9 +75,12 @@ class StageCompute:
     def begin(
         self, arg_mbs: list[tuple[Any, ...]], kwarg_mbs: list[dict[str, Any]], target_mbs: list[Any] | None,
         loss_kwargs: dict[str, Any] | None, *, training: bool, outputs: bool, seed: int, step: int,
+        ids: Sequence[int] | None = None,
     ) -> None:  # fmt: skip
         """Start a step on these microbatches (this rank's share: stage 0's arguments, the last stage's
-        targets, this rank's keyword arguments)."""
+        targets, this rank's keyword arguments), in the hint's numbering; ``ids``: the user's number of
+        each (``mb_order``; None: the same), which picks its forwards' RNG streams."""
+        self.ids = list(range(self.spec.microbatches)) if ids is None else list(ids)
         self.arg_mbs, self.kwarg_mbs, self.target_mbs = arg_mbs, kwarg_mbs, target_mbs
         self.loss_kwargs = loss_kwargs or {}
         self.training, self.keep_outputs, self.seed, self.step = training, outputs, seed, step
@@ -121,7 +125,7 @@ class StageCompute:
                     raise MicrobatchError(_disagree(s - 1, s, m, training))
             args = tuple(_leaf(a, self.training) for a in got)  # type: ignore[union-attr]
         kwargs = self.kwarg_mbs[m] if self.kwarg_mbs else {}
-        seed = microbatch_seed(self.seed, self.step, s, m) if self.fork_rng else None
+        seed = microbatch_seed(self.seed, self.step, s, self.ids[m]) if self.fork_rng else None
         with torch.set_grad_enabled(self.training), _rng(seed, stage.device):
             if self.measure and self.bytes is not None and self.training:
                 with self.bytes.counters[s].counting() as counter:

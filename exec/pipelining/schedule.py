@@ -51,8 +51,17 @@ Rules this schedule follows (torch's where torch has one):
 
 Data parallel: one :class:`ReadinessPipeline` per replica, each on its own pipeline group (every rank
 builds its own at the same time), and the user all-reduces the stage gradients over the replicas after
-``step`` (tests/test_pipelining.py does). DDP/FSDP-wrapped stage modules go through torch's own
-``backward_maybe_with_nosync``/``perform_reduce_grad``, untested here.
+``step`` (tests/test_pipelining.py does) -- or DDP/FSDP-wrapped stage modules, which reduce through
+torch's own ``backward_maybe_with_nosync``/``perform_reduce_grad`` (tests/test_pipelining_features.py).
+DDP with a split backward is refused: W writes the weight gradients past DDP's autograd hooks.
+
+Tensor parallel (``tp_group=``): the members of a TP group (each its own pipeline of the same stages)
+agree on every task before starting it (rrfp.dispatch.tp, as rrfp-run does), so their collectives
+match; the calibration merges costs over the whole model replica so they plan alike.
+
+Microbatch sizes (rrfp.exec.pipelining.sizing): ``mb_order=`` (``size-asc``/``size-desc``, rrfp-sim's
+``--mb-order``) dispatches the microbatches by size, each keeping its RNG stream, losses returned in
+the user's order; ``sized=True`` prices backfill/guarded per microbatch from costs fitted per token.
 
 A driver with a compute of its own -- rrfp-run's trials -- passes it as ``driver=`` (with
 :class:`~rrfp.exec.pipelining.engine.StageSlot` placements instead of ``PipelineStage`` objects) and
@@ -66,8 +75,12 @@ rrfp.exec.pipelining.engine.
 by the bytes their activations hold instead of slots: fitted per stage from the first training step's
 saved tensors (rrfp.exec.pipelining.memory), which runs on slots.
 
-Not yet: microbatch sizes for sized policies and ``mb_order``, a tensor-parallel group (``tp_group``),
-CUDA runs (the transport's NCCL path is rrfp-run's, itself not yet run on a GPU).
+Checkpoints: torch.distributed.checkpoint on the stage modules and optimizers as in any loop; the
+schedule itself is a ``Stateful`` (:meth:`ScheduleReadiness.state_dict`: the step count that numbers the
+dropout streams), so a resumed run equals an uninterrupted one (tests/test_pipelining_features.py).
+
+Not yet: CUDA runs (the transport's NCCL path is rrfp-run's, itself not yet run on a GPU); FSDP with
+several stages a rank (untested: its all-gathers follow the dispatch order).
 """
 
 from __future__ import annotations
@@ -101,7 +114,8 @@ from rrfp.exec.pipelining.errors import (
     StageFailed,
     StageLayoutError,
 )
-from rrfp.exec.pipelining.memory import ForwardBytes, microbatch_size
+from rrfp.exec.pipelining.memory import ForwardBytes
+from rrfp.exec.pipelining.sizing import SizedMeter, StepSizes, agree_sizes, check_mb_order, sized_model
 from rrfp.plan.budget import ByteBudget, parse_byte_item, position_bytes, resolve_budget
 from rrfp.plan.sources import make_hint
 from rrfp.traces.trace import TraceRecorder
@@ -120,8 +134,9 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
     ``fork_rng=False`` skips the per-forward RNG fork (a little faster; dropout then depends on the
     order). ``timeout``: the most seconds a rank waits for an input (default: the pipeline's, 120 s for one
     made here); after a failure the others are waited for up to twice the pipeline's timeout.
-    The chunk and merge specs are torch's. ``driver``: a compute of the caller's own and its loop's
-    surroundings instead of the stages' modules (rrfp.exec.pipelining.engine; rrfp-run's trials).
+    The chunk and merge specs are torch's. ``mb_order``, ``sized``, ``tp_group``: the module docstring.
+    ``driver``: a compute of the caller's own and its loop's surroundings instead of the stages' modules
+    (rrfp.exec.pipelining.engine; rrfp-run's trials).
     """
 
     def __init__(
@@ -143,6 +158,9 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
         kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
         output_merge_spec: Any = None,
+        mb_order: str = "none",
+        sized: bool = False,
+        tp_group: Any = None,
         driver: DriverHooks | None = None,
     ) -> None:
         stages = _stage_list(stages)
@@ -154,9 +172,12 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
             scale_grads=scale_grads,
         )  # fmt: skip
         self._owns_pipeline = pipeline is None
-        self.pipeline = pipeline or ReadinessPipeline(stages[0].group, stages[0].device, timeout or 120.0)
+        self.pipeline = pipeline or ReadinessPipeline(
+            stages[0].group, stages[0].device, timeout or 120.0, tp_group=tp_group
+        )
         pipe = self.pipeline
         pipe.check_open()
+        self._tp_error = _tp_mismatch(pipe, tp_group)
         world = list(range(dist.get_world_size()))
         for s in stages:
             ranks = world if s.group is None else dist.get_process_group_ranks(s.group)
@@ -169,7 +190,10 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         self.timeout = pipe.timeout if timeout is None else float(timeout)
         if driver is not None and trace_out is not None:
             raise StageLayoutError("a driven schedule's trace goes to driver.recorder, not trace_out")
-        self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget))
+        self.mb_order, self.sized = mb_order, bool(sized)
+        self._user_sized = getattr(policy, "sized", None) is not None  # a policy object's own sized model
+        sizing = (mb_order, self.sized, self._user_sized)
+        self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget, *sizing))
         try:  # every rank checked the same arguments: what fails now fails on every rank alike
             self._build(stages, policy, memory_budget, byte_budget, fork_rng, trace_out)
         except Exception:
@@ -191,6 +215,13 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         v = stages[0].num_stages // pipe.pp
         self.hint = make_hint(hint, pipe.pp, n_microbatches, v)
         self._check_placement()
+        ddp = [s for v in self._views for s in v["ddp"]]
+        if ddp and self.hint.spec.split:
+            raise StageLayoutError(
+                f"stages {ddp} are DistributedDataParallel modules: DDP reduces gradients in autograd hooks "
+                f"that a split backward's W (hint {self.hint_name!r}) bypasses; use an unsplit hint (1f1b, "
+                "interleaved-1f1b), fully_shard, or all-reduce the gradients yourself"
+            )
         policy_obj = get_policy(policy) if isinstance(policy, str) else policy
         self._template = policy_obj if isinstance(policy_obj, Backfill) else None
         budgets = resolve_budget(memory_budget, self.hint)
@@ -201,7 +232,16 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         self.sched = RankScheduler(self.hint, pipe.pp_rank, policy_obj, self.budget)
         self.auto = None  # auto: the switch between its arms (rrfp.exec.loop.switch)
         if isinstance(policy_obj, Auto):
-            self.auto = AutoSwitch(policy_obj, self.hint, pipe.pp_rank, budgets, pipe.ctrl)
+            if self.sized:
+                raise StageLayoutError("sized=True with policy 'auto' is not supported yet (its replay is unsized)")
+            # over the model replica (TP members too), so every rank that must agree switches at once
+            self.auto = AutoSwitch(policy_obj, self.hint, pipe.pp_rank, budgets, pipe.model_ctrl)
+        check_mb_order(self.mb_order)
+        if self.sized and self._template is None:
+            raise StageLayoutError(
+                "sized=True prices a planning policy per microbatch (backfill, guarded), "
+                f"not {self.policy_name!r}"
+            )
         by_index = {s.stage_index: s for s in stages}
         self.compute = StageCompute(by_index, self.hint.spec, pipe.pp_rank, loss_fn, fork_rng)
         self.byte_budget: ByteBudget | None = None
@@ -215,6 +255,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         ctx = RankContext(
             rank=pipe.rank, pp_rank=pipe.pp_rank, to_global=pipe.to_global, transport=pipe.transport,
             timeout=self.timeout, early=pipe.early, recorder=self.recorder, origin=self._views[0]["now"],
+            tp_ctrl=pipe.tp_ctrl,
         )  # fmt: skip
         self._ctx = ctx
         self.runtime = PipelineRuntime(ctx, self.sched, self.compute, pipe.next_schedule())
@@ -262,16 +303,19 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
             "stages": sorted(s.stage_index for s in stages), "num_stages": stages[0].num_stages,
             "n": self._n_microbatches, "hint": hint, "policy": self.policy_name, "budget": repr(budget),
             "loss": self._loss_fn is not None, "rank": pipe.rank, "extras": extras,
-            "now": time.monotonic(),
+            "now": time.monotonic(), "tp_error": self._tp_error, "ddp": _ddp_stages(stages),
         }  # fmt: skip
         views: list[Any] = [None] * pipe.pp
         dist.all_gather_object(views, mine, group=pipe.ctrl)
         self._views = views
+        for v in views:
+            if v["tp_error"]:
+                raise StageLayoutError(f"rank {v['rank']}: {v['tp_error']}")
         for key, what, err in (
             ("n", "n_microbatches", MicrobatchError), ("num_stages", "num_stages", StageLayoutError),
             ("hint", "hint", StageLayoutError), ("policy", "policy", StageLayoutError),
             ("budget", "memory_budget", StageLayoutError), ("loss", "loss_fn given", LossError),
-            ("extras", "(trace_out given, byte_budget)", StageLayoutError),
+            ("extras", "(trace_out given, byte_budget, mb_order, sized, a sized policy)", StageLayoutError),
         ):  # fmt: skip
             values = {v["rank"]: v[key] for v in views}
             if len(set(values.values())) > 1:
@@ -287,6 +331,23 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
             )
         if num_stages % pipe.pp:
             raise StageLayoutError(f"{num_stages} stages on {pipe.pp} ranks: not the same count per rank")
+        if pipe.tp_ctrl is not None:
+            self._agree_tp(mine)
+
+    def _agree_tp(self, mine: dict[str, Any]) -> None:
+        """Tensor parallel: every pipeline of the model replica must run the same schedule (its TP members
+        start the same tasks), checked over the replica so every rank raises alike."""
+        pipe = self.pipeline
+        views: list[Any] = [None] * dist.get_world_size(pipe.model_ctrl)
+        same = {k: v for k, v in mine.items() if k not in ("rank", "now", "tp_error", "ddp")}
+        dist.all_gather_object(views, (pipe.pp_rank, same), group=pipe.model_ctrl)
+        for pp_rank, theirs in views:
+            ours = next(v for r, v in views if r == pp_rank)
+            if theirs != ours:
+                diff = sorted(k for k in ours if ours[k] != theirs.get(k))
+                raise StageLayoutError(
+                    f"tensor-parallel members of pipeline rank {pp_rank} disagree on {', '.join(diff)}"
+                )
 
     def _check_placement(self) -> None:
         spec = self.hint.spec
@@ -376,8 +437,9 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         training = self._has_backward and torch.is_grad_enabled()
         step = self._steps
         self._steps += 1
+        sizes: StepSizes | None = None
         try:
-            arg_mbs, kwarg_mbs, target_mbs = prepare()
+            arg_mbs, kwarg_mbs, target_mbs, sizes = self._sized(prepare)
             has_last = any(s.is_last for s in self._stages)
             if training and has_last and target_mbs is None:
                 raise LossError("a training step needs target= on the last stage's rank")
@@ -386,14 +448,15 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
             calibrating = training and self._template is not None and self.calibration is None
             meter = self.auto.begin() if training and self.auto is not None else None
             if calibrating or meter is not None:  # this step's costs only (no forward-only step's)
-                self.runtime.meter = CostMeter() if meter is None else meter
+                self.runtime.meter = self._meter(sizes) if meter is None else meter
             # Only training steps go into the trace (a forward-only step's backward tasks cost nothing).
             self.runtime.ctx = self._ctx if training else dataclasses.replace(self._ctx, recorder=None)
             self.compute.begin(
-                arg_mbs, kwarg_mbs, target_mbs, loss_kwargs,
+                arg_mbs or [], kwarg_mbs or [], target_mbs, loss_kwargs,
                 training=training, outputs=keep and has_last, seed=self.seed, step=step,
+                ids=None if sizes is None else sizes.order,
             )  # fmt: skip
-            self._use_bytes(training, arg_mbs)
+            self._use_bytes(training, sizes)
             self.runtime.run_iteration(step)
             if self.compute.measure:
                 assert self.compute.bytes is not None
@@ -410,25 +473,72 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
                 stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
         if not any(s.is_last for s in self._stages):
             return None
+        return self._results(sizes, losses, keep)
+
+    def _results(self, sizes: StepSizes | None, losses: list | None, keep: bool) -> list[Any] | None:
+        """The last stage's rank: the step's losses into ``losses`` and its outputs, in the user's
+        microbatch order."""
+        by_mb, outs = self.compute.losses, self.compute.outputs
+        if sizes is not None:  # back from the hint's numbering (mb_order)
+            by_mb, outs = sizes.restore(by_mb), sizes.restore(outs)
         if losses is not None:
             losses.clear()
-            losses.extend(self.compute.losses[m] for m in sorted(self.compute.losses))
-        outputs = [self.compute.outputs[m] for m in range(self._n_microbatches)] if keep else None
+            losses.extend(by_mb[m] for m in sorted(by_mb))
+        outputs = [outs[m] for m in range(self._n_microbatches)] if keep else None
         self.compute.outputs = {}
         return outputs
 
-    def _use_bytes(self, training: bool, arg_mbs: list[Any]) -> None:
-        """Byte budgets: learn this step's microbatch sizes from the first stage's rank (a collective),
+    # -- microbatch sizes (rrfp.exec.pipelining.sizing) -----------------------------------------------
+    def _sized(self, prepare: Any) -> tuple[Any, Any, Any, StepSizes | None]:
+        """This rank's microbatches (``prepare()``) and the step's sizes, the microbatches renumbered
+        as the hint runs them. A rank whose ``prepare`` raises still joins the sizes' collective first,
+        so the others do not wait on it."""
+        try:
+            arg_mbs, kwarg_mbs, target_mbs = prepare()
+            failed = None
+        except Exception as e:
+            arg_mbs, kwarg_mbs, target_mbs, failed = None, None, None, e
+        sizes = self._learn_sizes(arg_mbs)
+        if failed is not None:
+            raise failed
+        if sizes is not None:
+            arg_mbs, kwarg_mbs = sizes.permute(arg_mbs), sizes.permute(kwarg_mbs)
+            target_mbs = sizes.permute(target_mbs)
+        return arg_mbs, kwarg_mbs, target_mbs, sizes
+
+    def _meter(self, sizes: StepSizes | None) -> CostMeter:
+        """The calibrating step's meter: with ``sized``, one that keeps each task's tokens too."""
+        if not self.sized:
+            return CostMeter()
+        assert sizes is not None  # sized steps always learn their sizes
+        meter = SizedMeter()
+        meter.tokens = sizes.hinted().tokens
+        return meter
+
+    def _uses_sizes(self) -> bool:
+        """Does this schedule's step need its microbatches' sizes (then every rank joins one broadcast)?
+        Only agreed settings decide (not whether this rank trains), so every rank asks alike."""
+        return self.mb_order != "none" or self.sized or self.byte_budget is not None or self._user_sized
+
+    def _learn_sizes(self, arg_mbs: list[Any] | None) -> StepSizes | None:
+        """This step's sizes from the first stage's rank (a collective), handed to the scheduler's reset;
+        None (and no collective) when nothing uses them."""
+        self.runtime.sizes = None
+        if not self._uses_sizes():
+            return None
+        sizes = agree_sizes(self.pipeline, arg_mbs, self._n_microbatches, self.mb_order)
+        self.runtime.sizes = None if sizes is None else sizes.hinted()  # None: this rank's prepare failed
+        return sizes
+
+    def _use_bytes(self, training: bool, sizes: StepSizes | None) -> None:
+        """Byte budgets: this step's microbatch sizes (the first stage's rank's, learnt by every rank),
         then measure the forwards (the first training step: slots) or admit by their predicted bytes."""
         self.runtime.memory = None
         model = self.compute.bytes
         if model is None or self.byte_budget is None or not training:
             return
-        pipe = self.pipeline
-        sizes = [microbatch_size(a) for a in arg_mbs] if pipe.pp_rank == 0 else None
-        box = [sizes]
-        dist.broadcast_object_list(box, src=pipe.ranks[0], group=pipe.ctrl)
-        self.compute.sizes = box[0]  # type: ignore[assignment]
+        assert sizes is not None
+        self.compute.sizes = list(sizes.hinted().tokens)
         if not model.fit:
             self.compute.measure = True
             return
@@ -446,9 +556,15 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         assert self._template is not None
         hint = self.hint
         ops = {t.op for order in hint.orders.values() for t in order}
-        policy, info = calibrate(
-            self.runtime.meter, self.pipeline.ctrl, self._template, hint.spec.num_stages, ops
-        )
+        group = self.pipeline.model_ctrl  # TP members plan with the same costs (rrfp-run: the world)
+        policy, info = calibrate(self.runtime.meter, group, self._template, hint.spec.num_stages, ops)
+        if self.sized:
+            meter = self.runtime.meter
+            assert isinstance(meter, SizedMeter)
+            overhead = info["overhead_ms"] / 1e3
+            policy.sized, info["sized_ms"] = sized_model(meter, group, overhead, hint.spec.num_stages)
+        elif self._template.sized is not None:  # the user's own sized model (calibrate drops it)
+            policy.sized = self._template.sized
         self.calibration = info
         self.sched = RankScheduler(hint, self.sched.rank, policy, self.budget)
         self.runtime.clock(self.sched)
@@ -499,10 +615,40 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, int]:
+        """The schedule's own state for a checkpoint (torch.distributed.checkpoint's ``Stateful``: put
+        the schedule itself in the state you save and load): its step count, which numbers the dropout
+        streams, so a resumed run draws what the uninterrupted one would have."""
+        return {"steps": self._steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the step count (every rank loads the same checkpoint, so they stay alike)."""
+        steps = state.get("steps")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise PipeliningError(f"a schedule state has an integer 'steps' >= 0, got {steps!r}")
+        self._steps = steps
+
     @property
     def split_notes(self) -> list[str]:
         """What the first split backward check found (empty: I + W matched B, or no split)."""
         return list(self.compute.notes)
+
+
+def _ddp_stages(stages: list[Any]) -> list[int]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return sorted(s.stage_index for s in stages if isinstance(s.submod, DistributedDataParallel))
+
+
+def _tp_mismatch(pipe: ReadinessPipeline, tp_group: Any) -> str | None:
+    """Why a given ``tp_group`` is not the pipeline's (a shared pipeline is built with it), or None."""
+    if tp_group is None:
+        return None
+    ranks = tuple(dist.get_process_group_ranks(tp_group))
+    if ranks == pipe.tp_ranks:
+        return None
+    return f"tp_group {list(ranks)} is not the pipeline's ({pipe.tp_ranks}): give it to the ReadinessPipeline"
 
 
 def _stage_list(stages: Any) -> list[Any]:

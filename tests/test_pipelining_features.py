@@ -1,0 +1,281 @@
+"""ScheduleReadiness's features beyond torch's schedules (issue 24): microbatch sizes for sized policies
+and ``mb_order``, tensor-parallel stages (``tp_group``), autocast, torch.distributed.checkpoint, and
+DDP-wrapped stages -- gloo launches of tests/pipelining_features_worker.py, each in its own session
+under a hard timeout, leaving no process behind. Gradients are compared with the single-process
+reference (tests/pipelining_worker.py's) at relative 1e-5 unless a case says otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from execkit import assert_no_leftovers
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+WORKER = Path(__file__).with_name("pipelining_features_worker.py")
+RTOL = 1e-5
+
+
+class Launch:
+    """One worker launch in its own session, started at once (launches overlap their start-up)."""
+
+    def __init__(self, suite: str, world: int, tmp: Path) -> None:
+        self.suite, self.out = suite, tmp / f"{suite}.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        cmd = [sys.executable, str(WORKER), suite, str(world), str(self.out)]
+        self.proc = subprocess.Popen(
+            cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.rows: list[dict[str, Any]] | None = None
+
+    def result(self) -> list[dict[str, Any]]:
+        if self.rows is None:
+            try:
+                log, _ = self.proc.communicate(timeout=180)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                log, _ = self.proc.communicate()
+                pytest.fail(f"the {self.suite} launch timed out:\n{log[-3000:]}")
+            finally:
+                assert_no_leftovers(self.proc.pid)
+            assert self.proc.returncode == 0, log[-3000:]
+            self.rows = json.loads(self.out.read_text())
+        return self.rows
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    tmp = tmp_path_factory.mktemp("features")
+    started = {"two": Launch("two", 2, tmp), "four": Launch("four", 4, tmp)}
+    yield started
+    for launch in started.values():  # a test that failed before asking still reaps its launch
+        if launch.rows is None:
+            try:
+                launch.result()
+            except BaseException:  # the failing test reported it already
+                pass
+
+
+@pytest.fixture(scope="module")
+def two(launches: dict[str, Launch]) -> list[dict[str, Any]]:
+    return launches["two"].result()
+
+
+@pytest.fixture(scope="module")
+def four(launches: dict[str, Launch]) -> list[dict[str, Any]]:
+    return launches["four"].result()
+
+
+def rows(all_rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
+    out = [r for r in all_rows if all(r["case"].get(k) == v for k, v in match.items())]
+    assert out, f"no case {match}"
+    return out
+
+
+def ok(r: dict[str, Any]) -> dict[str, Any]:
+    assert "error" not in r, f"{r['case']} rank {r['rank']}: {r['error']}\n{r.get('tb', '')}"
+    return r
+
+
+def assert_equal_to_reference(found: list[dict[str, Any]], rtol: float = RTOL) -> None:
+    for r in map(ok, found):
+        where = f"{r['case']} rank {r['rank']}"
+        assert r["worst"] <= rtol, f"{where}: gradient off by {r['worst']:.2e} (relative)"
+        assert r.get("loss", 0.0) <= rtol, f"{where}: loss off by {r['loss']:.2e}"
+
+
+def ordered(tokens: list[int], mb_order: str) -> list[int]:
+    return tokens if mb_order == "none" else sorted(tokens, reverse=mb_order == "size-desc")
+
+
+# -- item 1: sizes reach the scheduler, sized policies, mb_order ----------------------------------------
+def test_every_rank_gets_the_sizes_in_the_hints_order(two: list[dict[str, Any]]) -> None:
+    """Each step's sizes (tokens = rows x length) reach every rank's scheduler, renumbered as mb_order
+    runs them; gradients and losses (in the user's order) equal the natural-order reference."""
+    found = rows(two, kind="sizes")
+    assert_equal_to_reference(found)
+    assert {r["case"].get("mb_order", "none") for r in found} == {"none", "size-asc", "size-desc"}
+    for r in found:
+        order = r["case"].get("mb_order", "none")
+        assert r["hinted"] == [ordered(t, order) for t in r["expected"]], r
+        assert r["shapes_ok"], r  # outputs come back in the user's order
+    assert any(len(set(t)) > 3 for t in found[0]["expected"])  # lognormal: really uneven
+
+
+def test_sized_policies_fit_costs_per_token(two: list[dict[str, Any]]) -> None:
+    """sized=True: after the calibrating step backfill/guarded price each task at its microbatch's
+    tokens from fits of every (stage, op) of the pipeline, on every rank."""
+    for r in rows(two, kind="sizes", sized=True):
+        stages = 4 if r["case"]["hint"] == "zbv" else 2
+        ops = "FIW" if r["case"]["hint"] == "zbv" else "FB"
+        assert r["sized_on"] and r["fits"] == sorted(f"{s}{op}" for s in range(stages) for op in ops), r
+
+
+def test_a_users_sized_model_is_handed_each_steps_sizes(two: list[dict[str, Any]]) -> None:
+    """A Backfill(sized=...) of the user's gets every step's sizes on every rank, also after the
+    calibration rebuilt the policy."""
+    found = rows(two, kind="sizes", policy="user")
+    assert len(found) == 2
+    for r in found:
+        assert r["sized_on"] and r["seen"] == r["hinted"] == r["expected"], r
+
+
+def test_mb_order_keeps_each_microbatchs_dropout(two: list[dict[str, Any]]) -> None:
+    """Dropout 0.3 under mb_order: each forward draws its user microbatch's stream (reference equal); a
+    schedule that drew by the hint's numbering is caught."""
+    found = [r for r in rows(two, kind="order_dropout") if not r["case"].get("broken")]
+    assert_equal_to_reference(found)
+    for r in found:
+        assert r["hinted"] == [ordered(t, r["case"]["mb_order"]) for t in r["expected"]], r
+    broken = rows(two, kind="order_dropout", broken=True)
+    assert all(ok(r)["worst"] > 1e-3 for r in broken), broken
+
+
+@pytest.mark.parametrize("error", ["mb_order", "sized"])
+def test_refused_on_every_rank(two: list[dict[str, Any]], error: str) -> None:
+    text = {"mb_order": "mb_order must be one of none, size-asc, size-desc", "sized": "sized=True prices"}
+    found = rows(two, kind="refused", error=error)
+    assert len(found) == 2
+    assert all(r["raised"] == "StageLayoutError" and text[error] in r["text"] for r in found), found
+
+
+def test_a_failing_first_rank_still_joins_the_sizes_broadcast(two: list[dict[str, Any]]) -> None:
+    found = rows(two, kind="size_error")
+    assert len(found) == 2
+    for r in found:
+        assert r["raised"] == "StageFailed" and "rank 0 raised MicrobatchError: arg_mbs has 3" in r["text"], r
+        assert r["seconds"] < 5.0, r  # the other rank did not wait out its 10 s timeout
+
+
+def test_step_sizes_order_and_measure() -> None:
+    import torch
+
+    from rrfp.exec.pipelining.sizing import StepSizes, measure
+
+    tokens = [5, 2, 5, 9, 2]
+    asc = StepSizes.of(tokens, tokens, "size-asc")
+    assert asc.order == (1, 4, 0, 2, 3)  # ties in the user's order
+    assert StepSizes.of(tokens, tokens, "size-desc").order == (3, 0, 2, 1, 4)
+    assert StepSizes.of(tokens, tokens, "none").order == (0, 1, 2, 3, 4)
+    assert asc.hinted().tokens == (2, 2, 5, 5, 9) and asc.permute(list("abcde")) == list("beacd")
+    assert asc.restore({0: "x", 4: "y"}) == {1: "x", 3: "y"}
+    assert measure((torch.zeros(2, 7, dtype=torch.long), torch.ones(3))) == (14, 2 * 7 * 7)
+    assert measure(("no tensor",)) == (1, 1)
+
+
+# -- item 3: autocast --------------------------------------------------------------------------------
+BF16_RTOL = 2e-2
+"""bf16 keeps 8 bits of mantissa (relative 3.9e-3 a rounding): a few roundings' worth."""
+
+
+def test_autocast_matches_torchs_schedule_under_the_same_autocast(two: list[dict[str, Any]]) -> None:
+    """A step inside the user's torch.autocast("cpu", bfloat16) runs its forwards (and backwards) under
+    it, as torch's Schedule1F1B does: the gradients equal torch's on the same stages bit for bit, and
+    the single-process reference under autocast within bf16 rounding (it differs: its one backward sums
+    the microbatches' gradients of the cached bf16 weight casts in bf16, the pipelines sum them into the
+    float32 .grad). The losses are float32, and three SGD steps train."""
+    found = rows(two, kind="autocast")
+    assert {r["case"]["policy"] for r in found} == {"fixed", "rrfp"}
+    for r in map(ok, found):
+        assert r["bitwise"] and r["torch"] == 0.0, r
+        assert 1e-4 < r["worst"] <= BF16_RTOL, r  # autocast really ran (not float32 all through)
+        assert r["fp32"] <= 2 * BF16_RTOL, r
+        if r["rank"] == 1:  # the last stage's rank has the losses
+            assert r["dtypes"] == ["torch.float32"], r
+            assert r["trained"][0] > r["trained"][1] > r["trained"][2], r
+
+
+# -- item 4: torch.distributed.checkpoint ----------------------------------------------------------------
+def test_checkpoint_round_trip_resumes_exactly(two: list[dict[str, Any]]) -> None:
+    """2 steps with dropout, dcp.save (each stage's module and Adam state under its own key, and the
+    schedule: a Stateful holding its step count), fresh modules with other weights, a fresh optimizer
+    and schedule, dcp.load + set_state_dict, 2 more steps: every weight equals a 4-step uninterrupted
+    run's exactly. Resuming without Adam's state, or without the schedule's, is caught."""
+    (a, b) = rows(two, kind="dcp", model_only=None, no_schedule=None)
+    for r in (ok(a), ok(b)):
+        assert r["params"] == 8 and r["differ"] == 0 and r["worst"] == 0.0, r
+        assert r["moved"] > 1e-2 and r["steps"] == 4, r  # training moved the weights, from step 2 on
+    for broken in ("model_only", "no_schedule"):
+        found = rows(two, kind="dcp", **{broken: True})
+        assert all(ok(r)["differ"] > 0 for r in found), found
+
+
+# -- item 2: tensor-parallel stages ---------------------------------------------------------------------
+def test_tensor_parallel_stages_equal_the_reference(four: list[dict[str, Any]]) -> None:
+    """pp 2 x tp 2, column/row-split linears with an all-reduce in forward and backward: every shard's
+    gradients equal the unsplit reference's slices under rrfp, backfill and guarded (split backward,
+    mb_order); the members agreed on every task, and backfill/guarded calibrated over both pipelines
+    (the same costs on all four ranks)."""
+    found = rows(four, kind="tp")
+    assert {r["case"]["policy"] for r in found} == {"rrfp", "backfill", "guarded"}
+    assert_equal_to_reference(found)
+    assert all(r["tp_ctrl"] and r["agree_s"] > 0 for r in found), found
+    for policy in ("backfill", "guarded"):
+        means = [r["means"] for r in found if r["case"]["policy"] == policy]
+        assert len(means) == 4 and means[0] and all(m == means[0] for m in means), means
+
+
+TP_ERRORS = {
+    "partial": "every rank or none must give a tp_group",
+    "span": "spans different pipeline ranks",
+    "disagree": "tensor-parallel members of pipeline rank 0 disagree on policy",
+}
+
+
+@pytest.mark.parametrize("error", list(TP_ERRORS))
+def test_tensor_parallel_layouts_refused_on_every_rank(four: list[dict[str, Any]], error: str) -> None:
+    found = rows(four, kind="tp_refused", error=error)
+    assert len(found) == 4
+    for r in found:
+        assert r["raised"] == "StageLayoutError" and TP_ERRORS[error] in r["text"], r
+
+
+# -- item 5: DDP- and FSDP-wrapped stages --------------------------------------------------------------
+def test_ddp_wrapped_stages_reduce_over_the_replicas(four: list[dict[str, Any]]) -> None:
+    """PipelineStage(DistributedDataParallel(module, process_group=dp_group)), pp 2 x dp 2, no user
+    all-reduce: gradients equal the reference over both replicas' microbatches (one and two stages a
+    rank)."""
+    found = [r for r in rows(four, kind="ddp") if r["case"]["hint"] != "zb-h1"]
+    assert {r["case"]["hint"] for r in found} == {"1f1b", "interleaved-1f1b"}
+    assert_equal_to_reference(found)
+
+
+def test_ddp_with_a_split_backward_is_refused(four: list[dict[str, Any]]) -> None:
+    """DDP reduces in autograd hooks that W's manual weight gradients bypass: refused on every rank with
+    one line -- and without the refusal the split stage's gradients are indeed not reduced."""
+    refused = [r for r in rows(four, kind="ddp", hint="zb-h1") if not r["case"].get("unchecked")]
+    assert len(refused) == 4
+    for r in refused:
+        assert r["raised"] == "StageLayoutError" and "split backward's W" in r["text"], r
+        assert "\n" not in r["text"]
+    unchecked = rows(four, kind="ddp", unchecked=True)
+    assert max(ok(r)["worst"] for r in unchecked) > 1e-2, unchecked
+
+
+def test_fully_sharded_stages_equal_the_reference(four: list[dict[str, Any]]) -> None:
+    """fully_shard(module, mesh=DeviceMesh.from_group(dp_group, "cpu")) stages on gloo: torch's own FSDP
+    hooks (PipelineStage's no-sync and perform_reduce_grad) run under readiness dispatch; the gathered
+    gradients equal the reference, with and without a split backward."""
+    found = rows(four, kind="fsdp")
+    assert {r["case"]["hint"] for r in found} == {"1f1b", "zb-h1"}
+    assert all(r["outcome"] == "ran" for r in found), found
+    assert_equal_to_reference(found)
+
+
+def test_schedule_state_refuses_a_bad_step_count() -> None:
+    from rrfp.exec import ScheduleReadiness
+    from rrfp.exec.pipelining import PipeliningError
+
+    sched = object.__new__(ScheduleReadiness)  # the state methods only (no process group here)
+    sched.load_state_dict({"steps": 3})
+    assert sched.state_dict() == {"steps": 3}
+    for bad in ({}, {"steps": -1}, {"steps": 2.0}, {"steps": True}):
+        with pytest.raises(PipeliningError, match="integer 'steps'"):
+            sched.load_state_dict(bad)
