@@ -233,7 +233,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         self.auto = None  # auto: the switch between its arms (rrfp.exec.loop.switch)
         if isinstance(policy_obj, Auto):
             if self.sized:
-                raise StageLayoutError("sized=True with policy 'auto' is not supported yet (its replay is unsized)")
+                raise StageLayoutError("sized=True with policy 'auto' is not supported yet (unsized replay)")
             # over the model replica (TP members too), so every rank that must agree switches at once
             self.auto = AutoSwitch(policy_obj, self.hint, pipe.pp_rank, budgets, pipe.model_ctrl)
         check_mb_order(self.mb_order)
