@@ -10,11 +10,8 @@ writes one JSON row per (case, rank) to OUT."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-import time
-import traceback
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -22,7 +19,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from pipelining_worker import compare, copies, free_port, mlp_batch, mlp_stages, mse, reference, stage_indices
+from pipelining_worker import (
+    compare,
+    copies,
+    free_port,
+    mlp_batch,
+    mlp_stages,
+    mse,
+    reference,
+    run_cases,
+    stage_indices,
+)
 
 from rrfp.dispatch.auto import Auto
 
@@ -106,24 +113,7 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
 
     rows = []
     pipe = ReadinessPipeline(timeout=30.0)
-    try:
-        for case in TWO:
-            t0 = time.monotonic()
-            try:
-                row = {"case": case, **run_auto(case, pipe)}
-            except Exception as e:
-                tb = traceback.format_exc()[-2000:]
-                row = {"case": case, "error": f"{type(e).__name__}: {e}", "tb": tb}
-            row["case_s"] = time.monotonic() - t0
-            rows.append(row)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, rows)
-    finally:
-        pipe.close()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump([{"rank": r, **row} for r, rs in enumerate(gathered) for row in rs], f)
-    os._exit(0)  # the broken case's pipeline keeps its receiver threads to the process's end
+    run_cases(TWO, lambda case: run_auto(case, pipe), pipe, world, out, rows)
 
 
 if __name__ == "__main__":

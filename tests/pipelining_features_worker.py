@@ -9,11 +9,9 @@ subprocess timeout)."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
 import warnings
 from typing import Any
 
@@ -31,6 +29,7 @@ from pipelining_worker import (
     mse,
     reference,
     rel_err,
+    run_cases,
     stage_indices,
     xent,
 )
@@ -561,25 +560,9 @@ def rank_main(rank: int, world: int, port: int, suite: str, out: str) -> None:
 
     rows = []
     pipe = ReadinessPipeline(timeout=30.0)
-    try:
-        for case in SUITES[suite]:
-            case = {**case, "dir": os.path.dirname(os.path.abspath(out))}
-            t0 = time.monotonic()
-            try:
-                row = {"case": case, **KINDS[case["kind"]](case, pipe)}
-            except Exception as e:
-                tb = traceback.format_exc()[-2000:]
-                row = {"case": case, "error": f"{type(e).__name__}: {e}", "tb": tb}
-            row["case_s"] = time.monotonic() - t0
-            rows.append(row)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, rows)
-    finally:
-        pipe.close()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump([{"rank": r, **row} for r, rs in enumerate(gathered) for row in rs], f)
-    os._exit(0)  # as tests/pipelining_worker.py: no teardown of groups a failed case's threads may hold
+    here = os.path.dirname(os.path.abspath(out))
+    cases = [{**case, "dir": here} for case in SUITES[suite]]
+    run_cases(cases, lambda case: KINDS[case["kind"]](case, pipe), pipe, world, out, rows)
 
 
 if __name__ == "__main__":

@@ -681,33 +681,14 @@ def rank_main(rank: int, world: int, port: int, suite: str, out: str) -> None:
 
         save_orders_csv(csv_path(out), make_hint("zb-h1", world, 4).orders)
     dist.barrier()
-    try:
-        for case in SUITES[suite]:
-            if case.get("csv") == "CSV":
-                case = {**case, "csv": csv_path(out)}
-            if case.get("dir") == "DIR":
-                case = {**case, "dir": os.path.dirname(os.path.abspath(out))}
-            t0 = time.monotonic()
-            try:
-                row = {"case": case, **KINDS[case.get("kind", "grad")](case, pipe)}
-            except Exception as e:
-                row = {
-                    "case": case,
-                    "error": f"{type(e).__name__}: {e}",
-                    "tb": traceback.format_exc()[-2000:],
-                }
-            row["case_s"] = time.monotonic() - t0
-            rows.append(row)
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, rows)
-    finally:
-        pipe.close()
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump([{"rank": r, **row} for r, rs in enumerate(gathered) for row in rs], f)
-    # Failed steps (the error cases) leave their pipelines' receiver threads to the process's end; exit
-    # without tearing down groups they may still block in.
-    os._exit(0)
+    cases = []
+    for case in SUITES[suite]:
+        if case.get("csv") == "CSV":
+            case = {**case, "csv": csv_path(out)}
+        if case.get("dir") == "DIR":
+            case = {**case, "dir": os.path.dirname(os.path.abspath(out))}
+        cases.append(case)
+    run_cases(cases, lambda case: KINDS[case.get("kind", "grad")](case, pipe), pipe, world, out, rows)
 
 
 def csv_path(out: str) -> str:
@@ -720,6 +701,35 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_cases(
+    cases: list[dict[str, Any]], run_one: Any, pipe: Any, world: int, out: str, rows: list | None = None
+) -> None:
+    """Run every case on this rank (an error becomes its row, with its traceback), gather every rank's rows,
+    write them from rank 0 to ``out`` (JSON), close ``pipe``, and exit. Failed steps (the error cases) leave
+    their pipelines' receiver threads to the process's end, so it exits without tearing down groups they
+    may still block in (os._exit). Shared by the library's test workers."""
+    rows = [] if rows is None else rows
+    rank = dist.get_rank()
+    try:
+        for case in cases:
+            t0 = time.monotonic()
+            try:
+                row = {"case": case, **run_one(case)}
+            except Exception as e:
+                tb = traceback.format_exc()[-2000:]
+                row = {"case": case, "error": f"{type(e).__name__}: {e}", "tb": tb}
+            row["case_s"] = time.monotonic() - t0
+            rows.append(row)
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, rows)
+    finally:
+        pipe.close()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump([{"rank": r, **row} for r, rs in enumerate(gathered) for row in rs], f)
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,6 @@ hard timeout, leaving no process behind. Every case compares with the single-pro
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from execkit import assert_no_leftovers
+from launchkit import Launch, rows
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -31,54 +29,24 @@ EXAMPLE = Path(__file__).parents[1] / "examples" / "train_gpt_varlen.py"
 EXAMPLE_ARGS = ["--steps", "2", "--microbatches", "4", "--mean-len", "8", "--dim", "16", "--vocab", "32"]
 
 
-class Launch:
-    """One worker launch in its own session, started at once (the launches overlap their start-up)."""
-
-    def __init__(self, suite: str, world: int, tmp: Path) -> None:
-        self.suite, self.out = suite, tmp / f"{suite}.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, str(WORKER), suite, str(world), str(self.out)]
-        if suite == "example":  # the example, as its docstring starts it (at a tiny size)
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   str(EXAMPLE), *EXAMPLE_ARGS]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.rows: list[dict[str, Any]] | None = None
-
-    def result(self) -> list[dict[str, Any]]:
-        if self.rows is None:
-            self.rows = finish(self.proc, self.suite, self.out)
-        return self.rows
-
-
-def finish(proc: subprocess.Popen[str], suite: str, out: Path) -> list[dict[str, Any]]:
-    try:
-        log, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        log, _ = proc.communicate()
-        pytest.fail(f"the {suite} launch timed out:\n{log[-3000:]}")
-    finally:
-        assert_no_leftovers(proc.pid)
-    assert proc.returncode == 0, log[-3000:]
-    if suite == "example":
-        return [{"log": log}]
-    return [r for r in json.loads(out.read_text()) if r["case"].get("kind") != "setup"]
+def launch(suite: str, world: int, tmp: Path) -> Launch:
+    """A worker launch of ``suite`` on ``world`` ranks, or the example as its docstring starts it."""
+    if suite == "example":  # at a tiny size
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(EXAMPLE), *EXAMPLE_ARGS]  # fmt: skip
+        return Launch(suite, cmd, None)
+    out = tmp / f"{suite}.json"
+    return Launch(suite, [sys.executable, str(WORKER), suite, str(world), str(out)], out)
 
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("pipelining")
-    started = {"two": Launch("two", 2, tmp), "four": Launch("four", 4, tmp), "one": Launch("one", 1, tmp),
-               "example": Launch("example", 2, tmp)}  # fmt: skip
+    started = {name: launch(name, world, tmp) for name, world in (("two", 2), ("four", 4), ("one", 1),
+                                                                   ("example", 2))}  # fmt: skip
     yield started
-    for launch in started.values():  # a test that failed before asking still reaps its launch
-        if launch.rows is None:
-            try:
-                launch.result()
-            except BaseException:  # the failing test reported it already
-                pass
+    for each in started.values():  # a test that failed before asking still reaps its launch
+        each.reap()
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +62,6 @@ def one(launches: dict[str, Launch]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def four(launches: dict[str, Launch]) -> list[dict[str, Any]]:
     return launches["four"].result()
-
-
-def rows(all_rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
-    out = [r for r in all_rows if all(r["case"].get(k) == v for k, v in match.items())]
-    assert out, f"no case {match}"
-    return out
 
 
 def assert_equal_to_reference(found: list[dict[str, Any]]) -> None:

@@ -9,15 +9,12 @@ replay on planted durations, where rrfp must win and where backfill must be kept
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from execkit import assert_no_leftovers
+from launchkit import Launch
 
 import rrfp
 from rrfp.dispatch.auto import ROUNDS, Auto, AutoError, next_arm
@@ -35,22 +32,9 @@ RTOL = 1e-5
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     out = tmp_path_factory.mktemp("auto") / "two.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKER), "2", str(out)], env=env, start_new_session=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        log, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        log, _ = proc.communicate()
-        pytest.fail(f"the auto launch timed out:\n{log[-3000:]}")
-    finally:
-        assert_no_leftovers(proc.pid)
-    assert proc.returncode == 0, log[-3000:]
+    found = Launch("auto", [sys.executable, str(WORKER), "2", str(out)], out).result()
     by_case: dict[str, list[dict[str, Any]]] = {}
-    for row in json.loads(out.read_text()):
+    for row in found:
         assert "error" not in row, f"{row['case']} rank {row['rank']}: {row['error']}\n{row.get('tb', '')}"
         by_case.setdefault(row["case"]["name"], []).append(row)
     return by_case

@@ -7,15 +7,12 @@ reference (tests/pipelining_worker.py's) at relative 1e-5 unless a case says oth
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from execkit import assert_no_leftovers
+from launchkit import Launch, rows
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -23,44 +20,16 @@ WORKER = Path(__file__).with_name("pipelining_features_worker.py")
 RTOL = 1e-5
 
 
-class Launch:
-    """One worker launch in its own session, started at once (launches overlap their start-up)."""
-
-    def __init__(self, suite: str, world: int, tmp: Path) -> None:
-        self.suite, self.out = suite, tmp / f"{suite}.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, str(WORKER), suite, str(world), str(self.out)]
-        self.proc = subprocess.Popen(
-            cmd, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.rows: list[dict[str, Any]] | None = None
-
-    def result(self) -> list[dict[str, Any]]:
-        if self.rows is None:
-            try:
-                log, _ = self.proc.communicate(timeout=180)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, 9)
-                log, _ = self.proc.communicate()
-                pytest.fail(f"the {self.suite} launch timed out:\n{log[-3000:]}")
-            finally:
-                assert_no_leftovers(self.proc.pid)
-            assert self.proc.returncode == 0, log[-3000:]
-            self.rows = json.loads(self.out.read_text())
-        return self.rows
-
-
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> Any:
     tmp = tmp_path_factory.mktemp("features")
-    started = {"two": Launch("two", 2, tmp), "four": Launch("four", 4, tmp)}
+    started = {}
+    for suite, world in (("two", 2), ("four", 4)):
+        out = tmp / f"{suite}.json"
+        started[suite] = Launch(suite, [sys.executable, str(WORKER), suite, str(world), str(out)], out)
     yield started
-    for launch in started.values():  # a test that failed before asking still reaps its launch
-        if launch.rows is None:
-            try:
-                launch.result()
-            except BaseException:  # the failing test reported it already
-                pass
+    for each in started.values():  # a test that failed before asking still reaps its launch
+        each.reap()
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +40,6 @@ def two(launches: dict[str, Launch]) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def four(launches: dict[str, Launch]) -> list[dict[str, Any]]:
     return launches["four"].result()
-
-
-def rows(all_rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
-    out = [r for r in all_rows if all(r["case"].get(k) == v for k, v in match.items())]
-    assert out, f"no case {match}"
-    return out
 
 
 def ok(r: dict[str, Any]) -> dict[str, Any]:
