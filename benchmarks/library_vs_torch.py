@@ -67,20 +67,34 @@ def gpt_stage(a: argparse.Namespace) -> tuple[Any, Any, int, int]:
     return model, PipelineStage(model, rank, world, torch.device("cpu")), rank, world
 
 
+def loss_fn(logits: Any, target: Any, total: int = 1) -> Any:
+    """Summed token cross-entropy over ``total`` (the step's real tokens: padding is ignored)."""
+    from torch import nn
+
+    flat = logits.flatten(0, 1)
+    return nn.functional.cross_entropy(flat, target.flatten(), reduction="sum", ignore_index=-100) / total
+
+
+def padded(rows: list[Any], longest: int) -> Any:
+    """The microbatches' rows in one batch padded to ``longest`` + 1 tokens (-100: ignored)."""
+    import torch
+
+    per = rows[0].shape[0]
+    pad = torch.full((len(rows) * per, longest + 1), -100, dtype=torch.long)
+    for i, row in enumerate(rows):
+        pad[i * per : (i + 1) * per, : row.shape[1]] = row
+    return pad
+
+
 def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from torch import nn
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
     from train_gpt_varlen import lengths
 
     from rrfp.exec import ScheduleReadiness
 
     model, stage, rank, world = gpt_stage(a)
-
-    def loss_fn(logits: torch.Tensor, target: torch.Tensor, total: int = 1) -> torch.Tensor:
-        flat = logits.flatten(0, 1)
-        return nn.functional.cross_entropy(flat, target.flatten(), reduction="sum", ignore_index=-100) / total
 
     m, first, last = a.microbatches, rank == 0, rank == world - 1
     # torch infers a stage's shapes once: the static and the padded arms each get a stage of their own.
@@ -119,9 +133,7 @@ def worker(a: argparse.Namespace) -> None:
                   loss_kwargs={"total": total})  # fmt: skip
         rows = [torch.randint(0, a.vocab, (a.rows, t + 1), generator=gen) for t in lens]
         real = sum(t * a.rows for t in lens)
-        pad = torch.full((m * a.rows, longest + 1), -100, dtype=torch.long)
-        for i, row in enumerate(rows):
-            pad[i * a.rows : (i + 1) * a.rows, : row.shape[1]] = row
+        pad = padded(rows, longest)
         timed("varlen torch:1F1B padded", lambda *v, **k: torch_padded.step(*v[:-1], target=v[-1], **k),
               (pad[:, :-1].clamp(min=0),), pad[:, 1:], loss_kwargs={"total": real})  # fmt: skip
         inputs, targets = [(t[:, :-1],) for t in rows], [t[:, 1:] for t in rows]

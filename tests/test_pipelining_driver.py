@@ -64,9 +64,8 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
     from rrfp.exec.comm.topology import ring_channels
     from rrfp.exec.comm.transport import Transport
     from rrfp.exec.loop.runtime import RankContext
-    from rrfp.exec.pipelining import PipeliningError, ReadinessPipeline, ScheduleReadiness, StageLayoutError
+    from rrfp.exec.pipelining import ReadinessPipeline, ScheduleReadiness
     from rrfp.exec.pipelining.engine import DriverHooks, driver_stages
-    from rrfp.traces.trace import TraceRecorder
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -81,7 +80,6 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
     loop = RankContext(
         rank, rank, lambda p: p, transport, timeout=30.0, early=pipe.early, origin=time.monotonic()
     )
-    res: dict[str, Any] = {"rank": rank}
 
     def driven(number: int, policy: str, compute: Any, **kw: Any) -> Any:
         on = kw.pop("on", pipe)
@@ -90,7 +88,23 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
             driver_stages(on, [rank], world), M, hint="1f1b", policy=policy, pipeline=on, driver=hooks, **kw
         )
 
-    # A clocked policy, with a decision wrapper and a recorder; calibrated after its first iteration.
+    res, fixed = clocked_beside_fixed(driven, rank, world, ctrl)
+    res.update(bytes_and_refusals(driven, fixed, rank, world, transport))
+    pipe.close()  # leaves the transport to its owner: a new pipeline over it still carries messages
+    again = ReadinessPipeline.over(transport, list(range(world)), ctrl, "cpu", 30.0, early=pipe.early)
+    res["after_close"] = driven(4, "fixed", CountingCompute(world), on=again).run_iteration(0).tasks
+    transport.close(30.0)
+    dist.barrier(group=ctrl)
+    Path(f"{out}.{rank}").write_text(json.dumps(res))
+    dist.destroy_process_group()
+
+
+def clocked_beside_fixed(driven: Any, rank: int, world: int, ctrl: Any) -> tuple[dict[str, Any], Any]:
+    """A clocked policy with a decision wrapper and a recorder, calibrated after its first iteration,
+    beside a fixed schedule on the same transport; returns what they did and the fixed schedule."""
+    from rrfp.traces.trace import TraceRecorder
+
+    res: dict[str, Any] = {"rank": rank}
     wrapped: list[str] = []
 
     def wrap(sched: Any) -> Any:
@@ -120,14 +134,22 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
     frame = rec.frame()
     res["trace_kinds"] = sorted(set(frame["kind"]))
     res["trace_compute"] = int((frame["kind"] == "compute").sum())
-    # Byte budgets: the caller's predicted bytes per (stage, microbatch) admit the forwards.
+    return res, fixed
+
+
+def bytes_and_refusals(driven: Any, fixed: Any, rank: int, world: int, transport: Any) -> dict[str, Any]:
+    """Byte budgets from the caller's predicted bytes per (stage, microbatch), and the refusals (the
+    same on every rank)."""
+    from rrfp.exec.loop.runtime import RankContext
+    from rrfp.exec.pipelining import PipeliningError, StageLayoutError
+
+    res: dict[str, Any] = {}
     nbytes = driven(2, "rrfp", CountingCompute(world), byte_budget="1x")
     act = [[[100 * (s + 1), 0] for _ in range(M)] for s in range(world)]
     nbytes.run_iteration(0, act_bytes=act)
     res["peak_bytes"] = nbytes.peak_bytes
     nbytes.run_iteration(1)  # no table: slots
     res["peak_bytes_slots"] = nbytes.peak_bytes
-    # Refusals (the same on every rank).
     other = RankContext(rank, rank, lambda p: p, transport)  # a mailbox of its own
     for name, make in (
         ("step", lambda: fixed.step(torch.zeros(M, 1))),
@@ -140,13 +162,7 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
             res[name] = None
         except (PipeliningError, StageLayoutError) as e:
             res[name] = f"{type(e).__name__}: {e}"
-    pipe.close()  # leaves the transport to its owner: a new pipeline over it still carries messages
-    again = ReadinessPipeline.over(transport, list(range(world)), ctrl, "cpu", 30.0, early=pipe.early)
-    res["after_close"] = driven(4, "fixed", CountingCompute(world), on=again).run_iteration(0).tasks
-    transport.close(30.0)
-    dist.barrier(group=ctrl)
-    Path(f"{out}.{rank}").write_text(json.dumps(res))
-    dist.destroy_process_group()
+    return res
 
 
 @pytest.fixture(scope="module")

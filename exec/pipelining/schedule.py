@@ -178,13 +178,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         pipe = self.pipeline
         pipe.check_open()
         self._tp_error = _tp_mismatch(pipe, tp_group)
-        world = list(range(dist.get_world_size()))
-        for s in stages:
-            ranks = world if s.group is None else dist.get_process_group_ranks(s.group)
-            if ranks != pipe.ranks:
-                raise StageLayoutError(
-                    f"stage {s.stage_index}'s process group has ranks {ranks}, the pipeline's {pipe.ranks}"
-                )
+        _check_groups(stages, pipe)
         self.policy_name = policy if isinstance(policy, str) else policy.name
         self.hint_name, self.seed = hint, int(seed)
         self.timeout = pipe.timeout if timeout is None else float(timeout)
@@ -230,18 +224,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
             self._build_driven(self._driver, policy_obj, byte_budget, budgets)
             return
         self.sched = RankScheduler(self.hint, pipe.pp_rank, policy_obj, self.budget)
-        self.auto = None  # auto: the switch between its arms (rrfp.exec.loop.switch)
-        if isinstance(policy_obj, Auto):
-            if self.sized:
-                raise StageLayoutError("sized=True with policy 'auto' is not supported yet (unsized replay)")
-            # over the model replica (TP members too), so every rank that must agree switches at once
-            self.auto = AutoSwitch(policy_obj, self.hint, pipe.pp_rank, budgets, pipe.model_ctrl)
-        check_mb_order(self.mb_order)
-        if self.sized and self._template is None:
-            raise StageLayoutError(
-                "sized=True prices a planning policy per microbatch (backfill, guarded), "
-                f"not {self.policy_name!r}"
-            )
+        self.auto = self._auto_switch(policy_obj, budgets)
         by_index = {s.stage_index: s for s in stages}
         self.compute = StageCompute(by_index, self.hint.spec, pipe.pp_rank, loss_fn, fork_rng)
         self.byte_budget: ByteBudget | None = None
@@ -262,6 +245,23 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         self._steps = 0
         self.calibration: dict[str, Any] | None = None
         """backfill/guarded: the merged mean costs (ms) once calibrated."""
+
+    def _auto_switch(self, policy: Policy, budgets: Any) -> AutoSwitch | None:
+        """``auto``: the switch between its arms (rrfp.exec.loop.switch), else None; and the sizing
+        options checked against the policy."""
+        check_mb_order(self.mb_order)
+        if self.sized and self._template is None:
+            raise StageLayoutError(
+                "sized=True prices a planning policy per microbatch (backfill, guarded), "
+                f"not {self.policy_name!r}"
+            )
+        if not isinstance(policy, Auto):
+            return None
+        if self.sized:
+            raise StageLayoutError("sized=True with policy 'auto' is not supported yet (unsized replay)")
+        # over the model replica (TP members too), so every rank that must agree switches at once
+        pipe = self.pipeline
+        return AutoSwitch(policy, self.hint, pipe.pp_rank, budgets, pipe.model_ctrl)
 
     # -- set-up checks ---------------------------------------------------------------------------
     def _recorder(self, budget: Any) -> TraceRecorder:
@@ -649,6 +649,17 @@ def _tp_mismatch(pipe: ReadinessPipeline, tp_group: Any) -> str | None:
     if ranks == pipe.tp_ranks:
         return None
     return f"tp_group {list(ranks)} is not the pipeline's ({pipe.tp_ranks}): give it to the ReadinessPipeline"
+
+
+def _check_groups(stages: list[Any], pipe: ReadinessPipeline) -> None:
+    """Every stage's process group must be the pipeline's."""
+    world = list(range(dist.get_world_size()))
+    for s in stages:
+        ranks = world if s.group is None else dist.get_process_group_ranks(s.group)
+        if ranks != pipe.ranks:
+            raise StageLayoutError(
+                f"stage {s.stage_index}'s process group has ranks {ranks}, the pipeline's {pipe.ranks}"
+            )
 
 
 def _stage_list(stages: Any) -> list[Any]:
