@@ -3,7 +3,7 @@
 Outside a launcher it starts ``--gpus N`` local workers itself (torch's elastic launcher, gloo on CPU,
 NCCL with CUDA); inside torchrun it joins the job::
 
-    rrfp-run --gpus 4 --check                                    # fixed vs rrfp, 1F1B hint, 4 stages
+    rrfp-run --gpus 4 --check                                    # fixed vs auto on 1f1b and bf, 4 stages
     rrfp-run --gpus 4 --hint 1f1b,zb-h1,bfw --memory-budget 1x,2x --jitter lognormal --cv 0.5 --inject-ms 20
     rrfp-run --gpus 4 --baseline torch:1F1B --iterations 12      # torch.distributed.pipelining beside
     rrfp-run --gpus 4 --pp 2 --tp 2 --check                      # Megatron TP inside each stage
@@ -16,9 +16,10 @@ NCCL with CUDA); inside torchrun it joins the job::
 Options fill a :class:`~rrfp.exec.config.RunConfig`; a bad option or combination -- click's usage
 errors included -- prints one line and exits 2 before any worker starts. The options rrfp-sim has too
 share its names, short forms, grammar and defaults (rrfp.study.options.SHARED: ``-m`` defaults to
-4 x pp, ``--hint 1f1b,bf``, ``--jitter lognormal --cv 0.3``, applied where there is something to jitter:
-``--synthetic`` or ``--inject-ms``); ``--json`` prints schema version 3 (rrfp.study.schema), as
-rrfp-sim does.
+4 x pp, ``--policy fixed,<DEFAULT_POLICY>``, ``--jitter lognormal --cv 0.3``, applied where there is
+something to jitter: ``--synthetic`` or ``--inject-ms``), except where SHARED says why not: ``--hint
+1f1b,bf`` here (a real trial takes seconds), ``1f1b,zb-h1,bfw`` in rrfp-sim; ``--json`` prints schema
+version 3 (rrfp.study.schema), as rrfp-sim does.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """rrfp.sim: a SimPy cluster model that drives the shared rrfp policies, and the ``rrfp-sim`` CLI.
 
-    rrfp-sim --stages 16 --jitter lognormal       # fixed/1f1b vs rrfp/1f1b and rrfp/bf, 10 seeds
+    rrfp-sim --stages 16 --jitter lognormal       # fixed 1f1b and zb-h1 vs auto on them and bfw, 10 seeds
     rrfp-sim --help ; rrfp-sim sweep --help
 
 Python::

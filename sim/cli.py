@@ -1,6 +1,6 @@
 """``rrfp-sim``: compare pipeline policies on a simulated cluster with sampled jitter.
 
-    rrfp-sim --stages 16 --jitter lognormal                  # fixed/1f1b vs rrfp/1f1b and rrfp/bf
+    rrfp-sim --stages 16 --jitter lognormal                  # fixed 1f1b and zb-h1 vs auto on them and bfw
     rrfp-sim --stages 8 -m 32 --hint 1f1b,bfw --cv 1.0 --memory-budget 2x --seeds 20
     rrfp-sim --stages 4 -m 8 --seeds 1 --trace-out run.json --plot run.png   # Perfetto + Gantt
     rrfp-sim --json > result.json
@@ -12,12 +12,14 @@
     rrfp-sim --scenario llava-multimodal --images-mean 2    # a named scenario, one value overridden
     rrfp-sim scenarios --json                               # the scenarios, each value with its source
 
-Defaults (the paper's set-up): hints ``1f1b,bf`` x policies ``fixed,rrfp`` -- the fixed-order baseline
-on 1F1B against readiness-first dispatch with the bf class hint (and with the 1F1B hint itself); 8
-stages, m = 4 x stages microbatches, lognormal compute jitter at CV 0.3, costs F=1,B=2 (I = W = 1),
-budget 1x (each hint's own peak), 10 seeds, one measured iteration and no warm-up, eager sends, no
-comm cost. The options rrfp-run has too share its names, short forms, grammar and defaults
-(rrfp.study.options.SHARED); ``--json`` prints schema version 3 (rrfp.study.schema), as rrfp-run does.
+Defaults (issue 25): hints ``1f1b,zb-h1,bfw`` x policies ``fixed,auto`` (``fixed,<DEFAULT_POLICY>``,
+rrfp.dispatch.policies) -- fixed 1F1B, the best fixed order at the same memory (zb-h1), and the default
+policy on each and on the bfw class hint, where readiness pays; the paper's set-up is ``--hint 1f1b,bf
+--policy fixed,rrfp``. 8 stages, m = 4 x stages microbatches, lognormal compute jitter at CV 0.3,
+costs F=1,B=2 (I = W = 1), budget 1x (each hint's own peak), 10 seeds, one measured iteration and no
+warm-up, eager sends, no comm cost. The options rrfp-run has too share its names, short forms, grammar
+and defaults (rrfp.study.options.SHARED, which says where they differ and why); ``--json`` prints
+schema version 3 (rrfp.study.schema), as rrfp-run does.
 
 Bad options or combinations -- click's usage errors included -- print one line, ``rrfp-sim: error:
 ...``, and exit with status 2; output files are written atomically (all or nothing) after the

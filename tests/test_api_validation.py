@@ -350,7 +350,8 @@ def test_rrfp_sim_shows_its_build_progress_on_stderr_only_when_large(
     from rrfp.sim import cli, experiment
     from rrfp.sim.config import ExperimentConfig
 
-    small = ExperimentConfig(study=Study(pp=2, microbatches=4), seeds=1)
+    paper = {"hints": ("1f1b", "bf"), "policies": ("fixed", "rrfp")}  # named, not the defaults
+    small = ExperimentConfig(study=Study(pp=2, microbatches=4, **paper), seeds=1)
     assert small.task_total() == 2 * 4 * 2 * 2  # 1f1b and bf, two ops each
     assert not experiment.BuildProgress(small, True).enabled  # small: quiet even when asked
     big = ExperimentConfig(study=Study(pp=64, microbatches=2100, hints=("1f1b",)), seeds=1)
@@ -358,7 +359,8 @@ def test_rrfp_sim_shows_its_build_progress_on_stderr_only_when_large(
     assert experiment.BuildProgress(big, True).enabled and not experiment.BuildProgress(big, False).enabled
 
     monkeypatch.setattr(experiment, "PROGRESS_TASKS", 10)  # a small run counts as large
-    argv = ["--stages", "2", "-m", "4", "--seeds", "1", "--json"]
+    argv = ["--stages", "2", "-m", "4", "--seeds", "1", "--json", "--hint", "1f1b,bf",
+            "--policy", "fixed,rrfp"]  # fmt: skip
     with pytest.raises(SystemExit) as done:
         cli.main([*argv, "--progress"])
     assert done.value.code == 0

@@ -6,6 +6,7 @@ import pytest
 from click.testing import CliRunner
 from execkit import run_study
 
+from rrfp.dispatch.policies import DEFAULT_POLICY
 from rrfp.exec.cli import build_config, main
 from rrfp.exec.config import ExecConfigError, RunConfig, parse_trial
 from rrfp.study.trial import TrialError, TrialId
@@ -58,11 +59,12 @@ def test_defaults_and_launcher_environment(monkeypatch: pytest.MonkeyPatch) -> N
         4,
         4,
         16,  # 4 x pp, as in rrfp-sim
-        ("fixed", "rrfp"),
-        ("1f1b", "bf"),
+        ("fixed", DEFAULT_POLICY),
+        ("1f1b", "bf"),  # rrfp-run's own (its trials are slow), not rrfp-sim's 1f1b,zb-h1,bfw
         ("1x",),
     )
-    assert [t.label for t in cfg.trials] == ["fixed/1f1b", "rrfp/1f1b", "rrfp/bf"]  # fixed/bf is fixed/1f1b
+    d = DEFAULT_POLICY
+    assert [t.label for t in cfg.trials] == ["fixed/1f1b", f"{d}/1f1b", f"{d}/bf"]  # fixed/bf is fixed/1f1b
     assert (cfg.jitter, cfg.cv) == ("none", 0.0)  # a real model without --inject-ms: nothing to jitter
     synthetic = build_config({**opts, "synthetic": True})
     assert (synthetic.jitter, synthetic.cv) == ("lognormal", 0.3)  # sampled durations: rrfp-sim's default

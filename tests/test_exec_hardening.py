@@ -66,7 +66,8 @@ BAD_INPUT = [
     (["--patch", "4"], "--patch only applies to --model multimodal"),
     (["--cv", "0.5"], "--cv only applies with --jitter"),
     (["--tolerance", "1e-3"], "--tolerance only applies with --check"),
-    (["--announce", "board"], "--announce only applies to backfill trials"),
+    # not the default policy's: auto runs a backfill arm, which announces
+    (["--announce", "board", "--policy", "fixed,rrfp"], "--announce only applies to backfill trials"),
 ]
 
 

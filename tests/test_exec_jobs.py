@@ -17,6 +17,7 @@ from pathlib import Path
 
 from execkit import BIN, assert_no_leftovers, assert_shared_memory_gone, run_job, wait_for_rank
 
+from rrfp.dispatch.policies import DEFAULT_POLICY
 from rrfp.exec.config import ModelConfig
 from rrfp.exec.models.data import make_batch
 
@@ -44,8 +45,9 @@ def _assert_checks(result: dict, expected: int) -> None:
 def test_check_pp4_every_hint_both_policies() -> None:
     """`rrfp-run --gpus 4 --check`: fixed and rrfp x five hints at pp = 4 match the reference."""
     result = rrfp_run(
-        "--gpus", "4", "-m", "8", "--check", "--hint", HINTS, "--iterations", "1", "--warmup", "0"
-    )
+        "--gpus", "4", "-m", "8", "--check", "--hint", HINTS, "--policy", "fixed,rrfp", "--iterations", "1",
+        "--warmup", "0",
+    )  # fmt: skip
     _assert_checks(result, 10)  # fixed/bfw runs 1F1B's order split: a schedule of its own, kept
     assert all(t["check"]["max_rel_diff"] <= 1e-5 for t in result["results"])
     assert {t["hint"] for t in result["results"]} == set(HINTS.split(","))
@@ -55,8 +57,9 @@ def test_check_pp2_deterministic_is_bitwise_identical_under_jitter() -> None:
     """pp = 2, injected jitter reorders rrfp's completions; deterministic mode still gives fixed and rrfp
     the very same gradient bits for every hint, and every trial matches the reference."""
     result = rrfp_run(
-        "--gpus", "2", "--check", "--deterministic", "--hint", HINTS, "--iterations", "1", "--warmup", "0",
-        "--jitter", "lognormal", "--cv", "1.0", "--inject-ms", "4", "--microbatches", "6",
+        "--gpus", "2", "--check", "--deterministic", "--hint", HINTS, "--policy", "fixed,rrfp",
+        "--iterations", "1", "--warmup", "0", "--jitter", "lognormal", "--cv", "1.0", "--inject-ms", "4",
+        "--microbatches", "6",
     )  # fmt: skip
     _assert_checks(result, 10)
     rows = _by_label(result)
@@ -83,7 +86,7 @@ def test_check_data_parallel_and_budget() -> None:
     """
     res = run_job([
         str(BIN / "rrfp-run"), "--gpus", "4", "--pp", "2", "--dp", "2", "--check", "--hint", "1f1b",
-        "--memory-budget", "1x,2x",
+        "--policy", "fixed,rrfp", "--memory-budget", "1x,2x",
         "--iterations", "2", "--warmup", "0", "--microbatches", "6", "--tolerance", "1e-9", "--json",
     ])  # fmt: skip
     assert res.returncode == 1, res.stderr[-3000:]
@@ -114,7 +117,8 @@ def test_torchrun_joins() -> None:
         [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "-m", "rrfp.exec", "--check"]
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "fixed/1f1b" in res.stdout and "rrfp/1f1b" in res.stdout and "rrfp/bf" in res.stdout
+    d = DEFAULT_POLICY  # no options: rrfp-run's defaults, --policy fixed,<DEFAULT_POLICY>
+    assert "fixed/1f1b" in res.stdout and f"{d}/1f1b" in res.stdout and f"{d}/bf" in res.stdout
     assert res.stdout.count(" ok (max rel diff") == 3  # the default hints 1f1b,bf: fixed/bf is fixed/1f1b
     assert "summary: " in res.stdout
 
@@ -125,7 +129,8 @@ def test_baseline_jitter_and_trace(tmp_path: Path) -> None:
 
     trace = tmp_path / "run.parquet"
     result = rrfp_run(
-        "--gpus", "2", "--check", "--hint", "1f1b", "--baseline", "torch:1F1B", "--jitter", "lognormal",
+        "--gpus", "2", "--check", "--hint", "1f1b", "--policy", "fixed,rrfp", "--baseline", "torch:1F1B",
+        "--jitter", "lognormal",
         "--cv", "0.5", "--inject-ms", "2", "--iterations", "2", "--warmup", "0", "--trace-out", str(trace),
     )  # fmt: skip
     _assert_checks(result, 3)

@@ -135,7 +135,8 @@ def _dry(args: list[str]) -> tuple[int, str]:
 def test_dry_run_json_schema(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(var, raising=False)
-    code, out = _dry(["--gpus", "8", "--gpus-per-node", "4", "--layers", "4", "--json", "--hint", "1f1b"])
+    args = ["--gpus", "8", "--gpus-per-node", "4", "--layers", "4", "--json"]
+    code, out = _dry([*args, "--hint", "1f1b", "--policy", "fixed,rrfp"])
     assert code == 0, out
     obj = json.loads(out)
     validate_dry_run(obj)

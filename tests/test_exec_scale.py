@@ -40,8 +40,8 @@ def _slurm_env(rank: int, port: int) -> dict[str, str]:
 def test_srun_tasks_join_a_two_rank_job(tmp_path: Path) -> None:
     """Two processes with srun's variables (no RANK, no torchrun) form one 2-rank job and pass --check."""
     port = _free_port()
-    args = [str(BIN / "rrfp-run"), "--check", "--hint", "1f1b", "--iterations", "1", "--json",
-            "--dump-dir", str(tmp_path / "dumps")]  # fmt: skip
+    args = [str(BIN / "rrfp-run"), "--check", "--hint", "1f1b", "--policy", "fixed,rrfp", "--iterations", "1",
+            "--json", "--dump-dir", str(tmp_path / "dumps")]  # fmt: skip
     procs = [
         subprocess.Popen(
             args,
@@ -121,8 +121,9 @@ def test_launch_groups_run_one_job(tmp_path: Path) -> None:
     script = tmp_path / "grouped.py"
     script.write_text(GROUPED)
     res = run_job(
-        [sys.executable, str(script), "--gpus", "4", "--synthetic", "--hint", "1f1b", "-m", "8",
-         "--iterations", "2", "--warmup", "0", "--time-unit-ms", "1", "--timeout", "60"],
+        [sys.executable, str(script), "--gpus", "4", "--synthetic", "--hint", "1f1b",
+         "--policy", "fixed,rrfp", "-m", "8", "--iterations", "2", "--warmup", "0", "--time-unit-ms", "1",
+         "--timeout", "60"],
         ranks=4,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
@@ -134,8 +135,8 @@ def test_thirty_two_synthetic_ranks_on_one_host() -> None:
     """32 sleeping ranks (the CI variant of issue 17's 128): the job completes, and the table stays one
     line per trial (per-rank columns summarised as min-max)."""
     res = run_job(
-        [str(BIN / "rrfp-run"), "--gpus", "32", "--synthetic", "--hint", "1f1b", "-m", "32",
-         "--iterations", "2", "--warmup", "0", "--time-unit-ms", "1", "--timeout", "120"],
+        [str(BIN / "rrfp-run"), "--gpus", "32", "--synthetic", "--hint", "1f1b", "--policy", "fixed,rrfp",
+         "-m", "32", "--iterations", "2", "--warmup", "0", "--time-unit-ms", "1", "--timeout", "120"],
         ranks=32,
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]

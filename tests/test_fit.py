@@ -107,7 +107,8 @@ def test_fit_of_an_executor_trace_has_latencies_and_quality() -> None:
 
 
 def test_cli_simulates_a_fitted_workload(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["--workload", f"fit:{GPT}", "--stages", "8", "-m", "16", "--seeds", "3", "--hint", "1f1b,zb-h1"]
+    args = ["--workload", f"fit:{GPT}", "--stages", "8", "-m", "16", "--seeds", "3", "--hint", "1f1b,zb-h1",
+            "--policy", "fixed,rrfp"]  # fmt: skip
     code, out, err = run_cli(args, capsys)
     assert code == 0 and err == ""
     assert out.startswith(f"fit of {GPT}") and "fitted CV" in out and "rrfp/zb-h1" in out

@@ -11,10 +11,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from rrfp.dispatch.policies import DEFAULT_POLICY
 from rrfp.sim.cli import main
 from rrfp.traces.trace import read_trace
 
 SMALL = ["--stages", "3", "-m", "6", "--seeds", "2"]
+PAPER = ["--hint", "1f1b,bf", "--policy", "fixed,rrfp"]  # the paper's set-up, named not defaulted
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -24,18 +26,21 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
     return int(exc.value.code or 0), out, err
 
 
-def test_table_shows_fixed_1f1b_against_rrfp(capsys):
+def test_the_default_table_shows_fixed_1f1b_and_zb_h1_against_the_default_policy(capsys):
     code, out, err = run_cli(SMALL, capsys)
     assert code == 0 and err == ""
     lines = out.splitlines()
     assert lines[0].startswith("pp=3 m=6 tp=1 dp=1 | language, lognormal CV 0.3")
-    runs = [line.split()[0] for line in lines if line.startswith(("fixed/", "rrfp/"))]
-    assert runs == ["fixed/1f1b", "rrfp/1f1b", "rrfp/bf"]
-    assert sum("vs fixed/1f1b" in line for line in lines) == 2
+    d = DEFAULT_POLICY
+    runs = [line.split()[0] for line in lines if line.startswith(("fixed/", f"{d}/"))]
+    assert runs == ["fixed/1f1b", f"{d}/1f1b", "fixed/zb-h1", f"{d}/zb-h1", f"{d}/bfw"]
+    assert sum("vs fixed/1f1b" in line for line in lines) == 2  # d/1f1b and d/bfw (bfw's reference)
+    assert sum("vs fixed/zb-h1" in line for line in lines) == 1  # d/zb-h1 against its own fixed order
 
 
 def test_json_is_byte_identical_for_identical_seeds(capsys):
-    args = [*SMALL, "--json", "--hint", "1f1b,bfw", "--comm-latency", "0.05", "--tp", "2"]
+    args = [*SMALL, "--json", "--hint", "1f1b,bfw", "--policy", "fixed,rrfp", "--comm-latency", "0.05",
+            "--tp", "2"]  # fmt: skip
     first = run_cli(args, capsys)
     second = run_cli(args, capsys)
     assert first == second and first[0] == 0
@@ -105,7 +110,7 @@ def test_bad_options_print_one_line_and_exit_2(args, needle, capsys, tmp_path, m
 def test_trace_and_plot_outputs(capsys, tmp_path):
     for suffix in (".parquet", ".csv", ".json"):
         target = tmp_path / f"run{suffix}"
-        args = [*SMALL, "--seeds", "1", "--trace-out", str(target)]
+        args = [*SMALL, *PAPER, "--seeds", "1", "--trace-out", str(target)]
         if suffix == ".parquet":
             args += ["--plot", str(tmp_path / "gantt.png")]
         code, _, err = run_cli(args, capsys)
@@ -121,7 +126,8 @@ def test_trace_and_plot_outputs(capsys, tmp_path):
 
 def test_sweep_writes_csv_and_plot(capsys, tmp_path):
     out_csv, out_png = tmp_path / "s.csv", tmp_path / "s.png"
-    args = ["sweep", *SMALL, "--grid", "cv=0.1,0.5", "--grid", "memory-budget=1x,2x", "--out", str(out_csv)]
+    grid = ["--grid", "cv=0.1,0.5", "--grid", "memory-budget=1x,2x"]
+    args = ["sweep", *SMALL, *PAPER, *grid, "--out", str(out_csv)]
     code, out, err = run_cli([*args, "--plot", str(out_png)], capsys)
     assert code == 0 and err == "" and "12 rows over 4 grid points" in out
     frame = pd.read_csv(out_csv)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import rrfp
+from rrfp.dispatch.policies import DEFAULT_POLICY
 from rrfp.sim import ClusterConfig, ExperimentConfig
 from rrfp.sim.experiment import plan_runs, run_experiment
 from rrfp.study.study import Study
@@ -19,6 +20,7 @@ from rrfp.workload.jitter import DISTRIBUTIONS
 from rrfp.workload.model import WORKLOAD_PRESETS, WorkloadConfig
 
 STUDY_FIELDS = {f.name for f in dataclasses.fields(Study)}
+PAPER = {"hints": ("1f1b", "bf"), "policies": ("fixed", "rrfp")}  # the paper's set-up, named not defaulted
 
 
 def small(**kw) -> ExperimentConfig:
@@ -28,19 +30,36 @@ def small(**kw) -> ExperimentConfig:
     return ExperimentConfig(study=Study(**study), **rest)
 
 
-def test_default_plan_is_fixed_1f1b_vs_rrfp_on_1f1b_and_bf():
+def test_default_plan_is_fixed_vs_the_default_policy_on_1f1b_zb_h1_and_bfw():
+    """Issue 25: fixed 1F1B, the best fixed order zb-h1 at the same memory, and the default policy on
+    each and on bfw (where readiness pays); zb-h1 pairs with its own fixed order, bfw with 1F1B."""
     plans = plan_runs(ExperimentConfig())
-    assert [p.key.label for p in plans] == ["fixed/1f1b", "rrfp/1f1b", "rrfp/bf"]
+    d = DEFAULT_POLICY
+    assert [p.key.label for p in plans] == [
+        "fixed/1f1b",
+        f"{d}/1f1b",
+        "fixed/zb-h1",
+        f"{d}/zb-h1",
+        f"{d}/bfw",
+    ]
     assert [p.key for p in plans] == [
         TrialId("fixed", "1f1b"),
-        TrialId("rrfp", "1f1b"),
-        TrialId("rrfp", "bf"),
+        TrialId(d, "1f1b"),
+        TrialId("fixed", "zb-h1"),
+        TrialId(d, "zb-h1"),
+        TrialId(d, "bfw"),
     ]
-    assert [p.baseline for p in plans] == [None, TrialId("fixed", "1f1b"), TrialId("fixed", "1f1b")]
+    assert [p.baseline for p in plans] == [
+        None,
+        TrialId("fixed", "1f1b"),
+        None,
+        TrialId("fixed", "zb-h1"),
+        TrialId("fixed", "1f1b"),
+    ]
 
 
 def test_class_hints_pair_with_fixed_on_their_reference():
-    plans = {p.key: p for p in plan_runs(small(hints=("bfw", "zb-h1", "fb")))}
+    plans = {p.key: p for p in plan_runs(small(hints=("bfw", "zb-h1", "fb"), policies=("fixed", "rrfp")))}
     assert set(plans) == {
         TrialId("fixed", "1f1b"), TrialId("rrfp", "bfw"), TrialId("fixed", "zb-h1"), TrialId("rrfp", "zb-h1"),
         TrialId("rrfp", "fb"),
@@ -51,19 +70,19 @@ def test_class_hints_pair_with_fixed_on_their_reference():
 
 
 def test_without_fixed_there_is_nothing_to_pair():
-    result = run_experiment(small(policies=("rrfp",), seeds=2))
+    result = run_experiment(small(hints=("1f1b", "bf"), policies=("rrfp",), seeds=2))
     assert [s.key for s in result.stats] == [TrialId("rrfp", "1f1b"), TrialId("rrfp", "bf")]
     assert result.speedups == []
 
 
 def test_budget_scales_with_the_factor():
-    plans = {p.key: p for p in plan_runs(small(memory_budget="2x"))}
+    plans = {p.key: p for p in plan_runs(small(memory_budget="2x", **PAPER))}
     assert plans[TrialId("rrfp", "bf", "2x")].budget == {0: 6, 1: 4, 2: 2}
     assert plans[TrialId("rrfp", "bf", "2x")].baseline == TrialId("fixed", "1f1b", "2x")
 
 
 def test_every_hint_and_policy_runs_at_every_budget_against_fixed_at_the_first():
-    plans = plan_runs(small(memory_budget="1x,2x"))
+    plans = plan_runs(small(memory_budget="1x,2x", **PAPER))
     assert [p.key.label for p in plans] == [
         "fixed/1f1b", "rrfp/1f1b", "fixed/1f1b@2x", "rrfp/1f1b@2x", "rrfp/bf", "rrfp/bf@2x",
     ]  # fmt: skip
@@ -82,7 +101,7 @@ def test_common_random_numbers_do_not_depend_on_what_else_runs():
 
 def test_zero_jitter_rrfp_on_1f1b_is_exactly_as_fast_as_fixed():
     workload = WorkloadConfig(costs="F=1,B=2")
-    result = run_experiment(small(hints=("1f1b",), workload=workload))
+    result = run_experiment(small(hints=("1f1b",), policies=("fixed", "rrfp"), workload=workload))
     (sp,) = result.speedups
     assert (sp.mean, sp.ci_low, sp.ci_high) == (1.0, 1.0, 1.0)
     fixed = result.stats[0]
@@ -129,7 +148,7 @@ def test_iterations_after_the_first_are_averaged():
 
 
 def test_speedup_is_the_paired_ratio():
-    result = run_experiment(small(seeds=4))
+    result = run_experiment(small(seeds=4, **PAPER))
     base = np.array(result.stats[0].iteration_time)
     for sp in result.speedups:
         cand = np.array(next(s for s in result.stats if s.key == sp.key).iteration_time)
@@ -140,7 +159,7 @@ def test_speedup_is_the_paired_ratio():
 
 def test_trace_is_recorded_for_replication_zero_and_is_valid_perfetto():
     cluster = ClusterConfig(tp=2, dp=2, comm_latency=0.1)
-    result = run_experiment(small(seeds=2, iterations=2, cluster=cluster), trace=True)
+    result = run_experiment(small(seeds=2, iterations=2, cluster=cluster, **PAPER), trace=True)
     assert [(r.policy, r.hint, r.seed) for r in result.traces] == [("fixed", "1f1b", 0), ("rrfp", "1f1b", 0),
                                                                    ("rrfp", "bf", 0)]  # fmt: skip
     frame = result.traces[1].frame()

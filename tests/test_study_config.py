@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 
+from rrfp.dispatch.policies import DEFAULT_POLICY
 from rrfp.exec.cli import build_config
 from rrfp.exec.cli import main as run_main
 from rrfp.exec.config import JSON_ORDER, RunConfig
@@ -68,13 +69,17 @@ def test_both_clis_fill_their_study_from_the_same_options() -> None:
     sim = _sim_config(args)
     run = build_config({**run_main.make_context("rrfp-run", list(args)).params, "gpus": 2})
     assert isinstance(sim, ExperimentConfig) and isinstance(run, RunConfig)
-    both = Study(pp=2, microbatches=6, hints=("1f1b", "bf"), memory_budget=("1x", "2x"), seed=3, iterations=2,
-                 warmup=1)  # fmt: skip
+    both = Study(pp=2, microbatches=6, hints=("1f1b", "bf"), policies=("fixed", "rrfp"),
+                 memory_budget=("1x", "2x"), seed=3, iterations=2, warmup=1)  # fmt: skip
     assert sim.study == run.study == both
     sim_default = _sim_config([])
     assert sim_default.study == ExperimentConfig().study == Study()  # the table's defaults
+    table = {o.name: o for o in SHARED}
+    assert Study().hints == split_list(table["hints"].default_for("rrfp-sim")) == ("1f1b", "zb-h1", "bfw")
     run_default = build_config({**run_main.make_context("rrfp-run", []).params, "gpus": 4})
     assert (run_default.study.iterations, run_default.study.warmup) == (5, 1)  # rrfp-run's, SHARED.differs
+    assert run_default.study.hints == split_list(table["hints"].default_for("rrfp-run")) == ("1f1b", "bf")
+    assert sim_default.study.policies == run_default.study.policies == ("fixed", DEFAULT_POLICY)
     assert run_default.study.microbatches == 16  # 4 x pp, filled by the planner
 
 
@@ -91,15 +96,15 @@ def test_the_grid_is_hint_major_then_budget_then_policy() -> None:
 
 
 def test_fixed_on_a_class_hint_runs_its_reference_listed_once() -> None:
-    study = Study(hints=("1f1b", "bf", "fb"))
+    study = Study(hints=("1f1b", "bf", "fb"), policies=("fixed", "rrfp"))
     for split in (False, True):  # unsplit class hints: the same in both CLIs
         assert _labels(study.trials(split_fixed=split)) == ["fixed/1f1b", "rrfp/1f1b", "rrfp/bf", "rrfp/fb"]
-    interleaved = Study(pp=4, hints=("bf",), virtual_stages=2)
+    interleaved = Study(pp=4, hints=("bf",), policies=("fixed", "rrfp"), virtual_stages=2)
     assert _labels(interleaved.trials()) == ["fixed/interleaved-1f1b", "rrfp/bf"]
 
 
 def test_the_clis_one_difference_fixed_on_bfw() -> None:
-    study = Study(hints=("1f1b", "bfw"), memory_budget=("1x", "2x"))
+    study = Study(hints=("1f1b", "bfw"), policies=("fixed", "rrfp"), memory_budget=("1x", "2x"))
     sim, run = _labels(study.trials()), _labels(study.trials(split_fixed=True))
     assert sim == ["fixed/1f1b", "rrfp/1f1b", "fixed/1f1b@2x", "rrfp/1f1b@2x", "rrfp/bfw", "rrfp/bfw@2x"]
     assert run == ["fixed/1f1b", "rrfp/1f1b", "fixed/1f1b@2x", "rrfp/1f1b@2x",

@@ -70,7 +70,7 @@ class Policy:
 
 _REGISTRY: dict[str, type[Policy]] = {}
 
-DEFAULT_POLICY = "rrfp"
+DEFAULT_POLICY = "auto"
 """The readiness policy used where none is named: both CLIs' default ``--policy fixed,<this>`` and
 ``rrfp.exec.ScheduleReadiness(policy=...)``. One constant, so the default changes in one place (issue 25
 chooses it by measurement)."""
