@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.horizon < ROUNDS + 1:
         ap.error(f"--horizon must be at least {ROUNDS + 1}")
     margins = tuple(float(x) for x in a.margins.split(",") if x.strip())
-    chosen = rg.regimes(a.split, a.limit)
+    chosen = rg.regimes(a.split, a.limit, a.regime_set)
     start = time.perf_counter()
     jobs = [(f"regime {r.index}", (r, a.seeds, a.horizon, margins, a.tiny)) for r in chosen]
     done = dict(run_jobs(study_regime, jobs, resolve_workers(a.workers, len(jobs))))
