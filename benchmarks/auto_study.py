@@ -45,94 +45,215 @@ from rrfp.dispatch.auto import ARMS, HORIZON, MARGIN, ROUNDS, next_arm
 PEERS = ("fixed", "rrfp", "backfill")
 
 
-def candidate_name(margin: float) -> str:
-    """``auto`` at the module's margin, ``auto@M`` at another."""
-    return "auto" if margin == MARGIN else f"auto@{margin:g}"
+Candidate = tuple[tuple[str, ...], int, float]
+"""(arms, safe first; replayed rounds R; margin)."""
 
 
-def weights(horizon: int, simulated: int) -> np.ndarray:
-    """Each simulated iteration's share of a ``horizon``-iteration run: the last stands for the rest."""
-    w = np.ones(simulated)
-    w[-1] = horizon - (simulated - 1)
+def candidate_name(arms: tuple[str, ...], rounds: int, margin: float) -> str:
+    """``auto`` at the module's ARMS, ROUNDS and MARGIN, else ``auto@R<rounds>m<margin>`` and the arms
+    after ``:`` where they are not the module's."""
+    if (arms, rounds, margin) == (ARMS, ROUNDS, MARGIN):
+        return "auto"
+    return f"auto@R{rounds}m{margin:g}" + ("" if arms == ARMS else ":" + "+".join(arms))
+
+
+def weights(horizon: int, rounds: int, committed: int = 1) -> np.ndarray:
+    """Each simulated iteration's share of a ``horizon``-iteration run: the first ``rounds`` one each,
+    the ``committed`` after them share the other ``horizon - rounds``."""
+    w = np.ones(rounds + committed)
+    w[rounds:] = (horizon - rounds) / committed
     return w / w.sum()
 
 
-def study_regime(
-    regime: rg.Regime, seeds: int, horizon: int, margins: tuple[float, ...], small: bool
-) -> list[dict]:
-    """One regime's rows: fixed, rrfp, backfill and auto at each margin, each a ``horizon``-iteration
-    run (one simulation of the peers serves every margin)."""
-    from rrfp.sim.experiment import run_experiment
+def _auto_runs(measured: list[list[float]], rounds: int, margin: float, w: np.ndarray) -> tuple[list, list]:
+    """auto's weighted time and chosen arm per seed; ``measured[a][rep]`` arm a's iteration times."""
+    runs, picks = [], []
+    for rep in range(len(measured[0])):
+        arm_times = [m[rep] for m in measured]
+        history = [[t[k] for t in arm_times] for k in range(rounds)]  # the replays of the safe runs
+        c = next_arm(history, len(arm_times), rounds, margin)
+        picks.append(c)
+        runs.append(float(np.dot(w, [*arm_times[0][:rounds], *arm_times[c][rounds : len(w)]])))
+    return runs, picks
+
+
+def _by_role(result: Any) -> tuple[dict[str, Any], Any]:
+    """The run of each peer -- ``fixed`` the one the arms are paired with (the hint's own order; a class
+    hint's reference), not bfw's extra zero-bubble one -- and the arms' best fixed order's run (None:
+    none fits)."""
+    by_key = {s.key: s for s in result.stats}
+    arms = [s for s in result.stats if s.key.policy in ("rrfp", "backfill")]
+    base = next((p.baseline for p in result.speedups if p.key in {s.key for s in arms}), None)
+    runs = {s.key.policy: s for s in result.stats if s.key.policy != "fixed"}
+    runs["fixed"] = (
+        by_key[base] if base is not None else next(s for s in result.stats if s.key.policy == "fixed")
+    )
+    best = next((result.best_fixed[s.key].baseline for s in arms if s.key in result.best_fixed), None)
+    return runs, (by_key[best] if best is not None else None)
+
+
+def _row(regime: rg.Regime, rounds: int, name: str, times: dict[str, list[float]], best: list | None) -> dict:
+    """One row's speedup over fixed and (``vs_best``) over the best fixed order, paired per seed."""
     from rrfp.study.metrics import paired_speedup
 
-    simulated = ROUNDS + 1
+    row: dict[str, Any] = {"regime": regime.index, "split": regime.split, "rounds": rounds, "policy": name}
+    mean = low = high = best_mean = best_low = np.nan
+    if name in times and "fixed" in times and name != "fixed":
+        mean, low, high = paired_speedup(times["fixed"], times[name])
+        if best is not None:
+            best_mean, best_low, _ = paired_speedup(best, times[name])
+    row.update(speedup=mean, ci_low=low, ci_high=high, vs_best=best_mean, vs_best_low=best_low)
+    return row
+
+
+def study_regime(
+    regime: rg.Regime,
+    seeds: int,
+    horizon: int,
+    candidates: tuple[Candidate, ...],
+    small: bool,
+    committed: int = 1,
+) -> list[dict]:
+    """One regime's rows: for each R among ``candidates`` (arms, R, margin), fixed, rrfp and backfill,
+    and auto at each of its arms and margins, each a ``horizon``-iteration run of R replayed and
+    ``committed`` simulated committed iterations. One simulation of max R + committed iterations of the
+    peers serves every candidate (a smaller R uses its first R + committed)."""
+    from rrfp.sim.experiment import run_experiment
+
+    simulated = max(r for _, r, _ in candidates) + committed
     args = [*rg.command(regime, PEERS, seeds, small), "--iterations", str(simulated)]
     cfg = rg.config_of(args)
-    result = run_experiment(cfg, progress=False)
-    stats = {s.key.policy: s for s in result.stats}
-    w = weights(horizon, simulated)
-    times: dict[str, list[float]] = {}
+    stats, best_run = _by_role(run_experiment(cfg, progress=False))
     why = {name: str(stats[name].infeasible) for name in PEERS if stats[name].infeasible}
-    share: dict[str, float] = {}
-    for name in PEERS:
-        if name not in why:
-            times[name] = [float(np.dot(w, m)) for m in stats[name].measured]
-    arm_why = next((why[a] for a in ARMS if a in why), "")
-    for margin in margins if not arm_why else ():
-        runs, picks = [], []
-        for rep in range(seeds):
-            arm_times = [stats[a].measured[rep] for a in ARMS]
-            history = [[t[k] for t in arm_times] for k in range(ROUNDS)]  # the replays of the safe runs
-            c = next_arm(history, len(ARMS), ROUNDS, margin)
-            picks.append(c)
-            runs.append(float(np.dot(w, [*arm_times[0][:ROUNDS], arm_times[c][ROUNDS]])))
-        times[candidate_name(margin)] = runs
-        share[candidate_name(margin)] = float(np.mean([c != 0 for c in picks]))
     command = "rrfp-sim " + shlex.join(args)
     rows = []
-    for name in [*PEERS, *(candidate_name(m) for m in margins)]:
-        infeasible = why.get(name, "" if name in PEERS else arm_why)
-        row: dict[str, Any] = {"regime": regime.index, "split": regime.split, "policy": name,
-                               "hint": cfg.study.hints[0], "infeasible": infeasible, "command": command,
-                               "aggressive_share": share.get(name, np.nan)}  # fmt: skip
-        mean = low = high = np.nan
-        if name in times and "fixed" in times and name != "fixed":
-            mean, low, high = paired_speedup(times["fixed"], times[name])
-        row.update(speedup=mean, ci_low=low, ci_high=high)
-        rows.append(row)
+    for rounds in sorted({r for _, r, _ in candidates}):
+        w = weights(horizon, rounds, committed)
+        times = {n: [float(np.dot(w, m[: len(w)])) for m in stats[n].measured] for n in PEERS if n not in why}
+        best = None if best_run is None else [float(np.dot(w, m[: len(w)])) for m in best_run.measured]
+        share: dict[str, float] = {}
+        arm_why: dict[str, str] = {}
+        for arms, _, margin in (c for c in candidates if c[1] == rounds):
+            name = candidate_name(arms, rounds, margin)
+            arm_why[name] = next((why[a] for a in arms if a in why), "")  # auto runs every arm
+            if not arm_why[name]:
+                times[name], picks = _auto_runs([stats[a].measured for a in arms], rounds, margin, w)
+                share[name] = float(np.mean([arms[c] == "rrfp" for c in picks]))
+        for name in [*PEERS, *arm_why]:
+            row = _row(regime, rounds, name, times, best)
+            row.update(hint=cfg.study.hints[0], infeasible=why.get(name, arm_why.get(name, "")),
+                       command=command, aggressive_share=share.get(name, np.nan))  # fmt: skip
+            rows.append(row)
     return rows
+
+
+def best_fixed_line(frame: pd.DataFrame, name: str) -> str:
+    """G3 as far as one regime reaches: ``name``'s CI low against the best fixed order among the fixed
+    orders the regime runs (the hint's own; bfw's zero-bubble order too) that fit its memory."""
+    part = frame[(frame["policy"] == name) & frame["vs_best_low"].notna()]
+    ok = part["vs_best_low"] >= rg.GOAL_LOW
+    if part.empty:
+        return f"  {name}: no row with a best fixed order"
+    return (f"  CI low >= {rg.GOAL_LOW} vs the best fixed order run: {int(ok.sum())} of {len(part)}; "
+            f"min {part['vs_best_low'].min():.4f}")  # fmt: skip
+
+
+def replay_cost(hint_name: str, pp: int, m: int, arms: tuple[str, ...], repeats: int) -> list[float]:
+    """Seconds one replayed iteration costs a rank: every arm's rrfp.run_reference on one iteration's
+    durations (per-op means F=1, B=2, I=W=1 times a lognormal jitter with CV 0.3, a 1% message latency,
+    the hint's budget at 2x), then :func:`next_arm` -- what each rank runs once per replayed round, and
+    never after the commit. One total per repeat, each on fresh durations."""
+    import rrfp
+
+    hint = rrfp.make_hint(hint_name, pp=pp, microbatches=m)
+    budget = rrfp.resolve_budget("2x", hint)
+    cost, sigma = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}, float(np.sqrt(np.log(1 + 0.3**2)))
+    out = []
+    for rep in range(repeats):
+        rng, memo = np.random.default_rng(rep), {}
+
+        def duration(task: Any, rng: np.random.Generator = rng, memo: dict = memo) -> float:
+            if task not in memo:  # one draw per task, shared by every arm's replay
+                memo[task] = cost[task.op.value] * float(rng.lognormal(-(sigma**2) / 2, sigma))
+            return memo[task]
+
+        start = time.perf_counter()
+        times = [rrfp.run_reference(hint, a, duration, budget=budget, latency=0.01).makespan for a in arms]
+        next_arm([times], len(arms), 1, MARGIN)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def print_replay_cost(hints: list[str], pp: int, m: int, arms: tuple[str, ...], repeats: int = 5) -> None:
+    for name in hints:
+        t = replay_cost(name.strip(), pp, m, arms, repeats)
+        print(f"{name} pp {pp} m {m}, arms {'+'.join(arms)}: one replayed iteration "
+              f"{np.median(t) * 1e3:.1f} ms "
+              f"median of {repeats} (min {min(t) * 1e3:.1f}, max {max(t) * 1e3:.1f})")  # fmt: skip
+
+
+def arm_sets(ap: argparse.ArgumentParser, text: str) -> list[tuple[str, ...]]:
+    """``--arm-sets``: '/'-separated sets, each comma-separated, safe arm first."""
+    sets = [tuple(x.strip() for x in s.split(",")) for s in text.split("/") if s.strip()]
+    if not sets or any(not set(s) <= set(PEERS) for s in sets):
+        ap.error(f"--arm-sets: each a comma-separated list of {', '.join(PEERS)}")
+    return sets
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
 
 
 def main(argv: list[str] | None = None) -> None:
     from rrfp.study.execution import resolve_workers, run_jobs
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--split", choices=("tune", "heldout"), required=True)
+    ap.add_argument("--split", choices=("tune", "heldout"))
+    ap.add_argument(
+        "--replay-cost", metavar="HINTS", help="time one replayed iteration on these hints instead"
+    )
+    ap.add_argument("--pp", type=int, default=16, help="--replay-cost's pipeline depth [16]")
+    ap.add_argument("--microbatches", type=int, default=64, help="--replay-cost's microbatches [64]")
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--horizon", type=int, default=HORIZON, help=f"iterations a row stands for [{HORIZON}]")
+    ap.add_argument("--rounds", default=str(ROUNDS), help=f"replayed rounds R to evaluate [{ROUNDS}]")
     ap.add_argument("--margins", default=f"{MARGIN:g}", help="choice margins to evaluate, comma-separated")
+    ap.add_argument("--arm-sets", default=",".join(ARMS),
+                    help=f"arm sets to evaluate, safe first, '/'-separated [{','.join(ARMS)}]")  # fmt: skip
+    ap.add_argument("--committed", type=int, default=1, help="committed iterations simulated per seed [1]")
     rg.add_run_options(ap)
     a = ap.parse_args(argv)
+    if a.replay_cost:
+        print_replay_cost(a.replay_cost.split(","), a.pp, a.microbatches, arm_sets(ap, a.arm_sets)[0])
+        return
+    if a.split is None:
+        ap.error("give --split tune (or heldout with --final), or --replay-cost")
     if a.split == "heldout" and not a.final:
         ap.error("--split heldout judges a finished policy: give --final (tune on --split tune)")
-    if a.horizon < ROUNDS + 1:
-        ap.error(f"--horizon must be at least {ROUNDS + 1}")
-    margins = tuple(float(x) for x in a.margins.split(",") if x.strip())
+    rounds = tuple(int(r) for r in _floats(a.rounds))
+    if not rounds or min(rounds) < 1 or a.committed < 1:
+        ap.error("--rounds and --committed need values >= 1")
+    if a.horizon < max(rounds) + a.committed:
+        ap.error(f"--horizon must be at least {max(rounds) + a.committed} (max --rounds + --committed)")
+    sets = arm_sets(ap, a.arm_sets)
+    candidates = tuple((s, r, m) for s in sets for r in rounds for m in _floats(a.margins))
     chosen = rg.regimes(a.split, a.limit, a.regime_set)
     start = time.perf_counter()
-    jobs = [(f"regime {r.index}", (r, a.seeds, a.horizon, margins, a.tiny)) for r in chosen]
+    jobs = [(f"regime {r.index}", (r, a.seeds, a.horizon, candidates, a.tiny, a.committed)) for r in chosen]
     done = dict(run_jobs(study_regime, jobs, resolve_workers(a.workers, len(jobs))))
     frame = pd.DataFrame([row for i in range(len(chosen)) for row in done[i]])
     seconds = time.perf_counter() - start
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         frame.to_csv(a.out, index=False)
-    for name in (candidate_name(m) for m in margins):
-        share = frame.loc[frame["policy"] == name, "aggressive_share"].mean()
-        print("\n".join(rg.goal_report(frame, name)))
-        print(f"  {name}: committed to {ARMS[1]} in {share:.1%} of seeds")
-    print(f"{len(chosen)} regimes x {a.seeds} seeds, T = {a.horizon} ({ROUNDS + 1} simulated), "
-          f"in {seconds:.1f} s ({a.workers} workers)", file=sys.stderr)  # fmt: skip
+    for arms, r, m in candidates:
+        name, part = candidate_name(arms, r, m), frame[frame["rounds"] == r]
+        print("\n".join(rg.goal_report(part, name)))
+        share = part.loc[part["policy"] == name, "aggressive_share"].mean()
+        print(f"  {name}: committed to rrfp in {share:.1%} of seeds")
+        print(best_fixed_line(part, name))
+    print(f"{len(chosen)} regimes x {a.seeds} seeds, T = {a.horizon} ({max(rounds) + a.committed} "
+          f"simulated), in {seconds:.1f} s ({a.workers} workers)", file=sys.stderr)  # fmt: skip
 
 
 if __name__ == "__main__":

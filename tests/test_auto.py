@@ -178,3 +178,50 @@ def test_module_doctest():
     import rrfp.dispatch.auto as auto
 
     assert doctest.testmod(auto).failed == 0
+
+
+# -- the study's composition -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def study():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        yield importlib.import_module("auto_study")
+    finally:
+        sys.path.remove(bench)
+        sys.modules.pop("auto_study", None)
+
+
+def test_study_weights_give_each_committed_iteration_its_share(study):
+    assert study.weights(50, 1) == pytest.approx([1 / 50, 49 / 50])
+    assert study.weights(50, 2, 2) == pytest.approx([1 / 50, 1 / 50, 24 / 50, 24 / 50])
+
+
+@pytest.mark.parametrize("committed", [1, 2])
+def test_the_studys_auto_row_is_rrfp_sims_auto(study, committed):
+    """auto_study composes auto from the peers' iterations; rrfp-sim --policy auto runs the switching
+    driver. The two give the same speedup (the module's ROUNDS and MARGIN), and a wrong composition --
+    each seed's committed iterations from the arm it did not pick -- does not."""
+    from rrfp.study.metrics import paired_speedup
+
+    rg = study.rg
+    regime = rg.regimes("tune", 1)[0]
+    rows = study.study_regime(regime, 3, 50, ((ARMS, ROUNDS, study.MARGIN),), True, committed)
+    got = next(r for r in rows if r["policy"] == "auto")["speedup"]
+    policies = ("fixed", *ARMS, "auto")
+    args = [*rg.command(regime, policies, 3, True), "--iterations", str(ROUNDS + committed)]
+    stats = {s.key.policy: s for s in run_experiment(rg.config_of(args), progress=False).stats}
+    w = study.weights(50, ROUNDS, committed)
+    fixed = [float(w @ m) for m in stats["fixed"].measured]
+    auto = [float(w @ m) for m in stats["auto"].measured]
+    assert got == pytest.approx(paired_speedup(fixed, auto)[0], rel=1e-9)
+    wrong = []
+    for rep, times in enumerate(stats["auto"].measured):
+        arm = [stats[a].measured[rep] for a in ARMS]
+        pick = next_arm([[t[k] for t in arm] for k in range(ROUNDS)])
+        wrong.append(float(w @ [*times[:ROUNDS], *arm[1 - pick][ROUNDS:]]))
+    assert abs(paired_speedup(fixed, wrong)[0] - got) > 1e-6
