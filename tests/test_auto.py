@@ -225,3 +225,18 @@ def test_the_studys_auto_row_is_rrfp_sims_auto(study, committed):
         pick = next_arm([[t[k] for t in arm] for k in range(ROUNDS)])
         wrong.append(float(w @ [*times[:ROUNDS], *arm[1 - pick][ROUNDS:]]))
     assert abs(paired_speedup(fixed, wrong)[0] - got) > 1e-6
+
+
+def test_the_studys_fixed_is_the_arms_pairing_baseline(study):
+    """On bfw (one stage per rank) rrfp-sim runs two fixed orders: the reference (the speedup's baseline)
+    and zb-h1 (a best-fixed candidate). The study pairs with the reference, as rrfp-sim's speedup column
+    does: with T = R + 1 every iteration weighs the same, so the rows equal rrfp-sim's speedups."""
+    rg = study.rg
+    regime = next(r for r in rg.regimes("tune") if "bfw" in r.args and "--virtual-stages" not in r.args)
+    rows = {r["policy"]: r for r in study.study_regime(regime, 3, ROUNDS + 1, ((ARMS, ROUNDS, 0.0),), True)}
+    args = [*rg.command(regime, study.PEERS, 3, True), "--iterations", str(ROUNDS + 1)]
+    result = run_experiment(rg.config_of(args), progress=False)
+    assert sum(s.key.policy == "fixed" for s in result.stats) == 2  # the case has the second fixed order
+    for sp in result.speedups:
+        if sp.key.policy in ARMS:
+            assert rows[sp.key.policy]["speedup"] == pytest.approx(sp.mean, rel=1e-9)
