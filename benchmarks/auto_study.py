@@ -27,6 +27,7 @@ simulation (tuning: ``--split tune`` only); a candidate is named ``auto`` for th
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -40,21 +41,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import regimes as rg
 
-from rrfp.dispatch.auto import ARMS, HORIZON, MARGIN, ROUNDS, next_arm
+from rrfp.dispatch.auto import ARMS, EARLY, HORIZON, MARGIN, ROUNDS, next_arm, replaying
 
 PEERS = ("fixed", "rrfp", "backfill")
 
 
-Candidate = tuple[tuple[str, ...], int, float]
-"""(arms, safe first; replayed rounds R; margin)."""
+Candidate = tuple[tuple[str, ...], int, float, float | None]
+"""(arms, safe first; replayed rounds R; margin; early-commit lead, None: none)."""
 
 
-def candidate_name(arms: tuple[str, ...], rounds: int, margin: float) -> str:
-    """``auto`` at the module's ARMS, ROUNDS and MARGIN, else ``auto@R<rounds>m<margin>`` and the arms
-    after ``:`` where they are not the module's."""
-    if (arms, rounds, margin) == (ARMS, ROUNDS, MARGIN):
+def candidate_name(arms: tuple[str, ...], rounds: int, margin: float, early: float | None = EARLY) -> str:
+    """``auto`` at the module's ARMS, ROUNDS, MARGIN and EARLY, else ``auto@R<rounds>m<margin>e<early>``
+    (``e-``: no early commit) and the arms after ``:`` where they are not the module's."""
+    if (arms, rounds, margin, early) == (ARMS, ROUNDS, MARGIN, EARLY):
         return "auto"
-    return f"auto@R{rounds}m{margin:g}" + ("" if arms == ARMS else ":" + "+".join(arms))
+    e = "-" if early is None else f"{early:g}"
+    return f"auto@R{rounds}m{margin:g}e{e}" + ("" if arms == ARMS else ":" + "+".join(arms))
 
 
 def weights(horizon: int, rounds: int, committed: int = 1) -> np.ndarray:
@@ -65,15 +67,22 @@ def weights(horizon: int, rounds: int, committed: int = 1) -> np.ndarray:
     return w / w.sum()
 
 
-def _auto_runs(measured: list[list[float]], rounds: int, margin: float, w: np.ndarray) -> tuple[list, list]:
-    """auto's weighted time and chosen arm per seed; ``measured[a][rep]`` arm a's iteration times."""
+def _auto_runs(
+    measured: list[list[float]], rounds: int, margin: float, early: float | None, w: np.ndarray
+) -> tuple[list, list]:
+    """auto's weighted time and final arm per seed; ``measured[a][rep]`` arm a's iteration times. As
+    rrfp.sim.auto runs it: each iteration on the arm next_arm picks, replayed while ``replaying``."""
     runs, picks = [], []
     for rep in range(len(measured[0])):
         arm_times = [m[rep] for m in measured]
-        history = [[t[k] for t in arm_times] for k in range(rounds)]  # the replays of the safe runs
-        c = next_arm(history, len(arm_times), rounds, margin)
-        picks.append(c)
-        runs.append(float(np.dot(w, [*arm_times[0][:rounds], *arm_times[c][rounds : len(w)]])))
+        history: list[list[float]] = []
+        ran = []
+        for k in range(len(w)):
+            ran.append(arm_times[next_arm(history, len(arm_times), rounds, margin, early)][k])
+            if replaying(history, len(arm_times), rounds, margin, early):
+                history.append([t[k] for t in arm_times])  # every arm on iteration k's durations
+        picks.append(next_arm(history, len(arm_times), rounds, margin, early))
+        runs.append(float(np.dot(w, ran)))
     return runs, picks
 
 
@@ -120,29 +129,31 @@ def study_regime(
     peers serves every candidate (a smaller R uses its first R + committed)."""
     from rrfp.sim.experiment import run_experiment
 
-    simulated = max(r for _, r, _ in candidates) + committed
+    simulated = max(c[1] for c in candidates) + committed
     args = [*rg.command(regime, PEERS, seeds, small), "--iterations", str(simulated)]
     cfg = rg.config_of(args)
     stats, best_run = _by_role(run_experiment(cfg, progress=False))
     why = {name: str(stats[name].infeasible) for name in PEERS if stats[name].infeasible}
     command = "rrfp-sim " + shlex.join(args)
     rows = []
-    for rounds in sorted({r for _, r, _ in candidates}):
+    for rounds in sorted({c[1] for c in candidates}):
         w = weights(horizon, rounds, committed)
         times = {n: [float(np.dot(w, m[: len(w)])) for m in stats[n].measured] for n in PEERS if n not in why}
         best = None if best_run is None else [float(np.dot(w, m[: len(w)])) for m in best_run.measured]
         share: dict[str, float] = {}
         arm_why: dict[str, str] = {}
-        for arms, _, margin in (c for c in candidates if c[1] == rounds):
-            name = candidate_name(arms, rounds, margin)
+        for arms, _, margin, early in (c for c in candidates if c[1] == rounds):
+            name = candidate_name(arms, rounds, margin, early)
             arm_why[name] = next((why[a] for a in arms if a in why), "")  # auto runs every arm
             if not arm_why[name]:
-                times[name], picks = _auto_runs([stats[a].measured for a in arms], rounds, margin, w)
+                times[name], picks = _auto_runs([stats[a].measured for a in arms], rounds, margin, early, w)
                 share[name] = float(np.mean([arms[c] == "rrfp" for c in picks]))
         for name in [*PEERS, *arm_why]:
             row = _row(regime, rounds, name, times, best)
             row.update(hint=cfg.study.hints[0], infeasible=why.get(name, arm_why.get(name, "")),
                        command=command, aggressive_share=share.get(name, np.nan))  # fmt: skip
+            if name in PEERS and name not in why:  # every simulated iteration, to judge other rules later
+                row["measured"] = json.dumps([list(m) for m in stats[name].measured])
             rows.append(row)
     return rows
 
@@ -220,6 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--margins", default=f"{MARGIN:g}", help="choice margins to evaluate, comma-separated")
     ap.add_argument("--arm-sets", default=",".join(ARMS),
                     help=f"arm sets to evaluate, safe first, '/'-separated [{','.join(ARMS)}]")  # fmt: skip
+    ap.add_argument("--early", default="-" if EARLY is None else f"{EARLY:g}",
+                    help="early-commit leads to evaluate, comma-separated ('-': none)")  # fmt: skip
     ap.add_argument("--committed", type=int, default=1, help="committed iterations simulated per seed [1]")
     rg.add_run_options(ap)
     a = ap.parse_args(argv)
@@ -236,8 +249,11 @@ def main(argv: list[str] | None = None) -> None:
     if a.horizon < max(rounds) + a.committed:
         ap.error(f"--horizon must be at least {max(rounds) + a.committed} (max --rounds + --committed)")
     sets = arm_sets(ap, a.arm_sets)
-    candidates = tuple((s, r, m) for s in sets for r in rounds for m in _floats(a.margins))
-    chosen = rg.regimes(a.split, a.limit, a.regime_set)
+    earlies = [None if e.strip() == "-" else float(e) for e in a.early.split(",") if e.strip()]
+    candidates = tuple(
+        (s, r, m, e) for s in sets for r in rounds for m in _floats(a.margins) for e in earlies
+    )
+    chosen = rg.regimes(a.split, a.limit, a.regime_set, a.skip)
     start = time.perf_counter()
     jobs = [(f"regime {r.index}", (r, a.seeds, a.horizon, candidates, a.tiny, a.committed)) for r in chosen]
     done = dict(run_jobs(study_regime, jobs, resolve_workers(a.workers, len(jobs))))
@@ -246,8 +262,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         frame.to_csv(a.out, index=False)
-    for arms, r, m in candidates:
-        name, part = candidate_name(arms, r, m), frame[frame["rounds"] == r]
+    for arms, r, m, e in candidates:
+        name, part = candidate_name(arms, r, m, e), frame[frame["rounds"] == r]
         print("\n".join(rg.goal_report(part, name)))
         share = part.loc[part["policy"] == name, "aggressive_share"].mean()
         print(f"  {name}: committed to rrfp in {share:.1%} of seeds")

@@ -266,15 +266,13 @@ def make_regime(index: int) -> Regime:
     return Regime(index, split_of(index), tuple(args))
 
 
-def regimes(split: str | None = None, limit: int | None = None, regime_set: str = "a") -> list[Regime]:
-    """The regimes of ``split`` (None: all) in set ``regime_set``, in index order; the first ``limit``."""
-    out: list[Regime] = []
-    for i in SETS[regime_set]:
-        if split is None or split_of(i) == split:
-            out.append(make_regime(i))
-            if limit is not None and len(out) >= limit:
-                break
-    return out
+def regimes(
+    split: str | None = None, limit: int | None = None, regime_set: str = "a", skip: int = 0
+) -> list[Regime]:
+    """The regimes of ``split`` (None: all) in set ``regime_set``, in index order: the ``limit`` after
+    the first ``skip``."""
+    chosen = [i for i in SETS[regime_set] if split is None or split_of(i) == split][skip:]
+    return [make_regime(i) for i in chosen[:limit]]
 
 
 def listing(split: str, regime_set: str = "a") -> str:
@@ -360,6 +358,7 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--set", dest="regime_set", choices=tuple(SETS), default="a",
                     help="regime set: a = indices 0-719 (default), b = 720-1439")  # fmt: skip
     ap.add_argument("--limit", type=int, default=None, help="the split's first N regimes only")
+    ap.add_argument("--skip", type=int, default=0, help="leave out the split's first N regimes [0]")
     ap.add_argument("--tiny", action="store_true", help="every regime at pp 4, m 8 (a smoke test)")
     ap.add_argument("--final", action="store_true", help="allow --split heldout (the last step of a study)")
 
@@ -376,13 +375,13 @@ def main(argv: list[str] | None = None) -> None:
     add_run_options(ap)
     a = ap.parse_args(argv)
     if a.list:
-        sys.stdout.write("".join(r.line + "\n" for r in regimes(a.split, a.limit, a.regime_set)))
+        sys.stdout.write("".join(r.line + "\n" for r in regimes(a.split, a.limit, a.regime_set, a.skip)))
         return
     if a.split == "heldout" and not a.final:
         ap.error("--split heldout judges a finished policy: give --final (tune on --split tune)")
     policies = tuple(p.strip() for p in a.policies.split(",") if p.strip())
     start = time.perf_counter()
-    frame = run_regimes(regimes(a.split, a.limit, a.regime_set), policies, a.seeds, a.workers, a.tiny)
+    frame = run_regimes(regimes(a.split, a.limit, a.regime_set, a.skip), policies, a.seeds, a.workers, a.tiny)
     seconds = time.perf_counter() - start
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
