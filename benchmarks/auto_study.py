@@ -101,11 +101,11 @@ def _by_role(result: Any) -> tuple[dict[str, Any], Any]:
     return runs, (by_key[best] if best is not None else None)
 
 
-def _row(regime: rg.Regime, rounds: int, name: str, times: dict[str, list[float]], best: list | None) -> dict:
+def _row(rounds: int, name: str, times: dict[str, list[float]], best: list | None) -> dict:
     """One row's speedup over fixed and (``vs_best``) over the best fixed order, paired per seed."""
     from rrfp.study.metrics import paired_speedup
 
-    row: dict[str, Any] = {"regime": regime.index, "split": regime.split, "rounds": rounds, "policy": name}
+    row: dict[str, Any] = {"rounds": rounds, "policy": name}
     mean = low = high = best_mean = best_low = np.nan
     if name in times and "fixed" in times and name != "fixed":
         mean, low, high = paired_speedup(times["fixed"], times[name])
@@ -134,28 +134,64 @@ def study_regime(
     cfg = rg.config_of(args)
     stats, best_run = _by_role(run_experiment(cfg, progress=False))
     why = {name: str(stats[name].infeasible) for name in PEERS if stats[name].infeasible}
-    command = "rrfp-sim " + shlex.join(args)
+    measured = {name: [list(m) for m in stats[name].measured] for name in PEERS if name not in why}
+    best = None if best_run is None else [list(m) for m in best_run.measured]
+    head = {"regime": regime.index, "split": regime.split, "hint": cfg.study.hints[0],
+            "command": "rrfp-sim " + shlex.join(args)}  # fmt: skip
+    return judge_regime(head, measured, why, best, candidates, horizon, committed)
+
+
+def judge_regime(
+    head: dict[str, Any],
+    measured: dict[str, list[list[float]]],
+    why: dict[str, str],
+    best_measured: list[list[float]] | None,
+    candidates: tuple[Candidate, ...],
+    horizon: int,
+    committed: int,
+) -> list[dict]:
+    """A regime's rows from its peers' simulated iterations (``measured[name][seed]``; ``why``: the
+    infeasible peers'), as :func:`study_regime` describes them; ``head``: the columns every row shares."""
     rows = []
     for rounds in sorted({c[1] for c in candidates}):
         w = weights(horizon, rounds, committed)
-        times = {n: [float(np.dot(w, m[: len(w)])) for m in stats[n].measured] for n in PEERS if n not in why}
-        best = None if best_run is None else [float(np.dot(w, m[: len(w)])) for m in best_run.measured]
+        times = {n: [float(np.dot(w, m[: len(w)])) for m in ms] for n, ms in measured.items()}
+        best = None if best_measured is None else [float(np.dot(w, m[: len(w)])) for m in best_measured]
         share: dict[str, float] = {}
         arm_why: dict[str, str] = {}
         for arms, _, margin, early in (c for c in candidates if c[1] == rounds):
             name = candidate_name(arms, rounds, margin, early)
             arm_why[name] = next((why[a] for a in arms if a in why), "")  # auto runs every arm
             if not arm_why[name]:
-                times[name], picks = _auto_runs([stats[a].measured for a in arms], rounds, margin, early, w)
+                times[name], picks = _auto_runs([measured[a] for a in arms], rounds, margin, early, w)
                 share[name] = float(np.mean([arms[c] == "rrfp" for c in picks]))
         for name in [*PEERS, *arm_why]:
-            row = _row(regime, rounds, name, times, best)
-            row.update(hint=cfg.study.hints[0], infeasible=why.get(name, arm_why.get(name, "")),
-                       command=command, aggressive_share=share.get(name, np.nan))  # fmt: skip
-            if name in PEERS and name not in why:  # every simulated iteration, to judge other rules later
-                row["measured"] = json.dumps([list(m) for m in stats[name].measured])
+            row = {**head, **_row(rounds, name, times, best)}
+            row.update(
+                infeasible=why.get(name, arm_why.get(name, "")), aggressive_share=share.get(name, np.nan)
+            )
+            if name in measured:  # every simulated iteration: --from judges other rules on them later
+                row["measured"] = json.dumps(measured[name])
             rows.append(row)
     return rows
+
+
+def rejudge(path: Path, candidates: tuple[Candidate, ...], horizon: int, committed: int) -> pd.DataFrame:
+    """``--from``: the rows of a study's CSV judged again for ``candidates`` from the peers' stored
+    iterations, without simulating (no best fixed order: those iterations are not stored)."""
+    old = pd.read_csv(path)
+    old = old[old["rounds"] == old["rounds"].min()]
+    rows = []
+    for regime, part in old.groupby("regime", sort=True):
+        peers = part[part["policy"].isin(PEERS)].set_index("policy")
+        measured = {n: json.loads(v) for n, v in peers["measured"].dropna().items()}
+        why = {n: str(peers.loc[n, "infeasible"]) for n in PEERS if n not in measured}
+        some = next(iter(measured.values()), [[]])
+        if min(len(m) for m in some) < max(c[1] for c in candidates) + committed:
+            raise SystemExit(f"auto_study: error: {path} holds too few iterations for these --rounds")
+        head = {k: peers.iloc[0][k] for k in ("split", "hint", "command")}
+        rows += judge_regime({"regime": regime, **head}, measured, why, None, candidates, horizon, committed)
+    return pd.DataFrame(rows)
 
 
 def best_fixed_line(frame: pd.DataFrame, name: str) -> str:
@@ -215,14 +251,14 @@ def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
 
-def main(argv: list[str] | None = None) -> None:
-    from rrfp.study.execution import resolve_workers, run_jobs
-
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[Candidate, ...]]:
+    """The options, and the candidates they name (every arm set x R x margin x early)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--split", choices=("tune", "heldout"))
     ap.add_argument(
-        "--replay-cost", metavar="HINTS", help="time one replayed iteration on these hints instead"
+        "--from", dest="source", type=Path, help="judge a study's CSV again (its measured column)"
     )
+    ap.add_argument("--replay-cost", metavar="HINTS", help="time one replayed iteration instead")
     ap.add_argument("--pp", type=int, default=16, help="--replay-cost's pipeline depth [16]")
     ap.add_argument("--microbatches", type=int, default=64, help="--replay-cost's microbatches [64]")
     ap.add_argument("--seeds", type=int, default=10)
@@ -231,16 +267,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--margins", default=f"{MARGIN:g}", help="choice margins to evaluate, comma-separated")
     ap.add_argument("--arm-sets", default=",".join(ARMS),
                     help=f"arm sets to evaluate, safe first, '/'-separated [{','.join(ARMS)}]")  # fmt: skip
-    ap.add_argument("--early", default="-" if EARLY is None else f"{EARLY:g}",
-                    help="early-commit leads to evaluate, comma-separated ('-': none)")  # fmt: skip
+    ap.add_argument("--early", default="none" if EARLY is None else f"{EARLY:g}",
+                    help="early-commit leads to evaluate, comma-separated ('none': none)")  # fmt: skip
     ap.add_argument("--committed", type=int, default=1, help="committed iterations simulated per seed [1]")
     rg.add_run_options(ap)
     a = ap.parse_args(argv)
-    if a.replay_cost:
-        print_replay_cost(a.replay_cost.split(","), a.pp, a.microbatches, arm_sets(ap, a.arm_sets)[0])
-        return
-    if a.split is None:
-        ap.error("give --split tune (or heldout with --final), or --replay-cost")
+    if a.split is None and not (a.source or a.replay_cost):
+        ap.error("give --split tune (or heldout with --final), --from CSV or --replay-cost")
     if a.split == "heldout" and not a.final:
         ap.error("--split heldout judges a finished policy: give --final (tune on --split tune)")
     rounds = tuple(int(r) for r in _floats(a.rounds))
@@ -248,16 +281,28 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--rounds and --committed need values >= 1")
     if a.horizon < max(rounds) + a.committed:
         ap.error(f"--horizon must be at least {max(rounds) + a.committed} (max --rounds + --committed)")
-    sets = arm_sets(ap, a.arm_sets)
-    earlies = [None if e.strip() == "-" else float(e) for e in a.early.split(",") if e.strip()]
-    candidates = tuple(
-        (s, r, m, e) for s in sets for r in rounds for m in _floats(a.margins) for e in earlies
-    )
-    chosen = rg.regimes(a.split, a.limit, a.regime_set, a.skip)
+    earlies = [None if e.strip() == "none" else float(e) for e in a.early.split(",") if e.strip()]
+    margins, sets = _floats(a.margins), arm_sets(ap, a.arm_sets)
+    return a, tuple((s, r, m, e) for s in sets for r in rounds for m in margins for e in earlies)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rrfp.study.execution import resolve_workers, run_jobs
+
+    a, candidates = parse(argv)
+    if a.replay_cost:
+        print_replay_cost(a.replay_cost.split(","), a.pp, a.microbatches, candidates[0][0])
+        return
     start = time.perf_counter()
-    jobs = [(f"regime {r.index}", (r, a.seeds, a.horizon, candidates, a.tiny, a.committed)) for r in chosen]
-    done = dict(run_jobs(study_regime, jobs, resolve_workers(a.workers, len(jobs))))
-    frame = pd.DataFrame([row for i in range(len(chosen)) for row in done[i]])
+    if a.source is not None:
+        frame = rejudge(a.source, candidates, a.horizon, a.committed)
+    else:
+        chosen = rg.regimes(a.split, a.limit, a.regime_set, a.skip)
+        jobs = [
+            (f"regime {r.index}", (r, a.seeds, a.horizon, candidates, a.tiny, a.committed)) for r in chosen
+        ]
+        done = dict(run_jobs(study_regime, jobs, resolve_workers(a.workers, len(jobs))))
+        frame = pd.DataFrame([row for i in range(len(chosen)) for row in done[i]])
     seconds = time.perf_counter() - start
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -268,8 +313,9 @@ def main(argv: list[str] | None = None) -> None:
         share = part.loc[part["policy"] == name, "aggressive_share"].mean()
         print(f"  {name}: committed to rrfp in {share:.1%} of seeds")
         print(best_fixed_line(part, name))
-    print(f"{len(chosen)} regimes x {a.seeds} seeds, T = {a.horizon} ({max(rounds) + a.committed} "
-          f"simulated), in {seconds:.1f} s ({a.workers} workers)", file=sys.stderr)  # fmt: skip
+    simulated = max(c[1] for c in candidates) + a.committed
+    print(f"{frame['regime'].nunique()} regimes, T = {a.horizon} ({simulated} simulated iterations), "
+          f"in {seconds:.1f} s ({a.workers} workers)", file=sys.stderr)  # fmt: skip
 
 
 if __name__ == "__main__":

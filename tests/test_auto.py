@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+import pandas as pd
 import pytest
 from conftest import examples
 from hypothesis import given, settings
@@ -276,3 +278,22 @@ def test_the_studys_fixed_is_the_arms_pairing_baseline(study):
     for sp in result.speedups:
         if sp.key.policy in ARMS:
             assert rows[sp.key.policy]["speedup"] == pytest.approx(sp.mean, rel=1e-9)
+
+
+def test_from_judges_a_studys_csv_again_without_simulating(study, tmp_path, capsys):
+    """--from re-judges the stored iterations: the same rows as the study that simulated them, and other
+    rules on them (what the tune table's early-commit rows were judged with)."""
+    out = tmp_path / "rows.csv"
+    base = ["--split", "tune", "--limit", "2", "--tiny", "--seeds", "3", "--committed", "2"]
+    study.main([*base, "--rounds", "1,2", "--margins", "0,0.02", "--early", "none,0.05", "--out", str(out)])
+    again = tmp_path / "again.csv"
+    study.main(["--from", str(out), "--rounds", "2", "--margins", "0.02", "--early", "none",
+                "--committed", "2", "--out", str(again)])  # fmt: skip
+    capsys.readouterr()
+    first, second = pd.read_csv(out), pd.read_csv(again)
+    key = ["regime", "rounds", "policy"]
+    merged = second.merge(first, on=key, suffixes=("", "_first"))
+    assert set(second["policy"]) == {*study.PEERS, "auto@R2m0.02e-"} and len(merged) == len(second)
+    assert np.allclose(merged["speedup"], merged["speedup_first"], equal_nan=True, rtol=1e-12)
+    with pytest.raises(SystemExit):  # the stored iterations are too few for R = 3 with C = 2
+        study.main(["--from", str(out), "--rounds", "3", "--committed", "2"])
