@@ -186,8 +186,8 @@ def rejudge(path: Path, candidates: tuple[Candidate, ...], horizon: int, committ
         peers = part[part["policy"].isin(PEERS)].set_index("policy")
         measured = {n: json.loads(v) for n, v in peers["measured"].dropna().items()}
         why = {n: str(peers.loc[n, "infeasible"]) for n in PEERS if n not in measured}
-        some = next(iter(measured.values()), [[]])
-        if min(len(m) for m in some) < max(c[1] for c in candidates) + committed:
+        held = [len(m) for ms in measured.values() for m in ms]  # none: every peer infeasible
+        if held and min(held) < max(c[1] for c in candidates) + committed:
             raise SystemExit(f"auto_study: error: {path} holds too few iterations for these --rounds")
         head = {k: peers.iloc[0][k] for k in ("split", "hint", "command")}
         rows += judge_regime({"regime": regime, **head}, measured, why, None, candidates, horizon, committed)
