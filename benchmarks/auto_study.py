@@ -2,26 +2,34 @@
 ``--horizon`` iterations (issue 25's "a default policy that holds").
 
 **What a row is.** Per regime and seed, a run of T = ``--horizon`` iterations (default
-rrfp.dispatch.auto.HORIZON = 50): ``auto`` runs its safe arm for R = ROUNDS iterations, replays each
-of them under every arm, then commits. Simulating T iterations of every policy costs T x the regime
-study; instead each seed simulates the R + 1 iterations that decide the result -- the replayed ones
-and one committed one -- for ``fixed``, ``rrfp`` and ``backfill`` (``rrfp-sim <regime> --policy
-fixed,rrfp,backfill --iterations R+1``), and every policy's T-iteration time is the weighted mean
-``(t_0 + ... + t_{R-1} + (T - R) * t_R) / T`` of its own iterations. The committed iterations are
+rrfp.dispatch.auto.HORIZON = 50): ``auto`` runs its safe arm while it replays (at most R = ROUNDS
+iterations; fewer after an early commit), replays each under every arm, then commits. Simulating T
+iterations of every policy costs T x the regime study; instead each seed simulates the R + C
+iterations that decide the result -- the R replayed ones and C = ``--committed`` committed ones --
+for ``fixed``, ``rrfp`` and ``backfill`` (``rrfp-sim <regime> --policy fixed,rrfp,backfill
+--iterations R+C``), and every policy's T-iteration time is the weighted mean ``(t_0 + ... + t_{R-1}
++ (T - R) / C * (t_R + ... + t_{R+C-1})) / T`` of its own iterations. The committed iterations are
 i.i.d. (each draws its own sample; schedulers reset at the flush), so this is an unbiased estimate of
-the T-iteration mean; one simulated committed iteration instead of T - R only widens each row's CI.
-``auto``'s iterations are its arms' on the same samples: the safe arm's first R, then iteration R of
-the arm :func:`rrfp.dispatch.auto.next_arm` picks from the arms' times on the first R (the
+the T-iteration mean; C simulated committed iterations instead of T - R only widen each row's CI.
+(Not quite i.i.d. with deterministic durations: there rrfp's times can depend on the iteration's
+absolute start, BENCHMARKS.md §10.) ``auto``'s iterations are its arms' on the same samples: each
+iteration on the arm :func:`rrfp.dispatch.auto.next_arm` picks from the replays before it (the
 simulator's replay: a task's duration is its sample's, whoever orders it). That is what ``rrfp-sim
 --policy auto`` (rrfp.sim.auto) simulates, iteration for iteration (tests/test_auto.py holds the two
 equal).
 
-Speedups are paired with fixed on the same hint, as in regimes.py, and judged by its goal report
-(:func:`benchmarks.regimes.goal_report`). ``--margins`` evaluates several choice margins on one
-simulation (tuning: ``--split tune`` only); a candidate is named ``auto`` for the module's MARGIN and
-``auto@M`` for another. Held out runs only with ``--final``.
+Speedups are paired with fixed on the same hint (the run rrfp-sim pairs the arms with: a class hint's
+reference order, not bfw's extra zero-bubble one), as in regimes.py, and judged by its goal report
+(:func:`benchmarks.regimes.goal_report`), plus a line for the best fixed order among the regime's own
+runs (G3 as far as one regime reaches). ``--rounds``, ``--margins``, ``--early`` and ``--arm-sets``
+evaluate every combination on one simulation of max R + C iterations (tuning: ``--split tune`` only);
+a candidate is named ``auto`` for the module's constants and ``auto@R<R>m<margin>e<early>`` for others.
+``--from CSV`` judges a study's stored iterations (its ``measured`` column) again for other
+candidates, without simulating. ``--replay-cost HINTS`` times one replayed round. Held out runs only
+with ``--final``.
 
     .venv/bin/python benchmarks/auto_study.py --split tune --limit 20 --seeds 10 --margins 0,0.01,0.02
+    .venv/bin/python benchmarks/auto_study.py --from rows.csv --rounds 2 --early none,0.05,0.1
 """
 
 from __future__ import annotations
