@@ -10,6 +10,12 @@ the options) hashes to :data:`HELDOUT_SHA256` (e925cc96e64f0d0f...; 346 of the 7
 out, 374 tune); tests/test_regimes.py pins it, so any edit that changes a held-out regime shows in the
 diff.
 
+**Two sets.** ``--set a`` (the default) is regimes 0-719, the set above: auto was tuned on its tune
+split and judged once on its held out (BENCHMARKS.md §10). ``--set b`` is regimes 720-1439, drawn by
+the same generator and split by the same rule, a fresh held out for a second round of tuning: its
+held-out list (``--set b --split heldout --list``, 360 regimes) hashes to :data:`HELDOUT_B_SHA256`
+(f9fa5bf697e64a8d...), pinned in tests/test_regimes.py before that round began.
+
 **What a regime draws** (:func:`draw_options`; every draw is uniform over the values listed):
 
 * pipeline: pp in {4, 6, 8, 12, 16, 20, 24}; hint in {1f1b, bf, bfw, zb-h1, zb-h2, interleaved-1f1b,
@@ -76,12 +82,21 @@ import pandas as pd
 MASTER_SEED = 20251201
 """The generator's master seed: regime i draws from default_rng([MASTER_SEED, i])."""
 N_REGIMES = 720
+"""Regimes in one set."""
+SETS = {"a": range(0, N_REGIMES), "b": range(N_REGIMES, 2 * N_REGIMES)}
+"""The regime sets (``--set``), each with its own tune and held-out split by the same index rule. Set a
+was tuned on and its held out judged once (BENCHMARKS.md §10); set b's indices were first drawn, and its
+held out pinned, before the second round of tuning."""
 SEED_BASE = 700_000
 """Regime i runs from ``--seed SEED_BASE + i`` (replications 0..seeds-1 of it)."""
 HELDOUT_SHA256 = "e925cc96e64f0d0fe4eb0f33538b640bacf8f758465f21746978950449f50f22"
-"""sha256 of ``--split heldout --list``'s text (tests/test_regimes.py pins it)."""
+"""sha256 of set a's ``--split heldout --list`` text (tests/test_regimes.py pins it)."""
 HELDOUT_COUNT = 346
-"""Regimes in the held-out split."""
+"""Regimes in set a's held-out split."""
+HELDOUT_B_SHA256 = "f9fa5bf697e64a8dc40aaa34621cbbde096bb6ce6f3b5078230fe263f42bd185"
+"""sha256 of set b's ``--set b --split heldout --list`` text (tests/test_regimes.py pins it)."""
+HELDOUT_B_COUNT = 360
+"""Regimes in set b's held-out split."""
 
 PIPELINES = (4, 6, 8, 12, 16, 20, 24)
 HINTS = ("1f1b", "bf", "bfw", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv")
@@ -251,24 +266,22 @@ def make_regime(index: int) -> Regime:
     return Regime(index, split_of(index), tuple(args))
 
 
-def regimes(split: str | None = None, limit: int | None = None) -> list[Regime]:
-    """The regimes of ``split`` (None: all), in index order; the first ``limit`` of them."""
-    out: list[Regime] = []
-    for i in range(N_REGIMES):
-        if split is None or split_of(i) == split:
-            out.append(make_regime(i))
-            if limit is not None and len(out) >= limit:
-                break
-    return out
+def regimes(
+    split: str | None = None, limit: int | None = None, regime_set: str = "a", skip: int = 0
+) -> list[Regime]:
+    """The regimes of ``split`` (None: all) in set ``regime_set``, in index order: the ``limit`` after
+    the first ``skip``."""
+    chosen = [i for i in SETS[regime_set] if split is None or split_of(i) == split][skip:]
+    return [make_regime(i) for i in chosen[:limit]]
 
 
-def listing(split: str) -> str:
-    """``--split S --list``'s text: one regime a line."""
-    return "".join(r.line + "\n" for r in regimes(split))
+def listing(split: str, regime_set: str = "a") -> str:
+    """``--set X --split S --list``'s text: one regime a line."""
+    return "".join(r.line + "\n" for r in regimes(split, regime_set=regime_set))
 
 
-def listing_hash(split: str) -> str:
-    return hashlib.sha256(listing(split).encode()).hexdigest()
+def listing_hash(split: str, regime_set: str = "a") -> str:
+    return hashlib.sha256(listing(split, regime_set).encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------------------------------
@@ -342,7 +355,10 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
 
     ap.add_argument("--workers", type=parse_workers, default=1)
     ap.add_argument("--out", type=Path, default=None, help="write the rows (CSV)")
+    ap.add_argument("--set", dest="regime_set", choices=tuple(SETS), default="a",
+                    help="regime set: a = indices 0-719 (default), b = 720-1439")  # fmt: skip
     ap.add_argument("--limit", type=int, default=None, help="the split's first N regimes only")
+    ap.add_argument("--skip", type=int, default=0, help="leave out the split's first N regimes [0]")
     ap.add_argument("--tiny", action="store_true", help="every regime at pp 4, m 8 (a smoke test)")
     ap.add_argument("--final", action="store_true", help="allow --split heldout (the last step of a study)")
 
@@ -359,13 +375,13 @@ def main(argv: list[str] | None = None) -> None:
     add_run_options(ap)
     a = ap.parse_args(argv)
     if a.list:
-        sys.stdout.write("".join(r.line + "\n" for r in regimes(a.split, a.limit)))
+        sys.stdout.write("".join(r.line + "\n" for r in regimes(a.split, a.limit, a.regime_set, a.skip)))
         return
     if a.split == "heldout" and not a.final:
         ap.error("--split heldout judges a finished policy: give --final (tune on --split tune)")
     policies = tuple(p.strip() for p in a.policies.split(",") if p.strip())
     start = time.perf_counter()
-    frame = run_regimes(regimes(a.split, a.limit), policies, a.seeds, a.workers, a.tiny)
+    frame = run_regimes(regimes(a.split, a.limit, a.regime_set, a.skip), policies, a.seeds, a.workers, a.tiny)
     seconds = time.perf_counter() - start
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)

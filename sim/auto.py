@@ -2,8 +2,8 @@
 iteration run on the arm :func:`rrfp.dispatch.auto.next_arm` picks from the iterations before it.
 
 A scheduler's policy never changes while it runs, so the switch happens between iterations, where every
-rank is at the flush barrier. While ``auto`` still replays (its first ``rounds`` iterations), the driver
-runs the iteration's sample through every other arm's model too: the simulator's replay of the measured
+rank is at the flush barrier. While ``auto`` still replays (``Auto.replaying``: at most ``rounds``), the
+driver runs the iteration's sample through every other arm's model too: the simulator's replay of the measured
 durations under each arm (a task's duration is its sample's, whoever orders it), and appends the arms'
 times to the history; then every rank runs the chosen arm's model. Each iteration is one
 :meth:`ClusterModel.run` of one sample from t = 0: the same numbers as that arm's own multi-iteration

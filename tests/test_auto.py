@@ -14,13 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+import pandas as pd
 import pytest
 from conftest import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rrfp
-from rrfp.dispatch.auto import ARMS, ROUNDS, Auto, AutoError, next_arm, totals
+from rrfp.dispatch.auto import ARMS, EARLY, MARGIN, ROUNDS, Auto, AutoError, next_arm, replaying, totals
 from rrfp.sim import ExperimentConfig
 from rrfp.sim.experiment import plan_runs, run_experiment
 from rrfp.study.study import Study
@@ -31,38 +33,54 @@ from rrfp.workload.model import WorkloadConfig
 def test_replays_run_the_safe_arm_then_commit():
     assert next_arm([]) == 0
     assert next_arm([], rounds=3) == 0
-    assert next_arm([(10.0, 9.0)], rounds=2) == 0  # still replaying
-    assert next_arm([(10.0, 9.0), (10.0, 9.5)], rounds=2) == 1
-    assert next_arm([(10.0, 9.0), (10.0, 12.0)], rounds=2) == 0  # totals: 20 vs 21
+    assert next_arm([(10.0, 9.0)], rounds=2, early=None) == 0  # still replaying
+    assert next_arm([(10.0, 9.0), (10.0, 9.5)], rounds=2, early=None) == 1
+    assert next_arm([(10.0, 9.0), (10.0, 12.0)], rounds=2, early=None) == 0  # totals: 20 vs 21
+
+
+def test_early_commit_only_on_a_lead_above_early():
+    assert next_arm([(10.0, 9.0)], rounds=3, early=0.05) == 1  # 10% ahead after one round: commit now
+    assert not replaying([(10.0, 9.0)], rounds=3, early=0.05)  # and stop replaying
+    assert next_arm([(10.0, 9.8)], rounds=3, early=0.05) == 0  # 2% ahead: replay another round
+    assert replaying([(10.0, 9.8)], rounds=3, early=0.05)
+    assert next_arm([(10.0, 9.8), (10.0, 9.0)], rounds=3, early=0.05) == 1  # 19.8 vs 18.8 after two
+    # the first deciding prefix holds: later replays (a driver that kept going) do not undo it
+    assert next_arm([(10.0, 9.0), (10.0, 20.0), (10.0, 20.0)], rounds=3, early=0.05) == 1
+    assert next_arm([(10.0, 10.0), (10.0, 10.0)], rounds=2, early=0.0) == 0  # ties never commit early
+    assert not replaying([(1.0, 1.0)] * 2, rounds=2)  # R rounds replayed: done, whatever was chosen
 
 
 def test_commits_to_the_lowest_total_and_stays():
-    assert next_arm([(10.0, 9.0)]) == 1
-    assert next_arm([(9.0, 10.0)]) == 0
-    assert next_arm([(10.0, 11.0, 8.0)], arms=3) == 2
+    assert next_arm([(10.0, 9.0)], rounds=1) == 1
+    assert next_arm([(9.0, 10.0)], rounds=1) == 0
+    assert next_arm([(10.0, 11.0, 8.0)], arms=3, rounds=1) == 2
     # committed: later entries (a driver that kept replaying) do not reopen the choice
-    assert next_arm([(10.0, 9.0), (10.0, 50.0), (10.0, 50.0)]) == 1
+    assert next_arm([(10.0, 9.0), (10.0, 50.0), (10.0, 50.0)], rounds=1) == 1
+    assert next_arm([(10.0, 9.0), (10.0, 12.0), (10.0, 50.0)], rounds=2, early=None) == 0
     assert totals([(10.0, 9.0), (1.0, 2.0)], 2, 2) == [11.0, 11.0]
 
 
 def test_ties_and_margin_go_to_the_safe_arm():
-    assert next_arm([(10.0, 10.0)]) == 0
-    assert next_arm([(10.0, 9.0, 9.0)], arms=3) == 1  # the earlier of two equal arms
+    assert next_arm([(10.0, 10.0)], rounds=1) == 0
+    assert next_arm([(10.0, 9.0, 9.0)], arms=3, rounds=1) == 1  # the earlier of two equal arms
     close = [(10.0, 9.95)]
-    assert next_arm(close, margin=0.0) == 1
-    assert next_arm(close, margin=0.01) == 0  # 0.5% faster is within the 1% margin
-    assert next_arm([(10.0, 9.8)], margin=0.01) == 1
+    assert next_arm(close, rounds=1, margin=0.0) == 1
+    assert next_arm(close, rounds=1, margin=0.01) == 0  # 0.5% faster is within the 1% margin
+    assert next_arm([(10.0, 9.8)], rounds=1, margin=0.01) == 1
 
 
 def test_the_policy_replays_for_its_rounds():
     auto = Auto()
-    assert auto.replaying([]) and not auto.replaying([(1.0, 1.0)])
-    assert auto.choose([(2.0, 1.0)]) == next_arm([(2.0, 1.0)])
+    assert auto.replaying([]) and not auto.replaying([(1.0, 1.0)] * ROUNDS)
+    assert auto.replaying([(1.0, 1.0)] * (ROUNDS - 1)) == (ROUNDS > 1)
+    assert auto.choose([(2.0, 1.0)]) == next_arm([(2.0, 1.0)], 2, ROUNDS, MARGIN, EARLY)
+    assert (auto.rounds, auto.choice_margin, auto.early) == (ROUNDS, MARGIN, EARLY)
 
 
 @pytest.mark.parametrize(
     "history, kw",
     [([], {"arms": 0}), ([], {"rounds": 0}), ([], {"margin": 1.0}), ([], {"margin": -0.1}),
+     ([], {"early": 1.0}), ([], {"early": -0.1}),
      ([(1.0,)], {}), ([(1.0, 0.0)], {}), ([(1.0, float("nan"))], {})],
 )  # fmt: skip
 def test_bad_arguments_are_user_errors(history, kw):
@@ -96,13 +114,18 @@ def regret_excess(
     scores=st.lists(st.floats(0.5, 2.0), min_size=1, max_size=4),
     rounds=st.integers(1, 3),
     margin=st.sampled_from([0.0, 0.005, 0.01, 0.05]),
+    early=st.sampled_from([None, 0.0, 0.05, 0.2]),
     extra=st.integers(0, 60),
     data=st.data(),
 )
-def test_regret_within_the_bound(scores, rounds, margin, extra, data):
+def test_regret_within_the_bound(scores, rounds, margin, early, extra, data):
     t = rounds + extra
     works = data.draw(st.lists(st.floats(0.5, 2.0), min_size=t, max_size=t), label="works")
-    assert regret_excess(next_arm, scores, works, rounds, margin) <= 0
+
+    def choose(history: Sequence[Sequence[float]], k: int, rounds: int, margin: float) -> int:
+        return next_arm(history, k, rounds, margin, early)
+
+    assert regret_excess(choose, scores, works, rounds, margin) <= 0
 
 
 def test_the_bound_catches_a_chooser_that_commits_wrong():
@@ -125,21 +148,33 @@ def cfg(seeds: int = 3, **study: Any) -> ExperimentConfig:
     return ExperimentConfig(study=Study(**{**fields, **study}), seeds=seeds, workload=workload)
 
 
+def arm_sequence(arm_times: Sequence[Sequence[float]], iterations: int) -> list[int]:
+    """The arm of each iteration as the module docstring says a driver runs them: next_arm before each,
+    the iteration's replay appended while ``replaying``."""
+    history: list[list[float]] = []
+    out = []
+    for k in range(iterations):
+        out.append(next_arm(history))
+        if replaying(history):
+            history.append([t[k] for t in arm_times])
+    return out
+
+
 def test_each_auto_iteration_is_its_arms_on_the_same_sample():
-    c = cfg()
+    c = cfg(seeds=4, iterations=4, memory_budget=("2x",))
     plans = plan_runs(c)
     result = run_experiment(c, progress=False, plans=plans)
     stats = {s.key.policy: s for s in result.stats}
     auto = next(p for p in plans if p.key.policy == "auto")
-    picks = []
+    runs = []
     for rep in range(c.seeds):
         arm_times = [stats[a].measured[rep] for a in ARMS]
-        chosen = next_arm([[t[k] for t in arm_times] for k in range(ROUNDS)])
-        picks.append(chosen)
-        expected = [*arm_times[0][:ROUNDS], *arm_times[chosen][ROUNDS:]]
+        runs.append(arm_sequence(arm_times, 4))
+        expected = [arm_times[a][k] for k, a in enumerate(runs[-1])]
         assert stats["auto"].measured[rep] == pytest.approx(expected, rel=1e-9)
-    assert auto.model is not None and auto.model.chosen == [0] * ROUNDS + [picks[-1]] * (3 - ROUNDS)
-    assert 1 in picks  # the case exercises a switch
+    assert auto.model is not None and auto.model.chosen == runs[-1]
+    # the case exercises an early commit, a commit after ROUNDS replays and staying with the safe arm
+    assert {tuple(r) for r in runs} == {(0, 1, 1, 1), (0, 0, 1, 1), (0, 0, 0, 0)} and ROUNDS == 2
 
 
 def test_one_iteration_of_auto_is_backfill():
@@ -178,3 +213,87 @@ def test_module_doctest():
     import rrfp.dispatch.auto as auto
 
     assert doctest.testmod(auto).failed == 0
+
+
+# -- the study's composition -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def study():
+    import importlib
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        yield importlib.import_module("auto_study")
+    finally:
+        sys.path.remove(bench)
+        sys.modules.pop("auto_study", None)
+
+
+def test_study_weights_give_each_committed_iteration_its_share(study):
+    assert study.weights(50, 1) == pytest.approx([1 / 50, 49 / 50])
+    assert study.weights(50, 2, 2) == pytest.approx([1 / 50, 1 / 50, 24 / 50, 24 / 50])
+
+
+@pytest.mark.parametrize("committed", [1, 2])
+def test_the_studys_auto_row_is_rrfp_sims_auto(study, committed):
+    """auto_study composes auto from the peers' iterations; rrfp-sim --policy auto runs the switching
+    driver. The two give the same speedup (the module's ROUNDS and MARGIN), and a wrong composition --
+    each seed's committed iterations from the arm it did not pick -- does not."""
+    from rrfp.study.metrics import paired_speedup
+
+    rg = study.rg
+    regime = rg.regimes("tune", 1)[0]
+    rows = study.study_regime(regime, 3, 50, ((ARMS, ROUNDS, MARGIN, EARLY),), True, committed)
+    got = next(r for r in rows if r["policy"] == "auto")["speedup"]
+    policies = ("fixed", *ARMS, "auto")
+    args = [*rg.command(regime, policies, 3, True), "--iterations", str(ROUNDS + committed)]
+    stats = {s.key.policy: s for s in run_experiment(rg.config_of(args), progress=False).stats}
+    w = study.weights(50, ROUNDS, committed)
+    fixed = [float(w @ m) for m in stats["fixed"].measured]
+    auto = [float(w @ m) for m in stats["auto"].measured]
+    assert got == pytest.approx(paired_speedup(fixed, auto)[0], rel=1e-9)
+    wrong = []
+    for rep in range(3):
+        arm = [stats[a].measured[rep] for a in ARMS]
+        ran = arm_sequence(arm, ROUNDS + committed)
+        ran[-1] = 1 - ran[-1]  # the committed iterations on the arm not chosen
+        wrong.append(float(w @ [arm[a][k] for k, a in enumerate(ran)]))
+    assert abs(paired_speedup(fixed, wrong)[0] - got) > 1e-6
+
+
+def test_the_studys_fixed_is_the_arms_pairing_baseline(study):
+    """On bfw (one stage per rank) rrfp-sim runs two fixed orders: the reference (the speedup's baseline)
+    and zb-h1 (a best-fixed candidate). The study pairs with the reference, as rrfp-sim's speedup column
+    does: with T = R + 1 every iteration weighs the same, so the rows equal rrfp-sim's speedups."""
+    rg = study.rg
+    regime = next(r for r in rg.regimes("tune") if "bfw" in r.args and "--virtual-stages" not in r.args)
+    rows = {
+        r["policy"]: r for r in study.study_regime(regime, 3, ROUNDS + 1, ((ARMS, ROUNDS, 0.0, None),), True)
+    }
+    args = [*rg.command(regime, study.PEERS, 3, True), "--iterations", str(ROUNDS + 1)]
+    result = run_experiment(rg.config_of(args), progress=False)
+    assert sum(s.key.policy == "fixed" for s in result.stats) == 2  # the case has the second fixed order
+    for sp in result.speedups:
+        if sp.key.policy in ARMS:
+            assert rows[sp.key.policy]["speedup"] == pytest.approx(sp.mean, rel=1e-9)
+
+
+def test_from_judges_a_studys_csv_again_without_simulating(study, tmp_path, capsys):
+    """--from re-judges the stored iterations: the same rows as the study that simulated them, and other
+    rules on them (what the tune table's early-commit rows were judged with)."""
+    out = tmp_path / "rows.csv"
+    base = ["--split", "tune", "--limit", "2", "--tiny", "--seeds", "3", "--committed", "2"]
+    study.main([*base, "--rounds", "1,2", "--margins", "0,0.02", "--early", "none,0.05", "--out", str(out)])
+    again = tmp_path / "again.csv"
+    study.main(["--from", str(out), "--rounds", "2", "--margins", "0.02", "--early", "none",
+                "--committed", "2", "--out", str(again)])  # fmt: skip
+    capsys.readouterr()
+    first, second = pd.read_csv(out), pd.read_csv(again)
+    key = ["regime", "rounds", "policy"]
+    merged = second.merge(first, on=key, suffixes=("", "_first"))
+    assert set(second["policy"]) == {*study.PEERS, "auto@R2m0.02e-"} and len(merged) == len(second)
+    assert np.allclose(merged["speedup"], merged["speedup_first"], equal_nan=True, rtol=1e-12)
+    with pytest.raises(SystemExit):  # the stored iterations are too few for R = 3 with C = 2
+        study.main(["--from", str(out), "--rounds", "3", "--committed", "2"])

@@ -61,6 +61,26 @@ def test_split_is_disjoint_stable_and_pinned(reg, every) -> None:
     assert edited != text and hashlib.sha256(edited.encode()).hexdigest() != reg.HELDOUT_SHA256
 
 
+def test_set_b_is_fresh_and_its_heldout_pinned(reg, every, capsys) -> None:
+    b = reg.regimes(regime_set="b")
+    assert [r.index for r in b] == list(range(reg.N_REGIMES, 2 * reg.N_REGIMES))
+    assert not {r.args for r in b} & {r.args for r in every}  # no regime of set a again
+    assert reg.make_regime(b[5].index) == b[5] and all(r.split == reg.split_of(r.index) for r in b)
+    held = [r for r in b if r.split == "heldout"]
+    assert len(held) == reg.HELDOUT_B_COUNT >= 300
+    text = "".join(r.line + "\n" for r in held)
+    assert hashlib.sha256(text.encode()).hexdigest() == reg.HELDOUT_B_SHA256
+    assert reg.listing_hash("heldout", "b") == reg.HELDOUT_B_SHA256
+    assert reg.listing_hash("heldout") == reg.HELDOUT_SHA256  # set a stays the default
+    edited = text.replace("--cv 0.3 ", "--cv 0.31 ", 1)
+    assert edited != text and hashlib.sha256(edited.encode()).hexdigest() != reg.HELDOUT_B_SHA256
+    reg.main(["--set", "b", "--split", "tune", "--list", "--limit", "3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [r.line for r in b if r.split == "tune"][:3]
+    for r in held:  # every held-out regime of set b is a valid rrfp-sim command
+        assert reg.config_of(reg.command(r, reg.POLICIES, 10)).study.pp == int(_value(r.args, "--stages"))
+
+
 def test_every_regime_parses_through_rrfp_sims_builder(reg, every) -> None:
     token = device = 0
     for r in every:
@@ -107,8 +127,9 @@ def test_small_run_rows_report_and_workers(reg, tmp_path, capsys) -> None:
 
 
 def test_heldout_runs_only_when_final(reg) -> None:
-    with pytest.raises(SystemExit):
-        reg.main(["--split", "heldout", "--limit", "1", "--tiny", "--seeds", "2"])
+    for regime_set in ("a", "b"):
+        with pytest.raises(SystemExit):
+            reg.main(["--set", regime_set, "--split", "heldout", "--limit", "1", "--tiny", "--seeds", "2"])
 
 
 def test_goal_report_names_each_miss(reg) -> None:

@@ -20,35 +20,47 @@ The rule (:func:`next_arm`, a pure function of the replayed times), replay-then-
   replayed;
 * every later iteration runs the arm with the lowest total replayed time over those ``R`` iterations;
   an arm other than the safe one only if its total is below the safe arm's by more than ``margin`` (a
-  fraction of it); ties go to the earlier arm (the safe one first).
+  fraction of it); ties go to the earlier arm (the safe one first);
+* **early commit**: after ``k < R`` replayed iterations, if the lowest total so far is below the safe
+  arm's by more than ``early`` (a fraction), the next iteration already commits to that arm and nothing
+  more is replayed. Where one arm leads by that much the remaining replays only cost time: each one
+  runs the safe arm, ``R·(s_safe − s_best)/T`` of the run (BENCHMARKS.md §10: with R = 2 that was the
+  whole 0.02 miss where rrfp was 1.2x backfill); where the arms are close, all ``R`` rounds still decide.
 
 **Regret bound.** If a replay is exact and every iteration of arm ``a`` takes ``s_a`` x its work
 ``w_k <= w``, over ``T`` iterations ``sum_k (s_chosen(k) - s_best) * w_k <= R * (s_safe - s_best) * w +
 (T - R) * margin * s_safe * w``: the safe arm's deficit while replaying, plus the margin's (zero at
 ``margin = 0``). Per iteration that is ``(x - 1) * R / T`` of the iteration time when the safe arm is
-``x`` times slower than the best. Replays err where the replay model differs from the machine (message
-contention, a task's time depending on what runs beside it) and where iterations differ from the
-replayed ones; ``margin`` keeps the safe arm where the two are too close to tell.
+``x`` times slower than the best. An early commit keeps it: with exact replays the lowest total after
+``k`` rounds is the best arm, so it only shortens the first term to ``k``. Replays err where the replay
+model differs from the machine (message contention, a task's time depending on what runs beside it)
+and where iterations differ from the replayed ones; ``margin`` would keep the safe arm where the two
+are too close to tell (it is 0: on the tune regimes every margin tried cost more than it saved,
+BENCHMARKS.md §10).
 tests/test_auto.py holds :func:`next_arm` to the bound (hypothesis), to the schedule and to the tie rule.
 
 **What a driver must do** (rrfp.sim.auto does it in the simulator): build the arms' policies (one
 scheduler per arm per rank, or rebuild at the boundary: a scheduler's policy never changes while it
 runs); before iteration ``n`` call ``next_arm(history)`` and run that arm's schedulers on every rank.
-While ``len(history) < rounds``, after the iteration: each rank measures its tasks' durations, one
+While ``replaying(history)``, after the iteration: each rank measures its tasks' durations, one
 all-gather gives every rank all of them (3 x microbatches x stages-per-rank floats a rank), every rank
 replays each arm on them (rrfp.run_reference with the measured durations and message times:
 deterministic, so every rank computes the same numbers) and appends the arms' times to ``history``.
-Every rank then picks the same arm; after ``rounds`` iterations nothing more is measured or
-exchanged. A driver that does none of this runs ``auto`` as its safe arm: :class:`Auto` *is* a
-:class:`~rrfp.dispatch.backfill.Backfill` (same parameters, same decisions), so it is correct
-everywhere and only a switching driver adds the choice.
+Every rank then picks the same arm; once committed (after ``rounds`` iterations, or early) nothing
+more is measured or exchanged. A driver that does none of this runs ``auto`` as its safe arm:
+:class:`Auto` *is* a :class:`~rrfp.dispatch.backfill.Backfill` (same parameters, same decisions), so
+it is correct everywhere and only a switching driver adds the choice.
 
     >>> from rrfp.dispatch.auto import next_arm
-    >>> next_arm([])                      # nothing replayed yet: the safe arm
+    >>> next_arm([])                                  # nothing replayed yet: the safe arm
     0
-    >>> next_arm([(10.0, 9.0)])           # rrfp replayed faster on iteration 0: commit to it
+    >>> next_arm([(10.0, 9.8)], rounds=2, early=0.05)    # 2% faster after one round: replay another
+    0
+    >>> next_arm([(10.0, 9.0)], rounds=2, early=0.05)    # 10% faster: commit to rrfp at once
     1
-    >>> next_arm([(10.0, 9.95)], margin=0.01)   # within the margin: stay safe
+    >>> next_arm([(10.0, 9.8), (10.0, 10.1)], rounds=2, margin=0.0)   # totals 20 vs 19.9
+    1
+    >>> next_arm([(10.0, 9.95)], rounds=1, margin=0.01)   # within the margin: stay safe
     0
 
 Import it (the registry then knows ``auto``) with ``import rrfp.dispatch.auto`` (``import rrfp`` does).
@@ -66,10 +78,13 @@ from rrfp.errors import UserError
 
 ARMS: tuple[str, ...] = ("backfill", "rrfp")
 """The arms, safe first: the policies the choice is between."""
-ROUNDS = 1
+ROUNDS = 2
 """Iterations run on the safe arm and replayed under every arm before the commit (``R``)."""
-MARGIN = 0.02
+MARGIN = 0.0
 """How much lower (a fraction of the safe arm's total) another arm's replayed total must be to be chosen."""
+EARLY: float | None = 0.05
+"""Before ``R`` rounds: how much lower another arm's total so far must be to commit to it at once
+(None: never before ``R``)."""
 HORIZON = 50
 """The iterations one row of benchmarks/auto_study.py stands for (the training run the bound is over)."""
 
@@ -90,23 +105,50 @@ def totals(history: Sequence[Replayed], arms: int, rounds: int) -> list[float]:
     return out
 
 
-def next_arm(
-    history: Sequence[Replayed], arms: int = len(ARMS), rounds: int = ROUNDS, margin: float = MARGIN
-) -> int:
-    """The arm the next iteration runs, from the replayed iterations so far (see the module docstring)."""
-    if arms < 1 or rounds < 1 or not (0.0 <= margin < 1.0):
-        raise AutoError(f"need arms >= 1, rounds >= 1 and 0 <= margin < 1, got {arms}, {rounds}, {margin}")
-    for times in history:
-        if len(times) != arms or not all(math.isfinite(t) and t > 0 for t in times):
-            raise AutoError(f"a replayed iteration needs {arms} times > 0, got {tuple(times)}")
-    if len(history) < rounds:
-        return 0
-    total = totals(history, arms, rounds)
+def _lowest(total: Sequence[float], margin: float) -> int:
+    """The arm with the lowest total, if below the safe arm's by more than ``margin``; else the safe."""
     best = 0
-    for a in range(1, arms):  # strictly lower only: ties stay with the earlier (safer) arm
+    for a in range(1, len(total)):  # strictly lower only: ties stay with the earlier (safer) arm
         if total[a] < total[best] and total[a] < total[0] * (1.0 - margin):
             best = a
     return best
+
+
+def next_arm(
+    history: Sequence[Replayed],
+    arms: int = len(ARMS),
+    rounds: int = ROUNDS,
+    margin: float = MARGIN,
+    early: float | None = EARLY,
+) -> int:
+    """The arm the next iteration runs, from the replayed iterations so far (see the module docstring):
+    the first prefix of ``history`` that decides -- an early commit after ``k < rounds`` of them, or the
+    commit after ``rounds`` -- so entries a driver replayed past it never reopen the choice."""
+    if arms < 1 or rounds < 1 or not (0.0 <= margin < 1.0) or not (early is None or 0.0 <= early < 1.0):
+        raise AutoError(f"need arms >= 1, rounds >= 1, 0 <= margin < 1 and 0 <= early < 1 (or None), "
+                        f"got {arms}, {rounds}, {margin}, {early}")  # fmt: skip
+    for times in history:
+        if len(times) != arms or not all(math.isfinite(t) and t > 0 for t in times):
+            raise AutoError(f"a replayed iteration needs {arms} times > 0, got {tuple(times)}")
+    for k in range(1, min(len(history), rounds) + 1):
+        total = totals(history, arms, k)
+        if k == rounds:
+            return _lowest(total, margin)
+        if early is not None and (a := _lowest(total, early)) != 0:
+            return a
+    return 0
+
+
+def replaying(
+    history: Sequence[Replayed],
+    arms: int = len(ARMS),
+    rounds: int = ROUNDS,
+    margin: float = MARGIN,
+    early: float | None = EARLY,
+) -> bool:
+    """Does the iteration after ``history`` still need every arm's replayed time? Yes while fewer than
+    ``rounds`` are replayed and no early commit has been made."""
+    return len(history) < rounds and next_arm(history, arms, rounds, margin, early) == 0
 
 
 @register_policy
@@ -118,11 +160,12 @@ class Auto(Backfill):
     arms: ClassVar[tuple[str, ...]] = ARMS
     rounds: ClassVar[int] = ROUNDS
     choice_margin: ClassVar[float] = MARGIN
+    early: ClassVar[float | None] = EARLY
 
     def choose(self, history: Sequence[Replayed]) -> int:
         """The arm of the next iteration (:func:`next_arm` with this policy's parameters)."""
-        return next_arm(history, len(self.arms), self.rounds, self.choice_margin)
+        return next_arm(history, len(self.arms), self.rounds, self.choice_margin, self.early)
 
     def replaying(self, history: Sequence[Replayed]) -> bool:
-        """Does the iteration after ``history`` still need every arm's replayed time?"""
-        return len(history) < self.rounds
+        """Does the iteration after ``history`` still need every arm's replayed time (:func:`replaying`)?"""
+        return replaying(history, len(self.arms), self.rounds, self.choice_margin, self.early)
