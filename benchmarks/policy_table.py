@@ -6,15 +6,15 @@ and over the best fixed order at the memory allowed (issue 25), from one rrfp-si
 
 It runs exactly (the policy study's base point: pp 8, m 32, lognormal CV 0.3, one iteration)::
 
-    rrfp-sim --hint 1f1b,bf,zb-h1,zb-h2,bfw --policy fixed,rrfp,backfill,guarded[,DEFAULT] \\
+    rrfp-sim --hint 1f1b,bf,zb-h1,zb-h2,bfw --policy fixed,rrfp,backfill,guarded \\
              --memory-budget 1x,2x --seeds 20 --json
 
 and prints one Markdown row per (hint, budget): per policy "speedup over fixed on the same hint (a class
 hint: fixed on its reference order) / over the best fixed order", with the best fixed trial named once
 per row. The best fixed order is rrfp-sim's ``vs_best_fixed``: the fastest fixed trial (every hint run,
 plus bfw's split reference) whose peak on every rank is within the trial's budget there, so a 2x trial
-is also set against fixed zb-h2, which holds about twice 1F1B's activations. ``DEFAULT`` is
-rrfp.dispatch.policies.DEFAULT_POLICY when it is not already listed.
+is also set against fixed zb-h2, which holds about twice 1F1B's activations. The default policy, ``auto``,
+is left out: in one iteration it is its safe arm, backfill (its own study: benchmarks/auto_study.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ import argparse
 from typing import Any
 
 from simjson import execution_args, execution_of, sim_json
-
-from rrfp.dispatch.policies import DEFAULT_POLICY
 
 HINTS = ("1f1b", "bf", "zb-h1", "zb-h2", "bfw")
 POLICIES = ("rrfp", "backfill", "guarded")
@@ -56,7 +54,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=20)
     execution_args(ap)
     a = ap.parse_args()
-    policies = POLICIES if DEFAULT_POLICY in POLICIES else (*POLICIES, DEFAULT_POLICY)
+    policies = POLICIES
     args = ["--hint", ",".join(HINTS), "--policy", ",".join(("fixed", *policies)),
             "--memory-budget", "1x,2x", "--seeds", str(a.seeds)]  # fmt: skip
     doc = sim_json(args, execution_of(a))

@@ -243,14 +243,16 @@ COLUMNS = (
 
 
 def auto_note(result: ExperimentResult) -> list[str]:
-    """Say so when ``auto`` ran too few iterations to choose: before that it is its safe arm."""
+    """Say so when ``auto`` ran too few iterations to be sure it chose: it replays up to
+    ``Auto.rounds`` of them on its safe arm first."""
     study = result.config.study
-    if "auto" not in study.policies or study.warmup + study.iterations > Auto.rounds:
+    ran = study.warmup + study.iterations
+    if "auto" not in study.policies or ran > Auto.rounds:
         return []
     r = Auto.rounds
     return [
-        f"note: auto ran only its safe arm, {Auto.arms[0]}: it replays its first {r} iteration(s) under "
-        f"every arm before it chooses; --iterations {r + 1} or more shows its choice"
+        f"note: auto runs its safe arm, {Auto.arms[0]}, on up to {r} iterations it replays under every arm "
+        f"before it commits, and this run has {ran}: --iterations {r + 1} or more shows its choice"
     ]
 
 

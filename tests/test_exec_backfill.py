@@ -242,6 +242,7 @@ def test_auto_switches_every_rank_after_its_replayed_iterations_in_rrfp_run() ->
     assert row["check"]["ok"], row["check"]
     auto = row["calibration"]["auto"]
     assert auto["chosen"] in Auto.arms
-    assert len(auto["replayed_s"]) == Auto.rounds
+    replayed = len(auto["replayed_s"])  # Auto.rounds, or fewer after an early commit
+    assert 1 <= replayed <= Auto.rounds
     assert all(len(times) == len(Auto.arms) for times in auto["replayed_s"])
-    assert auto["steps"] == [Auto.arms[0]] * Auto.rounds + [auto["chosen"]] * (3 - Auto.rounds)
+    assert auto["steps"] == [Auto.arms[0]] * replayed + [auto["chosen"]] * (3 - replayed)
