@@ -282,7 +282,11 @@ def _other_cases() -> Iterator[Case]:
     # a dry run of a tiny model without jitter cannot tell the policies apart: it runs, with one warning
     yield Case("run-dry-run-128-tiny", "run", ("--gpus", "128", "--gpus-per-node", "8", "--layers", "32",
                "--gpu-memory", "80GiB", "--dry-run"), "warn")  # fmt: skip
-    yield Case("run-dry-run-synthetic-jitter", "run", ("--gpus", "8", "--synthetic", "--dry-run"), "quiet")
+    # rrfp, which moves tasks at 1x: the sampled jitter separates it from fixed (auto, the default, runs
+    # backfill in a one-iteration estimate, which at 1x on 1f1b/bf is fixed's order: that one warns).
+    yield Case("run-dry-run-synthetic-jitter", "run", ("--gpus", "8", "--synthetic", "--dry-run", "--policy",
+               "fixed,rrfp"), "quiet")  # fmt: skip
+    yield Case("run-dry-run-synthetic-default", "run", ("--gpus", "8", "--synthetic", "--dry-run"), "warn")
 
 
 CASES = [*_numeric_cases(), *_file_cases(), *_path_cases(), *_other_cases()]
