@@ -278,6 +278,8 @@ def run_dcp(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
 
 
 # -- item 2: tensor-parallel stages ---------------------------------------------------------------------
+# The TP layers are written here as a user writes them (Megatron's f and g), not imported from rrfp's own
+# model (exec/models/layers.py): the library must work with the user's collectives, not only with ours.
 class _CopyToTP(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce of the input gradient over the TP group backward."""
 
