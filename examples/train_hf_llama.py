@@ -60,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     """The example's options (tests/test_readme.py parses the documented command lines with it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hint", default="1f1b")
-    p.add_argument("--policy", default=None, help="fixed, rrfp, backfill, guarded [rrfp's default]")
+    p.add_argument("--policy", default=None, help="fixed, rrfp, backfill, guarded, auto [DEFAULT_POLICY]")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--layers", type=int, default=4)

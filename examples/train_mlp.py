@@ -39,7 +39,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--schedule", choices=("rrfp", "torch"), default="rrfp")
     p.add_argument("--hint", default="1f1b", help="rrfp: the schedule used as a hint (1f1b, zb-h1, bfw, ...)")
-    p.add_argument("--policy", default=None, help="rrfp: fixed, rrfp, backfill, guarded [rrfp's default]")
+    p.add_argument("--policy", default=None, help="rrfp: fixed|rrfp|backfill|guarded|auto [DEFAULT_POLICY]")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--batch", type=int, default=64)

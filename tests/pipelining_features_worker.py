@@ -27,6 +27,7 @@ from pipelining_worker import (
     lognormal_lengths,
     mlp_stages,
     mse,
+    pp2_dp2,
     reference,
     rel_err,
     run_cases,
@@ -422,10 +423,8 @@ def run_ddp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     from rrfp.errors import UserError
     from rrfp.exec import ReadinessPipeline, ScheduleReadiness
 
-    rank, n = dist.get_rank(), 4
-    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    replica, pp_rank = divmod(rank, 2)
+    n = 4
+    pp_groups, dp_groups, replica, pp_rank = pp2_dp2()
     pipe = ReadinessPipeline(group=pp_groups[replica], timeout=30.0)
     mine, num_stages = stage_indices(case["hint"], 2, pp_rank, n)
     ref = mlp_stages(num_stages)
@@ -467,10 +466,8 @@ def run_fsdp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
 
     from rrfp.exec import ReadinessPipeline, ScheduleReadiness
 
-    rank, n = dist.get_rank(), 4
-    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    replica, pp_rank = divmod(rank, 2)
+    n = 4
+    pp_groups, dp_groups, replica, pp_rank = pp2_dp2()
     pipe = ReadinessPipeline(group=pp_groups[replica], timeout=20.0)
     ref = mlp_stages(2)
     local = copies(ref, [pp_rank])

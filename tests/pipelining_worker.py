@@ -477,10 +477,8 @@ def run_dp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
 
     from rrfp.exec import ReadinessPipeline, ScheduleReadiness
 
-    rank, n = dist.get_rank(), 4
-    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-    replica, pp_rank = divmod(rank, 2)
+    n = 4
+    pp_groups, dp_groups, replica, pp_rank = pp2_dp2()
     pipe = ReadinessPipeline(group=pp_groups[replica], timeout=30.0)
     ref = mlp_stages(2)
     local = copies(ref, [pp_rank])
@@ -701,6 +699,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def pp2_dp2() -> tuple[list[Any], list[Any], int, int]:
+    """4 ranks as pp 2 x dp 2 (collective: every rank builds every group): the pipeline groups [0, 1] and
+    [2, 3], the replica groups [0, 2] and [1, 3], and this rank's replica and pipeline rank."""
+    pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    replica, pp_rank = divmod(dist.get_rank(), 2)
+    return pp_groups, dp_groups, replica, pp_rank
 
 
 def run_cases(
