@@ -90,6 +90,7 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
 
     res, fixed = clocked_beside_fixed(driven, rank, world, ctrl)
     res.update(bytes_and_refusals(driven, fixed, rank, world, transport))
+    res.update(committed_auto(driven, world, ctrl))
     pipe.close()  # leaves the transport to its owner: a new pipeline over it still carries messages
     again = ReadinessPipeline.over(transport, list(range(world)), ctrl, "cpu", 30.0, early=pipe.early)
     res["after_close"] = driven(4, "fixed", CountingCompute(world), on=again).run_iteration(0).tasks
@@ -135,6 +136,29 @@ def clocked_beside_fixed(driven: Any, rank: int, world: int, ctrl: Any) -> tuple
     res["trace_kinds"] = sorted(set(frame["kind"]))
     res["trace_compute"] = int((frame["kind"] == "compute").sum())
     return res, fixed
+
+
+def committed_auto(driven: Any, world: int, ctrl: Any) -> dict[str, Any]:
+    """auto driven as rrfp-run's trials drive it (calibrate() whenever the schedule says it is still
+    calibrating), with a choice that always commits to rrfp after its two replayed iterations: the policy
+    each iteration ran."""
+    from rrfp.dispatch.auto import Auto
+
+    class ToRrfp(Auto):
+        rounds, early = 2, None
+
+        def choose(self, history: Any) -> int:
+            super().choose(history)  # the history's checks
+            return 0 if self.replaying(history) else len(self.arms) - 1
+
+    sched = driven(5, ToRrfp(), CountingCompute(world), hooks={"costs": ctrl})
+    ran = []
+    for it in range(5):
+        ran.append(sched.runtime.sched.policy.name)
+        sched.run_iteration(it)
+        if sched.calibrating:
+            sched.calibrate()
+    return {"auto_ran": ran, "auto_chosen": sched.auto.record.chosen}
 
 
 def bytes_and_refusals(driven: Any, fixed: Any, rank: int, world: int, transport: Any) -> dict[str, Any]:
@@ -231,3 +255,11 @@ def _one_f_one_b(rank: int) -> list[Task]:
 
 if __name__ == "__main__":
     rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+
+
+def test_a_driven_auto_keeps_the_arm_it_committed_to(results: list[dict[str, Any]]) -> None:
+    """Calibrated after the warm-up, two replayed iterations on backfill, then rrfp for good: rrfp runs
+    unclocked, which must not make the schedule ask for a calibration again (that brought backfill back)."""
+    for r in results:
+        assert r["auto_chosen"] == "rrfp"
+        assert r["auto_ran"] == ["auto", "auto", "auto", "rrfp", "rrfp"], r["auto_ran"]

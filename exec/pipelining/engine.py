@@ -192,8 +192,9 @@ class DriverSteps:
 
     @property
     def calibrating(self) -> bool:
-        """A clocked policy (backfill and its kin) still on its no-clock rule, metering costs."""
-        return self._template is not None and not self.runtime.clocked
+        """A clocked policy (backfill and its kin) not yet calibrated: still on its no-clock rule, metering
+        costs. (Not "the loop is unclocked": auto's rrfp arm runs unclocked after the calibration.)"""
+        return self._template is not None and self.calibration is None
 
     def calibrate(self) -> dict[str, Any]:
         """Merge the costs metered so far (a collective over ``driver.costs``: every rank at once), then
