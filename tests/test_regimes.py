@@ -81,6 +81,20 @@ def test_set_b_is_fresh_and_its_heldout_pinned(reg, every, capsys) -> None:
         assert reg.config_of(reg.command(r, reg.POLICIES, 10)).study.pp == int(_value(r.args, "--stages"))
 
 
+def test_set_c_is_fresh_and_its_heldout_pinned(reg, every) -> None:
+    c = reg.regimes(regime_set="c")
+    assert [r.index for r in c] == list(range(2 * reg.N_REGIMES, 3 * reg.N_REGIMES))
+    earlier = {r.args for r in every} | {r.args for r in reg.regimes(regime_set="b")}
+    assert not {r.args for r in c} & earlier  # no regime of set a or b again
+    held = [r for r in c if r.split == "heldout"]
+    assert len(held) == reg.HELDOUT_C_COUNT >= 300
+    assert reg.listing_hash("heldout", "c") == reg.HELDOUT_C_SHA256
+    edited = "".join(r.line + "\n" for r in held).replace("--cv 0.3 ", "--cv 0.31 ", 1)
+    assert hashlib.sha256(edited.encode()).hexdigest() != reg.HELDOUT_C_SHA256
+    for r in held:  # every held-out regime of set c is a valid rrfp-sim command
+        assert reg.config_of(reg.command(r, reg.POLICIES, 10)).study.pp == int(_value(r.args, "--stages"))
+
+
 def test_every_regime_parses_through_rrfp_sims_builder(reg, every) -> None:
     token = device = 0
     for r in every:
