@@ -50,6 +50,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from heapq import heappush
+from typing import Any
 
 import numpy as np
 from simpy.events import NORMAL, Event
@@ -393,7 +394,7 @@ class ClusterModel:
             for w in row:
                 w.wire(row)
         self.dirty: list[_Worker] = []
-        self.recorder: TraceRecorder | None = None
+        self.recorder: _Shifted | None = None  # while a traced run runs
         self.iteration = 0
         self._link_free: dict[tuple[int, int], float] = {}
         self._msg_id = 0
@@ -432,15 +433,13 @@ class ClusterModel:
             return self._run(samples, recorder)
 
     def _run(self, samples: Samples, recorder: TraceRecorder | None) -> ModelRun:
-        self.recorder = recorder
+        shifted = None if recorder is None else _Shifted(recorder)
+        self.recorder = shifted
         self._msg_id = 0
-        self.env = InstantEnvironment()  # every run starts at t = 0 (same floats, run after run)
-        self.env.on_instant_end = self._dispatch_dirty
         fast = self.tp == 1 and self.rendezvous is None and self.megatron is None
         fast = fast and not self.contention and recorder is None
         for row in self.workers:
             for w in row:
-                w.use(self.env)
                 w.done_cb = w.on_done_fast if fast else w.on_done
         n = len(samples)
         busy = np.zeros((n, self.dp, self.pp))
@@ -449,25 +448,40 @@ class ClusterModel:
         peak_bytes = [0] * self.pp
         self._allowed = [0] * self.pp
         times: list[float] = []
+        offset = 0.0
         for it, sample in enumerate(samples):
             self.iteration = it
+            self._fresh_clock(shifted, offset)
             start = self.env.now
             self._begin(sample)
             self.env.drain()
             self._check_done()
             barrier = self._flush(start)
             times.append(barrier - start)
+            offset += barrier - start
             for d, row in enumerate(self.workers):
                 for r, w in enumerate(row):
                     busy[it, d, r] = w.busy_time
                     finish[it, d, r] = w.finish - start
                     peaks[r] = max(peaks[r], *(s.peak for s in w.scheds))
                     peak_bytes[r] = max(peak_bytes[r], *(s.peak_bytes for s in w.scheds))
-            self._advance_to(barrier)
         self.recorder = None
         if self.byte_budget is None:
             return ModelRun(times, busy, peaks, finish)
         return ModelRun(times, busy, peaks, finish, peak_bytes, list(self._allowed))
+
+    def _fresh_clock(self, shifted: _Shifted | None, offset: float) -> None:
+        """Every iteration runs on its own clock from t = 0, and a trace shifts it to ``offset`` (the
+        iterations before it). Why: on one clock running on, float sums at a later start round
+        differently, so two tasks that tie at one start need not tie at another, and a policy that
+        breaks ties by time (rrfp) ran the same durations differently in different iterations."""
+        self.env = InstantEnvironment()
+        self.env.on_instant_end = self._dispatch_dirty
+        for row in self.workers:
+            for w in row:
+                w.use(self.env)
+        if shifted is not None:
+            shifted.offset = offset
 
     def _check_samples(self, samples: Samples) -> None:
         spec = self.hint.spec
@@ -574,11 +588,6 @@ class ClusterModel:
                         self.recorder.add("allreduce", self.iteration, gid, None, ready, end, nbytes=nbytes)
         return barrier
 
-    def _advance_to(self, when: float) -> None:
-        if when > self.env.now:
-            self.env.event_at(when)  # a tick, so that the clock reads ``when``
-            self.env.drain()
-
     # -- messages --------------------------------------------------------------------------------
     def send(self, w: _Worker, pos: int) -> None:
         """Send the outputs of ``w``'s task at ``pos`` to their consumers, member t to member t."""
@@ -632,6 +641,18 @@ class ClusterModel:
             if self.byte_budget is not None:
                 sizes["held_bytes"] = sched.held_bytes
             self.recorder.add("compute", self.iteration, gid, task, start, end, held=sched.held, **sizes)
+
+
+class _Shifted:
+    """A trace recorder whose rows are shifted by ``offset`` seconds: an iteration's own clock starts
+    at 0, its trace continues from the iterations before it."""
+
+    def __init__(self, recorder: TraceRecorder) -> None:
+        self.recorder, self.offset = recorder, 0.0
+
+    def add(self, kind: str, iteration: int, gid: int, task: Task | None, start: float, end: float,
+            **columns: Any) -> None:  # fmt: skip
+        self.recorder.add(kind, iteration, gid, task, start + self.offset, end + self.offset, **columns)
 
 
 def _images(s: IterationSample, mb: int) -> int:
