@@ -49,22 +49,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import regimes as rg
 
-from rrfp.dispatch.auto import ARMS, EARLY, HORIZON, MARGIN, ROUNDS, next_arm, replaying
+from rrfp.dispatch.auto import ARMS, EARLY, HORIZON, MARGIN, ROUNDS, Z, next_arm, replaying
 
 PEERS = ("fixed", "rrfp", "backfill")
 
 
-Candidate = tuple[tuple[str, ...], int, float, float | None]
-"""(arms, safe first; replayed rounds R; margin; early-commit lead, None: none)."""
+Candidate = tuple[tuple[str, ...], int, float, float | None, float | None]
+"""(arms, safe first; replayed rounds R; margin; early-commit lead, None: none; z, None: no test)."""
 
 
-def candidate_name(arms: tuple[str, ...], rounds: int, margin: float, early: float | None = EARLY) -> str:
-    """``auto`` at the module's ARMS, ROUNDS, MARGIN and EARLY, else ``auto@R<rounds>m<margin>e<early>``
-    (``e-``: no early commit) and the arms after ``:`` where they are not the module's."""
-    if (arms, rounds, margin, early) == (ARMS, ROUNDS, MARGIN, EARLY):
+def candidate_name(
+    arms: tuple[str, ...], rounds: int, margin: float, early: float | None = EARLY, z: float | None = Z
+) -> str:
+    """``auto`` at the module's ARMS, ROUNDS, MARGIN, EARLY and Z, else
+    ``auto@R<rounds>m<margin>e<early>[z<z>]`` (``e-``: no early commit; no ``z``: no test) and the arms
+    after ``:`` where they are not the module's."""
+    if (arms, rounds, margin, early, z) == (ARMS, ROUNDS, MARGIN, EARLY, Z):
         return "auto"
     e = "-" if early is None else f"{early:g}"
-    return f"auto@R{rounds}m{margin:g}e{e}" + ("" if arms == ARMS else ":" + "+".join(arms))
+    tail = "" if z is None else f"z{z:g}"
+    return f"auto@R{rounds}m{margin:g}e{e}{tail}" + ("" if arms == ARMS else ":" + "+".join(arms))
 
 
 def weights(horizon: int, rounds: int, committed: int = 1) -> np.ndarray:
@@ -76,7 +80,7 @@ def weights(horizon: int, rounds: int, committed: int = 1) -> np.ndarray:
 
 
 def _auto_runs(
-    measured: list[list[float]], rounds: int, margin: float, early: float | None, w: np.ndarray
+    measured: list[list[float]], rule: tuple[int, float, float | None, float | None], w: np.ndarray
 ) -> tuple[list, list]:
     """auto's weighted time and final arm per seed; ``measured[a][rep]`` arm a's iteration times. As
     rrfp.sim.auto runs it: each iteration on the arm next_arm picks, replayed while ``replaying``."""
@@ -86,10 +90,10 @@ def _auto_runs(
         history: list[list[float]] = []
         ran = []
         for k in range(len(w)):
-            ran.append(arm_times[next_arm(history, len(arm_times), rounds, margin, early)][k])
-            if replaying(history, len(arm_times), rounds, margin, early):
+            ran.append(arm_times[next_arm(history, len(arm_times), *rule)][k])
+            if replaying(history, len(arm_times), *rule):
                 history.append([t[k] for t in arm_times])  # every arm on iteration k's durations
-        picks.append(next_arm(history, len(arm_times), rounds, margin, early))
+        picks.append(next_arm(history, len(arm_times), *rule))
         runs.append(float(np.dot(w, ran)))
     return runs, picks
 
@@ -167,11 +171,12 @@ def judge_regime(
         best = None if best_measured is None else [float(np.dot(w, m[: len(w)])) for m in best_measured]
         share: dict[str, float] = {}
         arm_why: dict[str, str] = {}
-        for arms, _, margin, early in (c for c in candidates if c[1] == rounds):
-            name = candidate_name(arms, rounds, margin, early)
+        for arms, _, margin, early, z in (c for c in candidates if c[1] == rounds):
+            name = candidate_name(arms, rounds, margin, early, z)
             arm_why[name] = next((why[a] for a in arms if a in why), "")  # auto runs every arm
             if not arm_why[name]:
-                times[name], picks = _auto_runs([measured[a] for a in arms], rounds, margin, early, w)
+                rule = (rounds, margin, early, z)
+                times[name], picks = _auto_runs([measured[a] for a in arms], rule, w)
                 share[name] = float(np.mean([arms[c] == "rrfp" for c in picks]))
         for name in [*PEERS, *arm_why]:
             row = {**head, **_row(rounds, name, times, best)}
@@ -277,6 +282,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[Candidate, 
                     help=f"arm sets to evaluate, safe first, '/'-separated [{','.join(ARMS)}]")  # fmt: skip
     ap.add_argument("--early", default="none" if EARLY is None else f"{EARLY:g}",
                     help="early-commit leads to evaluate, comma-separated ('none': none)")  # fmt: skip
+    ap.add_argument("--z", default="none" if Z is None else f"{Z:g}",
+                    help="z values (standard errors a lead must clear) to evaluate, comma-separated "
+                    "('none': no test)")  # fmt: skip
     ap.add_argument("--committed", type=int, default=1, help="committed iterations simulated per seed [1]")
     rg.add_run_options(ap)
     a = ap.parse_args(argv)
@@ -290,8 +298,11 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[Candidate, 
     if a.horizon < max(rounds) + a.committed:
         ap.error(f"--horizon must be at least {max(rounds) + a.committed} (max --rounds + --committed)")
     earlies = [None if e.strip() == "none" else float(e) for e in a.early.split(",") if e.strip()]
+    zs = [None if z.strip() == "none" else float(z) for z in a.z.split(",") if z.strip()]
     margins, sets = _floats(a.margins), arm_sets(ap, a.arm_sets)
-    return a, tuple((s, r, m, e) for s in sets for r in rounds for m in margins for e in earlies)
+    return a, tuple(
+        (s, r, m, e, z) for s in sets for r in rounds for m in margins for e in earlies for z in zs
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -315,8 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         frame.to_csv(a.out, index=False)
-    for arms, r, m, e in candidates:
-        name, part = candidate_name(arms, r, m, e), frame[frame["rounds"] == r]
+    for arms, r, m, e, z in candidates:
+        name, part = candidate_name(arms, r, m, e, z), frame[frame["rounds"] == r]
         print("\n".join(rg.goal_report(part, name)))
         share = part.loc[part["policy"] == name, "aggressive_share"].mean()
         print(f"  {name}: committed to rrfp in {share:.1%} of seeds")

@@ -22,7 +22,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rrfp
-from rrfp.dispatch.auto import ARMS, EARLY, MARGIN, ROUNDS, Auto, AutoError, next_arm, replaying, totals
+from rrfp.dispatch.auto import (
+    ARMS,
+    EARLY,
+    MARGIN,
+    ROUNDS,
+    Auto,
+    AutoError,
+    Z,
+    next_arm,
+    replaying,
+    spread,
+    totals,
+)
 from rrfp.sim import ExperimentConfig
 from rrfp.sim.experiment import plan_runs, run_experiment
 from rrfp.study.study import Study
@@ -69,18 +81,43 @@ def test_ties_and_margin_go_to_the_safe_arm():
     assert next_arm([(10.0, 9.8)], rounds=1, margin=0.01) == 1
 
 
+def test_z_decides_once_a_lead_is_clear_of_the_margin_either_way():
+    rule = {"rounds": 4, "early": None, "z": 1.0}
+    # leads 4% and 2%: mean 3%, standard error 1%: 2 standard errors above 0 -> rrfp after 2 rounds
+    assert next_arm([(10.0, 9.6), (10.0, 9.8)], **rule) == 1 and not replaying(
+        [(10.0, 9.6), (10.0, 9.8)], **rule
+    )
+    # leads -4% and -2%: clear below -> the safe arm, and nothing more is replayed
+    assert next_arm([(10.0, 10.4), (10.0, 10.2)], **rule) == 0 and not replaying(
+        [(10.0, 10.4), (10.0, 10.2)], **rule
+    )
+    # leads +3% and -2%: mean 0.5%, standard error 2.5%: undecided, replay on (the safe arm runs)
+    mixed = [(10.0, 9.7), (10.0, 10.2)]
+    assert next_arm(mixed, **rule) == 0 and replaying(mixed, **rule)
+    assert next_arm(mixed, **{**rule, "z": None}) == 0 and replaying(mixed, **{**rule, "z": None})
+    # at R a lead within z standard errors of the margin stays safe; without the test it is taken
+    last = [*mixed, (10.0, 9.7), (10.0, 10.2)]
+    assert next_arm(last, **rule) == 0 and not replaying(last, **rule)
+    assert next_arm(last, **{**rule, "z": None}) == 1
+    # z = 0: the totals decide at the second round, as rounds = 2 does
+    assert next_arm(mixed, **{**rule, "z": 0.0}) == next_arm(mixed, rounds=2, early=None) == 1
+    # identical rounds (an exact replay): no spread, the sign decides at the second round
+    assert next_arm([(10.0, 9.9)] * 2, **rule) == 1 and next_arm([(10.0, 10.1)] * 2, **rule) == 0
+    assert spread([(10.0, 9.6), (10.0, 9.8)], 2, 4) == pytest.approx([0.0, 0.01])
+
+
 def test_the_policy_replays_for_its_rounds():
     auto = Auto()
     assert auto.replaying([]) and not auto.replaying([(1.0, 1.0)] * ROUNDS)
     assert auto.replaying([(1.0, 1.0)] * (ROUNDS - 1)) == (ROUNDS > 1)
-    assert auto.choose([(2.0, 1.0)]) == next_arm([(2.0, 1.0)], 2, ROUNDS, MARGIN, EARLY)
-    assert (auto.rounds, auto.choice_margin, auto.early) == (ROUNDS, MARGIN, EARLY)
+    assert auto.choose([(2.0, 1.0)]) == next_arm([(2.0, 1.0)], 2, ROUNDS, MARGIN, EARLY, Z)
+    assert (auto.rounds, auto.choice_margin, auto.early, auto.z) == (ROUNDS, MARGIN, EARLY, Z)
 
 
 @pytest.mark.parametrize(
     "history, kw",
     [([], {"arms": 0}), ([], {"rounds": 0}), ([], {"margin": 1.0}), ([], {"margin": -0.1}),
-     ([], {"early": 1.0}), ([], {"early": -0.1}),
+     ([], {"early": 1.0}), ([], {"early": -0.1}), ([], {"z": -1.0}), ([], {"z": float("inf")}),
      ([(1.0,)], {}), ([(1.0, 0.0)], {}), ([(1.0, float("nan"))], {})],
 )  # fmt: skip
 def test_bad_arguments_are_user_errors(history, kw):
@@ -115,15 +152,16 @@ def regret_excess(
     rounds=st.integers(1, 3),
     margin=st.sampled_from([0.0, 0.005, 0.01, 0.05]),
     early=st.sampled_from([None, 0.0, 0.05, 0.2]),
+    z=st.sampled_from([None, 0.0, 1.0, 3.0]),
     extra=st.integers(0, 60),
     data=st.data(),
 )
-def test_regret_within_the_bound(scores, rounds, margin, early, extra, data):
+def test_regret_within_the_bound(scores, rounds, margin, early, z, extra, data):
     t = rounds + extra
     works = data.draw(st.lists(st.floats(0.5, 2.0), min_size=t, max_size=t), label="works")
 
     def choose(history: Sequence[Sequence[float]], k: int, rounds: int, margin: float) -> int:
-        return next_arm(history, k, rounds, margin, early)
+        return next_arm(history, k, rounds, margin, early, z)
 
     assert regret_excess(choose, scores, works, rounds, margin) <= 0
 
@@ -245,7 +283,7 @@ def test_the_studys_auto_row_is_rrfp_sims_auto(study, committed):
 
     rg = study.rg
     regime = rg.regimes("tune", 1)[0]
-    rows = study.study_regime(regime, 3, 50, ((ARMS, ROUNDS, MARGIN, EARLY),), True, committed)
+    rows = study.study_regime(regime, 3, 50, ((ARMS, ROUNDS, MARGIN, EARLY, Z),), True, committed)
     got = next(r for r in rows if r["policy"] == "auto")["speedup"]
     policies = ("fixed", *ARMS, "auto")
     args = [*rg.command(regime, policies, 3, True), "--iterations", str(ROUNDS + committed)]
@@ -270,7 +308,8 @@ def test_the_studys_fixed_is_the_arms_pairing_baseline(study):
     rg = study.rg
     regime = next(r for r in rg.regimes("tune") if "bfw" in r.args and "--virtual-stages" not in r.args)
     rows = {
-        r["policy"]: r for r in study.study_regime(regime, 3, ROUNDS + 1, ((ARMS, ROUNDS, 0.0, None),), True)
+        r["policy"]: r
+        for r in study.study_regime(regime, 3, ROUNDS + 1, ((ARMS, ROUNDS, 0.0, None, None),), True)
     }
     args = [*rg.command(regime, study.PEERS, 3, True), "--iterations", str(ROUNDS + 1)]
     result = run_experiment(rg.config_of(args), progress=False)

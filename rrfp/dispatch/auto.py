@@ -85,6 +85,10 @@ MARGIN = 0.0
 EARLY: float | None = 0.05
 """Before ``R`` rounds: how much lower another arm's total so far must be to commit to it at once
 (None: never before ``R``)."""
+Z: float | None = None
+"""How many standard errors (:func:`spread`) an arm's lead must clear ``margin`` by, from 2 rounds on, to
+decide before ``R`` rounds, and at ``R`` to be chosen over the safe arm (None: no such test: the totals
+alone decide at ``R``)."""
 HORIZON = 50
 """The iterations one row of benchmarks/auto_study.py stands for (the training run the bound is over)."""
 
@@ -105,13 +109,70 @@ def totals(history: Sequence[Replayed], arms: int, rounds: int) -> list[float]:
     return out
 
 
-def _lowest(total: Sequence[float], margin: float) -> int:
-    """The arm with the lowest total, if below the safe arm's by more than ``margin``; else the safe."""
+def _lowest(total: Sequence[float], margin: float | Sequence[float]) -> int:
+    """The arm with the lowest total, if below the safe arm's by more than ``margin`` (one for every
+    arm, or one per arm); else the safe."""
     best = 0
     for a in range(1, len(total)):  # strictly lower only: ties stay with the earlier (safer) arm
-        if total[a] < total[best] and total[a] < total[0] * (1.0 - margin):
+        m = margin if isinstance(margin, float | int) else margin[a]
+        if total[a] < total[best] and total[a] < total[0] * (1.0 - m):
             best = a
     return best
+
+
+def spread(history: Sequence[Replayed], arms: int, rounds: int) -> list[float]:
+    """Each arm's standard error of its lead over the safe arm, per replayed iteration, over the first
+    ``rounds`` of ``history`` (a lead: (safe − arm) / safe; 0 for the safe arm and with one round)."""
+    k = min(len(history), rounds)
+    out = [0.0] * arms
+    if k < 2:
+        return out
+    for a in range(1, arms):
+        leads = [(t[0] - t[a]) / t[0] for t in history[:k]]
+        mean = sum(leads) / k
+        out[a] = math.sqrt(sum((x - mean) ** 2 for x in leads) / (k - 1) / k)
+    return out
+
+
+def _decided(history: Sequence[Replayed], arms: int, k: int, margin: float, z: float) -> int | None:
+    """After ``k >= 2`` replayed iterations, the arm that is ``z`` standard errors clear of ``margin``
+    (:func:`spread`): an arm whose lead is above it, or the safe one when every lead is below it; None
+    while one is within it."""
+    total, se = totals(history, arms, k), spread(history, arms, k)
+    best = _lowest(total, [margin + z * e for e in se])
+    if best != 0:
+        return best
+    below = all((total[0] - total[a]) / total[0] < margin - z * se[a] for a in range(1, arms))
+    return 0 if below else None
+
+
+def _check(arms: int, rounds: int, margin: float, early: float | None, z: float | None) -> None:
+    if arms < 1 or rounds < 1 or not (0.0 <= margin < 1.0) or not (early is None or 0.0 <= early < 1.0):
+        raise AutoError(f"need arms >= 1, rounds >= 1, 0 <= margin < 1 and 0 <= early < 1 (or None), "
+                        f"got {arms}, {rounds}, {margin}, {early}")  # fmt: skip
+    if z is not None and not (math.isfinite(z) and z >= 0.0):
+        raise AutoError(f"need z >= 0 (or None), got {z}")
+
+
+def _choice(
+    history: Sequence[Replayed], arms: int, rounds: int, margin: float, early: float | None, z: float | None
+) -> int | None:
+    """The committed arm, or None while undecided (the rule of :func:`next_arm`)."""
+    _check(arms, rounds, margin, early, z)
+    for times in history:
+        if len(times) != arms or not all(math.isfinite(t) and t > 0 for t in times):
+            raise AutoError(f"a replayed iteration needs {arms} times > 0, got {tuple(times)}")
+    for k in range(1, min(len(history), rounds) + 1):
+        total = totals(history, arms, k)
+        if k == rounds:
+            if z is None or k < 2:
+                return _lowest(total, margin)
+            return _lowest(total, [margin + z * e for e in spread(history, arms, k)])
+        if early is not None and (a := _lowest(total, early)) != 0:
+            return a
+        if z is not None and k >= 2 and (a := _decided(history, arms, k, margin, z)) is not None:
+            return a
+    return None
 
 
 def next_arm(
@@ -120,23 +181,14 @@ def next_arm(
     rounds: int = ROUNDS,
     margin: float = MARGIN,
     early: float | None = EARLY,
+    z: float | None = Z,
 ) -> int:
     """The arm the next iteration runs, from the replayed iterations so far (see the module docstring):
-    the first prefix of ``history`` that decides -- an early commit after ``k < rounds`` of them, or the
-    commit after ``rounds`` -- so entries a driver replayed past it never reopen the choice."""
-    if arms < 1 or rounds < 1 or not (0.0 <= margin < 1.0) or not (early is None or 0.0 <= early < 1.0):
-        raise AutoError(f"need arms >= 1, rounds >= 1, 0 <= margin < 1 and 0 <= early < 1 (or None), "
-                        f"got {arms}, {rounds}, {margin}, {early}")  # fmt: skip
-    for times in history:
-        if len(times) != arms or not all(math.isfinite(t) and t > 0 for t in times):
-            raise AutoError(f"a replayed iteration needs {arms} times > 0, got {tuple(times)}")
-    for k in range(1, min(len(history), rounds) + 1):
-        total = totals(history, arms, k)
-        if k == rounds:
-            return _lowest(total, margin)
-        if early is not None and (a := _lowest(total, early)) != 0:
-            return a
-    return 0
+    the first prefix of ``history`` that decides -- an early commit, a lead ``z`` standard errors clear
+    of ``margin`` either way after ``2 <= k < rounds`` of them, or the commit after ``rounds`` -- so
+    entries a driver replayed past it never reopen the choice."""
+    arm = _choice(history, arms, rounds, margin, early, z)
+    return 0 if arm is None else arm
 
 
 def replaying(
@@ -145,10 +197,11 @@ def replaying(
     rounds: int = ROUNDS,
     margin: float = MARGIN,
     early: float | None = EARLY,
+    z: float | None = Z,
 ) -> bool:
-    """Does the iteration after ``history`` still need every arm's replayed time? Yes while fewer than
-    ``rounds`` are replayed and no early commit has been made."""
-    return len(history) < rounds and next_arm(history, arms, rounds, margin, early) == 0
+    """Does the iteration after ``history`` still need every arm's replayed time? Yes until the rule
+    has decided: at most ``rounds`` iterations."""
+    return _choice(history, arms, rounds, margin, early, z) is None
 
 
 @register_policy
@@ -161,11 +214,12 @@ class Auto(Backfill):
     rounds: ClassVar[int] = ROUNDS
     choice_margin: ClassVar[float] = MARGIN
     early: ClassVar[float | None] = EARLY
+    z: ClassVar[float | None] = Z
 
     def choose(self, history: Sequence[Replayed]) -> int:
         """The arm of the next iteration (:func:`next_arm` with this policy's parameters)."""
-        return next_arm(history, len(self.arms), self.rounds, self.choice_margin, self.early)
+        return next_arm(history, len(self.arms), self.rounds, self.choice_margin, self.early, self.z)
 
     def replaying(self, history: Sequence[Replayed]) -> bool:
         """Does the iteration after ``history`` still need every arm's replayed time (:func:`replaying`)?"""
-        return replaying(history, len(self.arms), self.rounds, self.choice_margin, self.early)
+        return replaying(history, len(self.arms), self.rounds, self.choice_margin, self.early, self.z)
