@@ -336,3 +336,54 @@ def test_from_judges_a_studys_csv_again_without_simulating(study, tmp_path, caps
     assert np.allclose(merged["speedup"], merged["speedup_first"], equal_nan=True, rtol=1e-12)
     with pytest.raises(SystemExit):  # the stored iterations are too few for R = 3 with C = 2
         study.main(["--from", str(out), "--rounds", "3", "--committed", "2"])
+
+
+# -- G3 in full: every hint of a cell (benchmarks/auto_g3.py) ----------------------------------------
+@pytest.fixture(scope="module")
+def g3(study):
+    import importlib
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        yield importlib.import_module("auto_g3")
+    finally:
+        sys.modules.pop("auto_g3", None)
+
+
+def test_a_cell_runs_each_hint_with_its_virtual_stages(g3):
+    args = ("--stages", "4", "--hint", "bf", "--virtual-stages", "2", "--jitter", "none")
+    assert g3.hint_args(args, "bf")[-4:] == ["--hint", "bf", "--virtual-stages", "2"]  # the regime's own v
+    assert g3.hint_args(args, "zbv")[-2:] == ["--virtual-stages", "2"]
+    assert g3.hint_args(args, "1f1b") == ["--stages", "4", "--jitter", "none", "--hint", "1f1b",
+                                          "--virtual-stages", "1"]  # fmt: skip
+
+
+def test_a_cells_best_fixed_fits_autos_memory_and_is_paired_per_seed(g3):
+    """judge_cell on a tiny cell, checked against the runs of its best hint and of its best fixed order's
+    hint done again: that order fits auto's budget on every rank, and the speedup is auto's composed
+    times over its times, paired per seed; the report counts a low CI as a miss."""
+    from rrfp.sim.experiment import footprint
+    from rrfp.study.compare import qualifies
+    from rrfp.study.metrics import paired_speedup
+
+    regime = g3.rg.regimes("tune", 1, "c")[0]
+    rule = (ROUNDS, MARGIN, EARLY, Z)
+    row = g3.judge_cell(regime, 3, rule, 1, True)
+    assert row["best_hint"] in g3.HINTS and row["best_fixed"].startswith("fixed/")
+    base = tuple(g3.rg.tiny(regime.args))
+    w = g3.study.weights(50, ROUNDS, 1)
+    stats, byte_mode = g3._runs(g3.hint_args(base, row["best_hint"]), 3, ROUNDS + 1)
+    arms = {s.key.policy: s for s in stats if s.key.policy in ARMS}
+    auto, _ = g3.study._auto_runs([[list(m) for m in arms[a].measured] for a in ARMS], rule, w)
+    owner = row["best_fixed"].split("/")[1].split("@")[0]
+    fixed_stats, _ = g3._runs(g3.hint_args(base, owner), 3, ROUNDS + 1)
+    best = next(s for s in fixed_stats if s.key.label == row["best_fixed"])
+    allowed = footprint(arms["backfill"], byte_mode)
+    assert qualifies(footprint(best, byte_mode), allowed)
+    want = paired_speedup(g3._weighted(best.measured, w), auto)
+    assert (row["speedup"], row["ci_low"]) == pytest.approx(want[:2], rel=1e-12)
+    frame = pd.DataFrame([{**row, "ci_low": 0.999}, {**row, "regime": -1, "ci_low": 0.5}])
+    lines = g3.report(frame)
+    assert "in 1 of 2 cells" in lines[0] and any("regime -1" in line for line in lines[1:])
