@@ -272,7 +272,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         self.runtime = PipelineRuntime(ctx, self.sched, self.compute, pipe.next_schedule())
         self._steps = 0
         self.calibration: dict[str, Any] | None = None
-        """backfill/guarded: the merged mean costs (ms) once calibrated."""
+        """backfill/guarded: the merged mean costs (ms) and the announce mode, once calibrated."""
 
     def _auto_switch(self, policy: Policy, budgets: Any) -> AutoSwitch | None:
         """``auto``: the switch between its arms (rrfp.exec.loop.switch), else None; and the sizing
