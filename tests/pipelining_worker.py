@@ -294,6 +294,11 @@ def starts(sched: Any, announced: int) -> dict[str, Any]:
     sched.close()
     if board is not None:
         row["mapped"].append(mapped(board.path))
+    try:  # a closed schedule (its board unmapped) steps no more; local, before any collective
+        sched.step()
+        row["after_close"] = None
+    except Exception as e:
+        row["after_close"] = f"{type(e).__name__}: {e}"
     return row
 
 

@@ -201,6 +201,7 @@ def test_clocked_policies_hear_starts_on_the_board_by_default(two: list[dict[str
     for r in clocked:
         assert (r["announce"], r["calibrated"], r["announced"]) == ("board", "board", 0), r
         assert r["board_posts"] > 0 and r["board_file"] is False and r["mapped"] == [True, False], r
+        assert r["after_close"] == "ClosedError: this ScheduleReadiness was closed", r
     for r in rows(two, policy="fixed") + rows(two, policy="rrfp"):
         if "announce" in r:
             assert (r["announce"], r["board_posts"], r["announced"]) == ("all", None, 0), r
