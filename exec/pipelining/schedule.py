@@ -241,9 +241,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         mode = resolve_announce(announce, hosts, self._template is not None, pipe.pp)
         if self._driver is not None:
             if announce != "auto":
-                raise StageLayoutError(
-                    "a driven schedule hears starts as driver.announce says, not announce="
-                )
+                raise StageLayoutError("a driven schedule hears starts by driver.announce, not announce=")
             self.announce = self._driver.announce
             self._build_driven(self._driver, policy_obj, byte_budget, budgets)
             return
@@ -259,6 +257,11 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
             self.compute.bytes = ForwardBytes(by_index)
         self.trace_out = trace_out
         self.recorder = None if trace_out is None else self._recorder(memory_budget)
+        self._build_loop(mode, announce)
+
+    def _build_loop(self, mode: str, announce: str) -> None:
+        """The start board (announce mode ``board``: collective over the pipeline) and the runtime loop."""
+        pipe = self.pipeline
         self.announce, self.board = open_starts(pipe, self.hint, mode, announce)
         """How producer starts are heard once calibrated: ``board``, or messages (``all``, ``backward``,
         ``none``); ``auto`` decided (rrfp.exec.pipelining.starts)."""
