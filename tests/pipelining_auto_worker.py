@@ -94,6 +94,7 @@ def run_auto(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
         "worst": worst, "arms": list(rec.arms), "history": [list(h) for h in rec.history], "steps": rec.steps,
         "chosen": rec.chosen, "cost_s": rec.cost_s, "policies": policies, "clocked": clocked,
         "calibrated": sched.calibration is not None,
+        "announce": (sched.announce, (sched.calibration or {}).get("announce")),
     }  # fmt: skip
 
 

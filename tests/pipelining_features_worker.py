@@ -378,9 +378,11 @@ def run_tp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
         sched.step_microbatches(arg_mbs if pp_rank == 0 else None, tgt_mbs if pp_rank == 1 else None)
         worst = max(worst, *(b.grads_error(f) for b, f in zip(mine, ref[pp_rank], strict=True)))
     agree, means = sched.runtime.stats.agree, (sched.calibration or {}).get("mean_ms")
+    announce = sched.announce, None if sched.board is None else int((sched.board.slots != 0).sum())
     sched.close()
     pipe.close()
-    return {"worst": worst, "agree_s": agree, "tp_ctrl": pipe.tp_ctrl is not None, "means": means}
+    return {"worst": worst, "agree_s": agree, "tp_ctrl": pipe.tp_ctrl is not None, "means": means,
+            "announce": announce}  # fmt: skip
 
 
 def run_tp_refused(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:

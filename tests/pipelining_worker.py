@@ -210,8 +210,9 @@ def run_grad(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     ref, batch, loss_fn = model_of(case, num_stages)
     local = copies(ref, mine)
     stages = [stage_class(case, s)(local[s], s, num_stages, torch.device("cpu")) for s in mine]
-    opts = {k: case[k] for k in ("policy", "memory_budget", "seed") if k in case}
+    opts = {k: case[k] for k in ("policy", "memory_budget", "seed", "announce") if k in case}
     sched = ScheduleReadiness(stages, n, loss_fn, hint=hint, pipeline=pipe, **opts)
+    announced = ANNOUNCED.sent
     worst = loss_err = torch_err = 0.0
     for step in range(case.get("steps", 1)):
         args, tgt = batch(2 * n, step)
@@ -246,10 +247,58 @@ def run_grad(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
         "bitwise": bitwise,
     }
     row["split"] = sorted(s for s, on in sched.compute.split.items() if on)
+    row.update(starts(sched, ANNOUNCED.sent - announced))
     if case.get("perturb"):  # the checker catches a wrong gradient
         p = next(local[mine[0]].parameters())
         p.grad[(0,) * p.grad.dim()] += 1e-3 * float(p.grad.abs().max())
         row["perturbed"] = compare(local, ref)
+    return row
+
+
+class AnnounceCounter:
+    """The announcement messages this rank's transport sends: every call passes through to the real
+    ``Transport.announce`` and is counted (the schedules' loops look it up on the transport each time)."""
+
+    def __init__(self, transport: Any) -> None:
+        self.sent, self._announce = 0, None
+        if transport is not None:
+            self._announce, transport.announce = transport.announce, self
+
+    def __call__(self, *args: Any) -> None:
+        self.sent += 1
+        assert self._announce is not None
+        self._announce(*args)
+
+
+ANNOUNCED = AnnounceCounter(None)
+"""This rank's counter, installed on the shared pipeline's transport by rank_main."""
+
+
+def mapped(path: str) -> bool:
+    """Does this process map ``path`` (an unlinked file still shows, marked deleted)?"""
+    with open("/proc/self/maps") as f:
+        return any(path in line for line in f)
+
+
+def starts(sched: Any, announced: int) -> dict[str, Any]:
+    """How the schedule heard producer starts, then close it: its announce mode and the calibration's,
+    the announcement messages this rank sent over the case, and with a board: the slots its steps wrote,
+    whether its file was gone while mapped, and whether close() unmapped it."""
+    row: dict[str, Any] = {"announce": sched.announce, "announced": announced, "board_posts": None}
+    row["calibrated"] = None if sched.calibration is None else sched.calibration.get("announce")
+    board = sched.board
+    if board is not None:
+        row["board_posts"] = int((board.slots != 0).sum())
+        row["board_file"] = os.path.exists(board.path)
+        row["mapped"] = [mapped(board.path)]
+    sched.close()
+    if board is not None:
+        row["mapped"].append(mapped(board.path))
+    try:  # a closed schedule (its board unmapped) steps no more; local, before any collective
+        sched.step()
+        row["after_close"] = None
+    except Exception as e:
+        row["after_close"] = f"{type(e).__name__}: {e}"
     return row
 
 
@@ -407,7 +456,7 @@ def run_eval(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     return {"worst": err, "loss": 0.0, "torch": 0.0, "grads": len(grads)}
 
 
-SETUP_ERRORS = ("budget", "order", "count", "n_disagree", "loss_one_rank")
+SETUP_ERRORS = ("budget", "order", "count", "n_disagree", "loss_one_rank", "announce", "announce_one_rank")
 """Refused while building the schedule: the shared pipeline stays usable."""
 
 
@@ -438,9 +487,11 @@ def run_error(case: dict[str, Any], shared: Any) -> dict[str, Any]:
     start = time.monotonic()
     try:
         budget = 1 if what == "budget" else "1x"
+        announce = {"announce": "sometimes", "announce_one_rank": "none" if rank == 0 else "all"}
         sched = ScheduleReadiness(
-            stages, n, loss_fn, hint="1f1b", policy="rrfp", pipeline=pipe, memory_budget=budget
-        )
+            stages, n, loss_fn, hint="1f1b", policy="rrfp", pipeline=pipe, memory_budget=budget,
+            announce=announce.get(what, "auto"),
+        )  # fmt: skip
         first, last = 0 in mine, num_stages - 1 in mine
         if what == "mbs":
             arg_mbs = list(args[0].chunk(4))[: 3 if first else 4]
@@ -490,13 +541,20 @@ def run_dp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
         stage, n, mse, hint=case["hint"], policy=case.get("policy", "rrfp"), pipeline=pipe
     )
     half = slice(replica * 2 * n, (replica + 1) * 2 * n)
-    sched.step(*((args[0][half],) if pp_rank == 0 else ()), target=tgt[half] if pp_rank == 1 else None)
-    for p in local[pp_rank].parameters():  # the user's DP all-reduce of the stage grads
-        dist.all_reduce(p.grad, group=dp_groups[pp_rank])
-        p.grad /= 2
-    worst = compare(local, ref)
+    worst = 0.0
+    for _ in range(case.get("steps", 1)):  # backfill: the second step runs clocked, on the board
+        local[pp_rank].zero_grad(set_to_none=True)
+        sched.step(*((args[0][half],) if pp_rank == 0 else ()), target=tgt[half] if pp_rank == 1 else None)
+        for p in local[pp_rank].parameters():  # the user's DP all-reduce of the stage grads
+            dist.all_reduce(p.grad, group=dp_groups[pp_rank])
+            p.grad /= 2
+        worst = max(worst, compare(local, ref))
+    board = sched.board
+    row = {"worst": worst, "loss": 0.0, "torch": 0.0, "announce": sched.announce}
+    row["board_posts"] = None if board is None else int((board.slots != 0).sum())
+    sched.close()
     pipe.close()
-    return {"worst": worst, "loss": 0.0, "torch": 0.0}
+    return row
 
 
 def run_trace(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
@@ -619,6 +677,11 @@ TWO: list[dict[str, Any]] = [
     {"kind": "trace", "hint": "1f1b", "policy": "fixed", "dir": "DIR"},
     {"kind": "bytes", "hint": "1f1b", "bytes": "1x"},
     {"kind": "bytes", "hint": "zbv", "bytes": "1.5x"},
+    # the matrix's clocked cases hear starts on the board (the default here: one host); by message:
+    {"hint": "zb-h1", "policy": "backfill", "steps": 2, "announce": "all"},
+    {"hint": "1f1b", "policy": "guarded", "model": "gpt", "steps": 2, "announce": "backward"},
+    {"hint": "interleaved-1f1b", "policy": "backfill", "steps": 2, "announce": "none"},
+    {"hint": "1f1b", "policy": "backfill", "steps": 2, "announce": "board"},
     *(
         {"kind": "error", "error": e}
         for e in (
@@ -627,6 +690,8 @@ TWO: list[dict[str, Any]] = [
             "count",
             "n_disagree",
             "loss_one_rank",
+            "announce",
+            "announce_one_rank",
             "rows",
             "mbs",
             "no_target",
@@ -643,6 +708,7 @@ FOUR: list[dict[str, Any]] = [
     {"hint": "bfw", "policy": "rrfp"},
     {"kind": "varlen", "hint": "zbv", "scale": True},
     {"kind": "dp", "hint": "zb-h1", "policy": "rrfp"},
+    {"kind": "dp", "hint": "1f1b", "policy": "backfill", "steps": 2},  # a board per replica
     {"kind": "error", "error": "raises"},
 ]
 ONE: list[dict[str, Any]] = [  # pp 1: every stage on one rank, local hand-offs only, no channels
@@ -659,6 +725,7 @@ SUITES = {
     "bitwise": [c for c in TWO if c.get("torch")],
     "trace": [c for c in TWO if c.get("kind") in ("trace", "bytes")],
     "errors": [c for c in TWO if c.get("kind") == "error"] * 3,
+    "starts": [c for c in TWO if "announce" in c or c.get("error", "").startswith("announce")],
 }
 
 
@@ -670,8 +737,10 @@ def rank_main(rank: int, world: int, port: int, suite: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from rrfp.exec import ReadinessPipeline
 
+    global ANNOUNCED
     rows = []
     pipe = ReadinessPipeline(timeout=30.0)
+    ANNOUNCED = AnnounceCounter(pipe.transport)
     rows.append({"case": {"kind": "setup"}, "case_s": time.monotonic() - started})
     if rank == 0:  # the CSV hint: zb-h1's orders in torch's CSV format
         from rrfp.plan.csvio import save_orders_csv

@@ -108,8 +108,10 @@ def test_one_rank_holds_every_stage(one: list[dict[str, Any]]) -> None:
 
 def test_data_parallel_replicas_all_reduced(four: list[dict[str, Any]]) -> None:
     found = rows(four, kind="dp")
-    assert len(found) == 4
+    assert len(found) == 8
     assert_equal_to_reference(found)
+    clocked = rows(four, kind="dp", policy="backfill")  # each replica's pipeline opened its own board
+    assert all(r["announce"] == "board" and r["board_posts"] > 0 for r in clocked), clocked
 
 
 def test_budgets_and_hint_sources(two: list[dict[str, Any]]) -> None:
@@ -188,12 +190,66 @@ def test_checker_catches_a_wrong_gradient(two: list[dict[str, Any]]) -> None:
     assert all(r["perturbed"] > 10 * RTOL for r in found)
 
 
+def test_clocked_policies_hear_starts_on_the_board_by_default(two: list[dict[str, Any]]) -> None:
+    """On one host, backfill and guarded (the matrix: announce left at auto) calibrate onto the start
+    board: no announcement message leaves any rank, the steps wrote start slots, the board's file was
+    gone while it was mapped, and close() unmapped it; gradients equal the reference (the matrix test).
+    The unclocked policies need no board."""
+    matrix = [r for r in two if r["case"].get("kind") is None and "announce" not in r["case"]]
+    clocked = [r for r in matrix if r["case"].get("model") and r["case"]["policy"] in ("backfill", "guarded")]
+    assert len(clocked) == 2 * 2 * len(HINTS) * 2  # models x policies x hints x ranks
+    for r in clocked:
+        assert (r["announce"], r["calibrated"], r["announced"]) == ("board", "board", 0), r
+        assert r["board_posts"] > 0 and r["board_file"] is False and r["mapped"] == [True, False], r
+        assert r["after_close"] == "ClosedError: this ScheduleReadiness was closed", r
+    for r in rows(two, policy="fixed") + rows(two, policy="rrfp"):
+        if "announce" in r:
+            assert (r["announce"], r["board_posts"], r["announced"]) == ("all", None, 0), r
+
+
+def test_announcement_messages_when_asked(two: list[dict[str, Any]]) -> None:
+    """announce= all/backward/none: starts go by message (the counter that reads 0 on the board counts
+    them), only the backward ones with ``backward`` (1f1b: rank 0's backwards feed no other rank), none
+    with ``none``; ``board`` given explicitly is the board; gradients equal the reference either way."""
+    by = {a: rows(two, announce=a) for a in ("all", "backward", "none", "board")}
+    assert_equal_to_reference([r for found in by.values() for r in found])
+    sent = {a: {r["rank"]: r["announced"] for r in found} for a, found in by.items()}
+    assert all(n > 0 for n in sent["all"].values()), sent
+    assert sent["backward"][0] == 0 and sent["backward"][1] > 0, sent
+    assert sent["none"] == {0: 0, 1: 0} and sent["board"] == {0: 0, 1: 0}, sent
+    for a, found in by.items():
+        assert all((r["announce"], r["calibrated"]) == (a, a) for r in found), found
+        assert all((r["board_posts"] is not None) == (a == "board") for r in found), found
+
+
+def test_announce_resolution() -> None:
+    """auto: the board on one host for a clocked policy on more than one rank, else messages; board
+    across hosts and unknown values: one-line StageLayoutErrors."""
+    from rrfp.errors import UserError
+    from rrfp.exec.pipelining.starts import resolve_announce
+
+    assert resolve_announce("auto", ["a", "a"], True, 2) == "board"
+    assert resolve_announce("auto", ["a", "b"], True, 2) == "all"
+    assert resolve_announce("auto", ["a", "a"], False, 2) == "all"
+    assert resolve_announce("auto", ["a"], True, 1) == "all"
+    assert resolve_announce("backward", ["a", "b"], True, 2) == "backward"
+    assert resolve_announce("board", ["a", "a"], False, 2) == "board"
+    with pytest.raises(UserError, match=r"needs every rank of the pipeline on one host .*a, b"):
+        resolve_announce("board", ["a", "b"], True, 2)
+    for bad in ("loud", None, ["all"]):
+        with pytest.raises(UserError, match="choose one of auto, board, all, backward, none") as e:
+            resolve_announce(bad, ["a"], True, 2)
+        assert "\n" not in str(e.value)
+
+
 ERRORS = {
     "budget": ("BudgetError", "below the peak"),
     "order": ("StageLayoutError", "puts stages [0] on pipeline rank 0, but it holds [1]"),
     "count": ("StageLayoutError", "3 stages on 2 ranks"),
     "n_disagree": ("MicrobatchError", "ranks disagree on n_microbatches: rank 0: 4, rank 1: 2"),
     "loss_one_rank": ("LossError", "ranks disagree on loss_fn"),
+    "announce": ("StageLayoutError", "announce='sometimes': choose one of auto, board, all, backward, none"),
+    "announce_one_rank": ("StageLayoutError", "ranks disagree on announce: rank 0: 'none', rank 1: 'all'"),
     "rows": ("StageFailed", "rank 0 raised MicrobatchError"),
     "mbs": ("StageFailed", "rank 0 raised MicrobatchError: arg_mbs has 3 microbatches"),
     "no_target": ("StageFailed", "rank 1 raised LossError: a training step needs target="),

@@ -65,6 +65,7 @@ def test_auto_trains_to_the_reference_and_agrees(two: dict[str, list[dict[str, A
     assert got["policies"][n:] == ["rrfp" if rrfp_won else "auto"] * (3 - n)  # backfill: calibrated auto
     assert got["clocked"] == [False] + [True] * (n - 1) + [not rrfp_won] * (3 - n)
     assert all(r["calibrated"] for r in found)
+    assert all(r["announce"] == ["board", "board"] for r in found), found  # one host: the start board
     assert all(len(r["cost_s"]) == n and all(0 < c < 5.0 for c in r["cost_s"]) for r in found)
 
 

@@ -179,6 +179,7 @@ def bytes_and_refusals(driven: Any, fixed: Any, rank: int, world: int, transport
         ("step", lambda: fixed.step(torch.zeros(M, 1))),
         ("mailbox", lambda: driven(3, "fixed", CountingCompute(world), loop=other)),
         ("announce", lambda: driven(3, "fixed", CountingCompute(world), hooks={"announce": "loud"})),
+        ("announce_arg", lambda: driven(3, "backfill", CountingCompute(world), announce="board")),
         ("trace_out", lambda: driven(3, "fixed", CountingCompute(world), trace_out="x.parquet")),
     ):
         try:
@@ -243,6 +244,7 @@ def test_driven_schedules_refuse_what_does_not_fit(results: list[dict[str, Any]]
         assert "runs run_iteration(), not step()" in r["step"]
         assert "transport and early mailbox" in r["mailbox"]
         assert "driver.announce 'loud'" in r["announce"]
+        assert "hears starts by driver.announce, not announce=" in r["announce_arg"]
         assert "driver.recorder, not trace_out" in r["trace_out"]
 
 

@@ -175,7 +175,8 @@ def test_tensor_parallel_stages_equal_the_reference(four: list[dict[str, Any]]) 
     """pp 2 x tp 2, column/row-split linears with an all-reduce in forward and backward: every shard's
     gradients equal the unsplit reference's slices under rrfp, backfill and guarded (split backward,
     mb_order); the members agreed on every task, and backfill/guarded calibrated over both pipelines
-    (the same costs on all four ranks)."""
+    (the same costs on all four ranks), each pipeline hearing starts on a start board of its own (its
+    ranks' group, not the world's)."""
     found = rows(four, kind="tp")
     assert {r["case"]["policy"] for r in found} == {"rrfp", "backfill", "guarded"}
     assert_equal_to_reference(found)
@@ -183,6 +184,8 @@ def test_tensor_parallel_stages_equal_the_reference(four: list[dict[str, Any]]) 
     for policy in ("backfill", "guarded"):
         means = [r["means"] for r in found if r["case"]["policy"] == policy]
         assert len(means) == 4 and means[0] and all(m == means[0] for m in means), means
+        boards = [r["announce"] for r in found if r["case"]["policy"] == policy]
+        assert all(mode == "board" and posts > 0 for mode, posts in boards), boards
 
 
 TP_ERRORS = {

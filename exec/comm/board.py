@@ -18,8 +18,8 @@ pipeline rank has one more slot after the task codes: ``(code + 1) << 40 | micro
 it runs now, 0 while it runs nothing (written at each start and end: one store each, so a reader sees
 a code with its own start). A rank clears it after its last task, so it never outlives an iteration.
 
-Lifetime: rank 0 creates the file, every rank maps it, and rank 0 unlinks it once all have mapped it (a
-barrier), so nothing is left in ``/dev/shm`` whatever happens to the job later.
+Lifetime: the group's rank 0 creates the file, every rank maps it, and rank 0 unlinks it once all have
+mapped it (a barrier), so nothing is left in ``/dev/shm`` whatever happens to the job later.
 """
 
 from __future__ import annotations
@@ -67,6 +67,8 @@ class StartBoard:
             os.close(fd)  # the mapping keeps the memory; the name can go
         self.slots = np.frombuffer(self._map, dtype=np.int64)
         self.epoch = epoch
+        self.path = str(path)
+        """The file it was mapped from (unlinked by :func:`open_board` once every rank mapped it)."""
 
     def post(self, slot: int, tag: int, start: float) -> None:
         """Record that the task of ``slot`` started at ``start`` (time.monotonic()) in ``tag``'s iteration."""
@@ -108,9 +110,10 @@ def shared_dir() -> Path:
 
 
 def open_board(group: Any, slots: int) -> StartBoard:
-    """Collective over ``group`` (every rank of the job, all on this host): one board of ``slots`` slots,
-    mapped by every rank, its file already unlinked when this returns. Its epoch is rank 0's clock now
-    (the ranks share CLOCK_MONOTONIC on one host)."""
+    """Collective over ``group`` (its ranks all on this host: rrfp-run's whole job, or one library
+    pipeline): one board of ``slots`` slots, mapped by every rank, its file already unlinked when this
+    returns. Its epoch is the group's first rank's clock now (the ranks share CLOCK_MONOTONIC on one
+    host)."""
     rank = dist.get_rank(group)
     box: list[Any] = [None]
     board = None
@@ -121,7 +124,7 @@ def open_board(group: Any, slots: int) -> StartBoard:
             box[0] = (str(path), epoch)
         except OSError as e:
             box[0] = f"cannot create the start board {path}: {e}"  # every rank learns it failed
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, group=group, group_src=0)  # the group's first rank
     if isinstance(box[0], str):
         raise BoardError(box[0])
     path, epoch = box[0]

@@ -11,7 +11,8 @@ Modules: ``schedule`` (:class:`ScheduleReadiness`, its rules), ``channels`` (:cl
 the collective set-up shared by schedules), ``engine`` (extension points for a driver with its own
 compute: rrfp-run's trials), ``compute`` (F/B/I/W of torch stages as runtime tasks),
 ``codec`` (tuples of tensors as one message), ``memory`` (byte-budget fits), ``sizing`` (microbatch
-sizes: ``mb_order``, sized costs), ``errors`` (the one-line errors).
+sizes: ``mb_order``, sized costs), ``starts`` (how a clocked policy hears producer starts: the
+same-host start board or messages, ``announce=``), ``errors`` (the one-line errors).
 """
 
 from rrfp.exec.pipelining.channels import ReadinessPipeline

@@ -37,7 +37,10 @@ Rules this schedule follows (torch's where torch has one):
 * ``backfill`` and ``guarded`` plan with measured costs: the first training step runs their no-clock rule
   while every rank meters its tasks; then the costs are merged over the pipeline (a collective) and the
   loop ticks their clock and announces producer starts from the next step on (rrfp.exec.loop.calibrate,
-  as rrfp-run does).
+  as rrfp-run does). ``announce="auto"`` writes those starts into a shared-memory start board when every
+  rank of the pipeline is on one host (no message per start), else sends them as messages
+  (rrfp.exec.pipelining.starts; :attr:`ScheduleReadiness.announce` and ``calibration["announce"]`` say
+  which). The medium changes when a start is heard, never what is computed.
 * ``auto`` (rrfp.dispatch.auto) runs backfill for its first ``rounds`` training steps; after each, one
   all-gather gives every rank every task's measured duration and every rank replays both arms on them;
   then every rank switches to the same arm (backfill, calibrated, or rrfp) for the rest of the run
@@ -86,6 +89,7 @@ several stages a rank (untested: its all-gathers follow the dispatch order).
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -99,15 +103,17 @@ from rrfp.dispatch.auto import Auto
 from rrfp.dispatch.backfill import Backfill
 from rrfp.dispatch.policies import DEFAULT_POLICY, Policy, get_policy
 from rrfp.dispatch.scheduler import RankScheduler
+from rrfp.exec.comm.board import StartBoard
 from rrfp.exec.comm.wire import one_line
 from rrfp.exec.faults import LostPeerError, WaitTimeoutError
-from rrfp.exec.loop.calibrate import CostMeter, calibrate
+from rrfp.exec.loop.calibrate import ANNOUNCED_OPS, CostMeter, calibrate
 from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
 from rrfp.exec.loop.switch import AutoRecord, AutoSwitch, TaskMeter
 from rrfp.exec.pipelining.channels import ReadinessPipeline
 from rrfp.exec.pipelining.compute import StageCompute
 from rrfp.exec.pipelining.engine import DriverHooks, DriverSteps
 from rrfp.exec.pipelining.errors import (
+    ClosedError,
     LossError,
     MicrobatchError,
     PipeliningError,
@@ -116,7 +122,9 @@ from rrfp.exec.pipelining.errors import (
 )
 from rrfp.exec.pipelining.memory import ForwardBytes
 from rrfp.exec.pipelining.sizing import SizedMeter, StepSizes, agree_sizes, check_mb_order, sized_model
+from rrfp.exec.pipelining.starts import open_starts, resolve_announce
 from rrfp.plan.budget import ByteBudget, parse_byte_item, position_bytes, resolve_budget
+from rrfp.plan.compiled import code_count
 from rrfp.plan.sources import make_hint
 from rrfp.traces.trace import TraceRecorder
 
@@ -136,7 +144,11 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
     made here); after a failure the others are waited for up to twice the pipeline's timeout.
     The chunk and merge specs are torch's. ``mb_order``, ``sized``, ``tp_group``: the module docstring.
     ``driver``: a compute of the caller's own and its loop's surroundings instead of the stages' modules
-    (rrfp.exec.pipelining.engine; rrfp-run's trials).
+    (rrfp.exec.pipelining.engine; rrfp-run's trials). ``announce``: how a clocked policy's loop tells
+    consumers of producer starts once calibrated -- ``auto`` (the start board when every rank of the
+    pipeline is on one host, else messages), ``board``, or messages for ``all``, ``backward`` or ``none``
+    of the ops (rrfp-run's ``--announce``; rrfp.exec.pipelining.starts); a driven schedule takes
+    ``driver.announce`` instead.
     """
 
     def __init__(
@@ -162,6 +174,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         sized: bool = False,
         tp_group: Any = None,
         driver: DriverHooks | None = None,
+        announce: str = "auto",
     ) -> None:
         stages = _stage_list(stages)
         self._driver = driver
@@ -187,17 +200,21 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         self.mb_order, self.sized = mb_order, bool(sized)
         self._user_sized = getattr(policy, "sized", None) is not None  # a policy object's own sized model
         sizing = (mb_order, self.sized, self._user_sized)
-        self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget, *sizing))
+        self.board: StartBoard | None = None
+        """This schedule's start board (announce mode ``board``; unmapped by :meth:`close`), or None."""
+        self._closed = False
+        self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget, *sizing), announce)
         try:  # every rank checked the same arguments: what fails now fails on every rank alike
-            self._build(stages, policy, memory_budget, byte_budget, fork_rng, trace_out)
+            self._build(stages, policy, memory_budget, byte_budget, fork_rng, trace_out, announce)
         except Exception:
+            self._free_board()
             if self._owns_pipeline:  # collective, as every rank is here
                 self.pipeline.close()
             raise
 
     def _build(
         self, stages: list[Any], policy: str | Policy, memory_budget: Any, byte_budget: str | None,
-        fork_rng: bool, trace_out: str | None,
+        fork_rng: bool, trace_out: str | None, announce: str,
     ) -> None:  # fmt: skip
         """The hint, scheduler, compute and runtime loop of this rank (after the agreement)."""
         pipe, hint, n_microbatches, loss_fn = (
@@ -220,7 +237,12 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         self._template = policy_obj if isinstance(policy_obj, Backfill) else None
         budgets = resolve_budget(memory_budget, self.hint)
         self.budget = budgets[pipe.pp_rank]
+        hosts = [v["host"] for v in self._views]
+        mode = resolve_announce(announce, hosts, self._template is not None, pipe.pp)
         if self._driver is not None:
+            if announce != "auto":
+                raise StageLayoutError("a driven schedule hears starts by driver.announce, not announce=")
+            self.announce = self._driver.announce
             self._build_driven(self._driver, policy_obj, byte_budget, budgets)
             return
         self.sched = RankScheduler(self.hint, pipe.pp_rank, policy_obj, self.budget)
@@ -235,16 +257,25 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
             self.compute.bytes = ForwardBytes(by_index)
         self.trace_out = trace_out
         self.recorder = None if trace_out is None else self._recorder(memory_budget)
+        self._build_loop(mode, announce)
+
+    def _build_loop(self, mode: str, announce: str) -> None:
+        """The start board (announce mode ``board``: collective over the pipeline) and the runtime loop."""
+        pipe = self.pipeline
+        self.announce, self.board = open_starts(pipe, self.hint, mode, announce)
+        """How producer starts are heard once calibrated: ``board``, or messages (``all``, ``backward``,
+        ``none``); ``auto`` decided (rrfp.exec.pipelining.starts)."""
+        running = -1 if self.board is None else code_count(self.hint.spec)
         ctx = RankContext(
             rank=pipe.rank, pp_rank=pipe.pp_rank, to_global=pipe.to_global, transport=pipe.transport,
             timeout=self.timeout, early=pipe.early, recorder=self.recorder, origin=self._views[0]["now"],
-            tp_ctrl=pipe.tp_ctrl,
+            tp_ctrl=pipe.tp_ctrl, board=self.board, board_running=running,
         )  # fmt: skip
         self._ctx = ctx
         self.runtime = PipelineRuntime(ctx, self.sched, self.compute, pipe.next_schedule())
         self._steps = 0
         self.calibration: dict[str, Any] | None = None
-        """backfill/guarded: the merged mean costs (ms) once calibrated."""
+        """backfill/guarded: the merged mean costs (ms) and the announce mode, once calibrated."""
 
     def _auto_switch(self, policy: Policy, budgets: Any) -> AutoSwitch | None:
         """``auto``: the switch between its arms (rrfp.exec.loop.switch), else None; and the sizing
@@ -296,14 +327,16 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         frame = frame.sort_values(["run", "iteration", "rank", "start"], kind="stable").reset_index(drop=True)
         write_trace(frame, path or self.trace_out)
 
-    def _agree(self, stages: list[Any], hint: str, budget: Any, extras: Any) -> None:
-        """Gather every rank's arguments once and refuse, on every rank alike, what does not fit."""
+    def _agree(self, stages: list[Any], hint: str, budget: Any, extras: Any, announce: Any) -> None:
+        """Gather every rank's arguments (and host) once and refuse, on every rank alike, what does not
+        fit."""
         pipe = self.pipeline
         mine = {
             "stages": sorted(s.stage_index for s in stages), "num_stages": stages[0].num_stages,
             "n": self._n_microbatches, "hint": hint, "policy": self.policy_name, "budget": repr(budget),
             "loss": self._loss_fn is not None, "rank": pipe.rank, "extras": extras,
             "now": time.monotonic(), "tp_error": self._tp_error, "ddp": _ddp_stages(stages),
+            "announce": repr(announce), "host": socket.gethostname(),
         }  # fmt: skip
         views: list[Any] = [None] * pipe.pp
         dist.all_gather_object(views, mine, group=pipe.ctrl)
@@ -316,6 +349,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
             ("hint", "hint", StageLayoutError), ("policy", "policy", StageLayoutError),
             ("budget", "memory_budget", StageLayoutError), ("loss", "loss_fn given", LossError),
             ("extras", "(trace_out given, byte_budget, mb_order, sized, a sized policy)", StageLayoutError),
+            ("announce", "announce", StageLayoutError),
         ):  # fmt: skip
             values = {v["rank"]: v[key] for v in views}
             if len(set(values.values())) > 1:
@@ -339,7 +373,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         start the same tasks), checked over the replica so every rank raises alike."""
         pipe = self.pipeline
         views: list[Any] = [None] * dist.get_world_size(pipe.model_ctrl)
-        same = {k: v for k, v in mine.items() if k not in ("rank", "now", "tp_error", "ddp")}
+        same = {k: v for k, v in mine.items() if k not in ("rank", "now", "tp_error", "ddp", "host")}
         dist.all_gather_object(views, (pipe.pp_rank, same), group=pipe.model_ctrl)
         for pp_rank, theirs in views:
             ours = next(v for r, v in views if r == pp_rank)
@@ -432,6 +466,8 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         """Prepare the microbatches and run every task of this rank; any error becomes a StageFailed on
         every rank."""
         self.pipeline.check_open()
+        if self._closed:
+            raise ClosedError("this ScheduleReadiness was closed")
         if self._driver is not None:
             raise PipeliningError("a schedule built with driver= runs run_iteration(), not step()")
         training = self._has_backward and torch.is_grad_enabled()
@@ -557,7 +593,11 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         hint = self.hint
         ops = {t.op for order in hint.orders.values() for t in order}
         group = self.pipeline.model_ctrl  # TP members plan with the same costs (rrfp-run: the world)
-        policy, info = calibrate(self.runtime.meter, group, self._template, hint.spec.num_stages, ops)
+        policy, info = calibrate(
+            self.runtime.meter, group, self._template, hint.spec.num_stages, ops,
+            ANNOUNCED_OPS[self.announce], board=self.board is not None,
+        )  # fmt: skip
+        info["announce"] = self.announce
         if self.sized:
             meter = self.runtime.meter
             assert isinstance(meter, SizedMeter)
@@ -601,13 +641,21 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         raise StageFailed(f"rank {rank} raised {what}") from e
 
     def close(self) -> None:
-        """Write the trace (``trace_out``), then free the channels if this schedule created them
-        (collective over the pipeline)."""
+        """Write the trace (``trace_out``), unmap the start board, then free the channels if this schedule
+        created them (collective over the pipeline). A closed schedule steps no more."""
         if self.trace_out is not None and self.pipeline.broken is None and not self.pipeline.closed:
             self.write_trace()
             self.trace_out = None
+        self._closed = True
+        self._free_board()
         if self._owns_pipeline:
             self.pipeline.close()
+
+    def _free_board(self) -> None:
+        """Unmap the start board (its file went when every rank had mapped it); local, not collective."""
+        if self.board is not None:
+            self.board.close()
+            self.board = None
 
     def __enter__(self) -> ScheduleReadiness:
         return self
