@@ -16,8 +16,11 @@ calibration step, dropped alike). Also each trace replayed with its own policy (
 ``control`` pair: fixed/1f1b recorded twice in every round, one replayed to predict the other -- no
 policy differs, so its error is the machine's step-to-step noise, the floor under every cross pair.
 
-Prints the table (pair, measured ms, predicted ms, error %), the median and worst |error| of the cross
-pairs, and the load average; writes the traces and results/library_fidelity/fidelity.csv. It needs free
+Prints the table (pair, measured ms, predicted ms, error %; the same for the steps' medians; and the
+*paired* error: the median over steps k of prediction k / B's measured step k, minus 1 -- step k of
+every trace ran the same microbatches, so this ratio has the data's variation out, and a stall that hit
+one trace's step k moves only that step's ratio), the median and worst |error| of the cross pairs, and
+the load average; writes the traces and results/library_fidelity/fidelity.csv. It needs free
 cores to mean much: on a shared machine quote it with the load beside it.
 """
 
@@ -133,6 +136,10 @@ def replay_row(out: Path, src: str, dst: str) -> dict[str, Any]:
     measured, predicted = target.measured_mean, run.predicted
     # Medians over the same steps (after the first): robust to the few steps a loaded machine stalls.
     med_m, med_p = statistics.median(target.measured[1:]), statistics.median(run.times[1:])
+    # Paired: step k of both traces ran round k's microbatches, so the ratio of the prediction for step
+    # k to B's measured step k has the data's variation out; its median over the steps also leaves out
+    # the steps a stall hit in either trace (a stall in A's step k inflates only prediction k).
+    paired = statistics.median(p / m for p, m in zip(run.times[1:], target.measured[1:], strict=True))
     cmd = f"rrfp-sim --replay {trace_path(out, src)}"
     if src != dst:
         cmd += f" --policy {policy} --hint {hint} --memory-budget {budget}"
@@ -142,6 +149,7 @@ def replay_row(out: Path, src: str, dst: str) -> dict[str, Any]:
         "measured_ms": 1e3 * measured, "predicted_ms": 1e3 * predicted,
         "error_pct": 100.0 * (predicted - measured) / measured, "median_measured_ms": 1e3 * med_m,
         "median_predicted_ms": 1e3 * med_p, "median_error_pct": 100.0 * (med_p - med_m) / med_m,
+        "paired_error_pct": 100.0 * (paired - 1.0),
         "step_cv": statistics.stdev(target.measured[1:]) / measured, "command": cmd + " --json",
     }  # fmt: skip
 
@@ -155,10 +163,11 @@ def report(out: Path) -> None:
     frame.to_csv(out / "fidelity.csv", index=False)
     with pd.option_context("display.width", 200, "display.max_colwidth", 60):
         cols = ["kind", "pair", "measured_ms", "predicted_ms", "error_pct", "median_measured_ms",
-                "median_predicted_ms", "median_error_pct", "step_cv"]  # fmt: skip
+                "median_predicted_ms", "median_error_pct", "paired_error_pct", "step_cv"]  # fmt: skip
         print(frame[cols].round(2).to_string(index=False))
     for kind, g in frame.groupby("kind", sort=False):
-        for col, what in (("error_pct", "means"), ("median_error_pct", "medians")):
+        for col, what in (("error_pct", "means"), ("median_error_pct", "medians"),
+                          ("paired_error_pct", "paired ratios' median")):  # fmt: skip
             err = g[col].abs()
             print(
                 f"{kind} ({len(g)}), step {what}: median |error| {statistics.median(err):.2f}%, "

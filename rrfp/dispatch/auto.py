@@ -26,13 +26,22 @@ The rule (:func:`next_arm`, a pure function of the replayed times), replay-then-
   more is replayed. Where one arm leads by that much the remaining replays only cost time: each one
   runs the safe arm, ``R·(s_safe − s_best)/T`` of the run (BENCHMARKS.md §10: with R = 2 that was the
   whole 0.02 miss where rrfp was 1.2x backfill); where the arms are close, all ``R`` rounds still decide.
+* **z test** (``z``, None: off): from ``k = 2`` replayed iterations on, an arm's lead over the safe arm
+  (``(total_safe − total_arm) / total_safe``) that is ``z`` standard errors (:func:`spread`: of its
+  per-iteration leads) above ``margin`` commits to it, and leads all ``z`` standard errors below it
+  commit to the safe arm -- either way nothing more is replayed; at ``R`` an arm is chosen only if its
+  lead clears ``margin + z·se``. Where one seed's replays happen to favour the arm that is worse on
+  average (BENCHMARKS.md §10, round 3: rrfp 0.95x backfill, chosen in 1 of 10 seeds after 2 rounds), a
+  noisy lead keeps replaying instead of committing.
 
 **Regret bound.** If a replay is exact and every iteration of arm ``a`` takes ``s_a`` x its work
 ``w_k <= w``, over ``T`` iterations ``sum_k (s_chosen(k) - s_best) * w_k <= R * (s_safe - s_best) * w +
 (T - R) * margin * s_safe * w``: the safe arm's deficit while replaying, plus the margin's (zero at
 ``margin = 0``). Per iteration that is ``(x - 1) * R / T`` of the iteration time when the safe arm is
 ``x`` times slower than the best. An early commit keeps it: with exact replays the lowest total after
-``k`` rounds is the best arm, so it only shortens the first term to ``k``. Replays err where the replay
+``k`` rounds is the best arm, so it only shortens the first term to ``k``. So does the z test: with
+exact replays every iteration's lead is the same, its standard error 0, and the test decides at
+``k = 2`` by the margin alone. Replays err where the replay
 model differs from the machine (message contention, a task's time depending on what runs beside it)
 and where iterations differ from the replayed ones; ``margin`` would keep the safe arm where the two
 are too close to tell (it is 0: on the tune regimes every margin tried cost more than it saved,
