@@ -100,7 +100,7 @@ def test_z_decides_once_a_lead_is_clear_of_the_margin_either_way():
     assert next_arm(last, **rule) == 0 and not replaying(last, **rule)
     assert next_arm(last, **{**rule, "z": None}) == 1
     # z = 0: the totals decide at the second round, as rounds = 2 does
-    assert next_arm(mixed, **{**rule, "z": 0.0}) == next_arm(mixed, rounds=2, early=None) == 1
+    assert next_arm(mixed, **{**rule, "z": 0.0}) == next_arm(mixed, rounds=2, early=None, z=None) == 1
     # identical rounds (an exact replay): no spread, the sign decides at the second round
     assert next_arm([(10.0, 9.9)] * 2, **rule) == 1 and next_arm([(10.0, 10.1)] * 2, **rule) == 0
     assert spread([(10.0, 9.6), (10.0, 9.8)], 2, 4) == pytest.approx([0.0, 0.01])
@@ -199,7 +199,8 @@ def arm_sequence(arm_times: Sequence[Sequence[float]], iterations: int) -> list[
 
 
 def test_each_auto_iteration_is_its_arms_on_the_same_sample():
-    c = cfg(seeds=4, iterations=4, memory_budget=("2x",))
+    n = ROUNDS + 2
+    c = cfg(seeds=6, iterations=n, memory_budget=("2x",))
     plans = plan_runs(c)
     result = run_experiment(c, progress=False, plans=plans)
     stats = {s.key.policy: s for s in result.stats}
@@ -207,12 +208,14 @@ def test_each_auto_iteration_is_its_arms_on_the_same_sample():
     runs = []
     for rep in range(c.seeds):
         arm_times = [stats[a].measured[rep] for a in ARMS]
-        runs.append(arm_sequence(arm_times, 4))
+        runs.append(arm_sequence(arm_times, n))
         expected = [arm_times[a][k] for k, a in enumerate(runs[-1])]
         assert stats["auto"].measured[rep] == pytest.approx(expected, rel=1e-9)
     assert auto.model is not None and auto.model.chosen == runs[-1]
-    # the case exercises an early commit, a commit after ROUNDS replays and staying with the safe arm
-    assert {tuple(r) for r in runs} == {(0, 1, 1, 1), (0, 0, 1, 1), (0, 0, 0, 0)} and ROUNDS == 2
+    # the case exercises an early commit, commits by the z test after 2 and 3 replays, and staying with
+    # the safe arm
+    commits = {tuple(r).index(1) if 1 in r else None for r in runs}
+    assert commits == {1, 2, 3, None} and all(r == sorted(r) for r in runs) and ROUNDS == 5
 
 
 def test_one_iteration_of_auto_is_backfill():
@@ -323,11 +326,11 @@ def test_from_judges_a_studys_csv_again_without_simulating(study, tmp_path, caps
     """--from re-judges the stored iterations: the same rows as the study that simulated them, and other
     rules on them (what the tune table's early-commit rows were judged with)."""
     out = tmp_path / "rows.csv"
-    base = ["--split", "tune", "--limit", "2", "--tiny", "--seeds", "3", "--committed", "2"]
+    base = ["--split", "tune", "--limit", "2", "--tiny", "--seeds", "3", "--committed", "2", "--z", "none"]
     study.main([*base, "--rounds", "1,2", "--margins", "0,0.02", "--early", "none,0.05", "--out", str(out)])
     again = tmp_path / "again.csv"
     study.main(["--from", str(out), "--rounds", "2", "--margins", "0.02", "--early", "none",
-                "--committed", "2", "--out", str(again)])  # fmt: skip
+                "--committed", "2", "--z", "none", "--out", str(again)])  # fmt: skip
     capsys.readouterr()
     first, second = pd.read_csv(out), pd.read_csv(again)
     key = ["regime", "rounds", "policy"]

@@ -67,7 +67,11 @@ it is correct everywhere and only a switching driver adds the choice.
     0
     >>> next_arm([(10.0, 9.0)], rounds=2, early=0.05)    # 10% faster: commit to rrfp at once
     1
-    >>> next_arm([(10.0, 9.8), (10.0, 10.1)], rounds=2, margin=0.0)   # totals 20 vs 19.9
+    >>> next_arm([(10.0, 9.8), (10.0, 10.1)], rounds=2, margin=0.0, z=None)   # totals 20 vs 19.9
+    1
+    >>> next_arm([(10.0, 9.8), (10.0, 10.1)], rounds=2, margin=0.0, z=1.25)   # +0.5% +- 1.5%: too noisy
+    0
+    >>> next_arm([(10.0, 9.7), (10.0, 9.6)], rounds=5, early=0.05, z=1.25)   # +3.5% +- 0.5%: commit now
     1
     >>> next_arm([(10.0, 9.95)], rounds=1, margin=0.01)   # within the margin: stay safe
     0
@@ -87,14 +91,14 @@ from rrfp.errors import UserError
 
 ARMS: tuple[str, ...] = ("backfill", "rrfp")
 """The arms, safe first: the policies the choice is between."""
-ROUNDS = 2
+ROUNDS = 5
 """Iterations run on the safe arm and replayed under every arm before the commit (``R``)."""
 MARGIN = 0.0
 """How much lower (a fraction of the safe arm's total) another arm's replayed total must be to be chosen."""
 EARLY: float | None = 0.05
 """Before ``R`` rounds: how much lower another arm's total so far must be to commit to it at once
 (None: never before ``R``)."""
-Z: float | None = None
+Z: float | None = 1.25
 """How many standard errors (:func:`spread`) an arm's lead must clear ``margin`` by, from 2 rounds on, to
 decide before ``R`` rounds, and at ``R`` to be chosen over the safe arm (None: no such test: the totals
 alone decide at ``R``)."""
