@@ -99,8 +99,8 @@ def run_auto(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
 
 
 TWO: list[dict[str, Any]] = [
-    {"name": "auto", "hint": "zb-h1", "steps": 3},
-    {"name": "auto-zbv-2x", "hint": "zbv", "steps": 3, "memory_budget": "2x"},
+    {"name": "auto", "hint": "zb-h1", "steps": Auto.rounds + 1},  # auto commits by then, whatever it replays
+    {"name": "auto-zbv-2x", "hint": "zbv", "steps": Auto.rounds + 1, "memory_budget": "2x"},
     {"name": "last", "hint": "1f1b", "steps": 4, "last": True},
     {"name": "broken", "hint": "1f1b", "steps": 2, "broken": True},
 ]

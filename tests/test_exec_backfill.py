@@ -233,9 +233,10 @@ def test_auto_switches_every_rank_after_its_replayed_iterations_in_rrfp_run() ->
     gradients check on every iteration, whichever arm ran it."""
     from rrfp.dispatch.auto import Auto
 
+    n = Auto.rounds + 1  # auto has committed by then, whatever it replays
     result = rrfp_run(
         "--gpus", "2", "-m", "8", "--check", "--trials", "auto/zb-h1@2x", "--warmup", "1",
-        "--iterations", "3", "--jitter", "lognormal", "--cv", "1.0", "--inject-ms", "3",
+        "--iterations", str(n), "--jitter", "lognormal", "--cv", "1.0", "--inject-ms", "3",
     )  # fmt: skip
     assert result["ok"]
     (row,) = result["results"]
@@ -245,4 +246,4 @@ def test_auto_switches_every_rank_after_its_replayed_iterations_in_rrfp_run() ->
     replayed = len(auto["replayed_s"])  # Auto.rounds, or fewer after an early commit
     assert 1 <= replayed <= Auto.rounds
     assert all(len(times) == len(Auto.arms) for times in auto["replayed_s"])
-    assert auto["steps"] == [Auto.arms[0]] * replayed + [auto["chosen"]] * (3 - replayed)
+    assert auto["steps"] == [Auto.arms[0]] * replayed + [auto["chosen"]] * (n - replayed)

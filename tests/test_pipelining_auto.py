@@ -50,20 +50,20 @@ def same_on_every_rank(found: list[dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("name", ["auto", "auto-zbv-2x"])
 def test_auto_trains_to_the_reference_and_agrees(two: dict[str, list[dict[str, Any]]], name: str) -> None:
-    """Three training steps with an eval step after the first: the first n steps (ROUNDS, or fewer
-    after an early commit) run backfill and are replayed, the rest the chosen arm, on every rank alike;
-    gradients equal."""
+    """ROUNDS + 1 training steps with an eval step after the first: the first n steps (at most ROUNDS;
+    fewer after an early commit or the z test) run backfill and are replayed, the rest the chosen arm, on
+    every rank alike; gradients equal."""
     found = two[name]
     assert all(r["worst"] <= RTOL for r in found), [r["worst"] for r in found]
     got = same_on_every_rank(found)
     assert got["arms"] == ["backfill", "rrfp"]
-    n = len(got["history"])
-    assert 1 <= n <= min(ROUNDS, 3) and all(t > 0 for times in got["history"] for t in times)
+    n, steps = len(got["history"]), ROUNDS + 1
+    assert 1 <= n <= ROUNDS and all(t > 0 for times in got["history"] for t in times)
     assert got["chosen"] == got["arms"][next_arm(got["history"])]
-    assert got["steps"] == ["backfill"] * n + [got["chosen"]] * (3 - n)  # the eval step is not counted
+    assert got["steps"] == ["backfill"] * n + [got["chosen"]] * (steps - n)  # the eval step is not counted
     rrfp_won = got["chosen"] == "rrfp"
-    assert got["policies"][n:] == ["rrfp" if rrfp_won else "auto"] * (3 - n)  # backfill: calibrated auto
-    assert got["clocked"] == [False] + [True] * (n - 1) + [not rrfp_won] * (3 - n)
+    assert got["policies"][n:] == ["rrfp" if rrfp_won else "auto"] * (steps - n)  # backfill: calibrated auto
+    assert got["clocked"] == [False] + [True] * (n - 1) + [not rrfp_won] * (steps - n)
     assert all(r["calibrated"] for r in found)
     assert all(r["announce"] == ["board", "board"] for r in found), found  # one host: the start board
     assert all(len(r["cost_s"]) == n and all(0 < c < 5.0 for c in r["cost_s"]) for r in found)
