@@ -24,8 +24,8 @@ reference order, not bfw's extra zero-bubble one), as in regimes.py, and judged 
 runs (G3 as far as one regime reaches). ``--rounds``, ``--margins``, ``--early`` and ``--arm-sets``
 evaluate every combination on one simulation of max R + C iterations (tuning: ``--split tune`` only);
 a candidate is named ``auto`` for the module's constants and ``auto@R<R>m<margin>e<early>`` for others.
-``--from CSV`` judges a study's stored iterations (its ``measured`` column) again for other
-candidates, without simulating. ``--replay-cost HINTS`` times one replayed round. Held out runs only
+``--from CSV[,CSV...]`` judges studies' stored iterations (their ``measured`` column) again for
+other candidates, without simulating. ``--replay-cost HINTS`` times one replayed round. Held out runs only
 with ``--final``.
 
     .venv/bin/python benchmarks/auto_study.py --split tune --limit 20 --seeds 10 --margins 0,0.01,0.02
@@ -218,6 +218,18 @@ def best_fixed_line(frame: pd.DataFrame, name: str) -> str:
             f"min {part['vs_best_low'].min():.4f}")  # fmt: skip
 
 
+def brief_line(frame: pd.DataFrame, name: str) -> str:
+    """``--brief``: ``name``'s two goals on one line (the tune tables of BENCHMARKS.md §10)."""
+    cand = frame[(frame["policy"] == name) & frame["speedup"].notna()]
+    cand = cand[cand["infeasible"].fillna("").astype(str) == ""].set_index("regime")
+    peers = frame[frame["policy"].isin(["rrfp", "backfill"])].groupby("regime")["speedup"].max()
+    gap = (cand["speedup"] - peers.reindex(cand.index)).dropna()
+    low, ok = cand["ci_low"] >= rg.GOAL_LOW, gap >= -rg.GOAL_BEHIND
+    return (f"{name:28s} G1 {int(low.sum())}/{len(cand)} min {cand['ci_low'].min():.4f}  "
+            f"G2 {int(ok.sum())}/{len(gap)} ({ok.mean():.1%}) worst {gap.min():+.4f}  "
+            f"rrfp in {cand['aggressive_share'].mean():.0%} of seeds")  # fmt: skip
+
+
 def replay_cost(hint_name: str, pp: int, m: int, arms: tuple[str, ...], repeats: int) -> list[float]:
     """Seconds one replayed iteration costs a rank: every arm's rrfp.run_reference on one iteration's
     durations (per-op means F=1, B=2, I=W=1 times a lognormal jitter with CV 0.3, a 1% message latency,
@@ -269,7 +281,10 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[Candidate, 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--split", choices=("tune", "heldout"))
     ap.add_argument(
-        "--from", dest="source", type=Path, help="judge a study's CSV again (its measured column)"
+        "--from",
+        dest="source",
+        type=lambda t: [Path(x) for x in t.split(",") if x.strip()],
+        help="judge studies' CSVs (comma-separated) again from their measured column",
     )
     ap.add_argument("--replay-cost", metavar="HINTS", help="time one replayed iteration instead")
     ap.add_argument("--pp", type=int, default=16, help="--replay-cost's pipeline depth [16]")
@@ -286,6 +301,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[Candidate, 
                     help="z values (standard errors a lead must clear) to evaluate, comma-separated "
                     "('none': no test)")  # fmt: skip
     ap.add_argument("--committed", type=int, default=1, help="committed iterations simulated per seed [1]")
+    ap.add_argument("--brief", action="store_true", help="one line per candidate: its two goals")
     rg.add_run_options(ap)
     a = ap.parse_args(argv)
     if a.split is None and not (a.source or a.replay_cost):
@@ -314,7 +330,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     start = time.perf_counter()
     if a.source is not None:
-        frame = rejudge(a.source, candidates, a.horizon, a.committed)
+        frame = pd.concat(
+            [rejudge(p, candidates, a.horizon, a.committed) for p in a.source], ignore_index=True
+        )
     else:
         chosen = rg.regimes(a.split, a.limit, a.regime_set, a.skip)
         jobs = [
@@ -328,6 +346,9 @@ def main(argv: list[str] | None = None) -> None:
         frame.to_csv(a.out, index=False)
     for arms, r, m, e, z in candidates:
         name, part = candidate_name(arms, r, m, e, z), frame[frame["rounds"] == r]
+        if a.brief:
+            print(brief_line(part, name))
+            continue
         print("\n".join(rg.goal_report(part, name)))
         share = part.loc[part["policy"] == name, "aggressive_share"].mean()
         print(f"  {name}: committed to rrfp in {share:.1%} of seeds")
