@@ -13,8 +13,10 @@ rrfp-run's trials can, as they run the same loop):
   gathered numbers with :func:`rrfp.run_reference`: the backfill arm with the costs it was calibrated
   with (the policy that will really run), the rrfp arm as it is (it needs no clock). The replay is
   deterministic and every rank feeds it the same gathered objects, so every rank appends the same times;
-* at the boundary (``rounds`` steps replayed) :meth:`AutoSwitch.end` returns the chosen arm's policy
-  (``Auto.choose``) after a second, tiny all-gather of each rank's (choice, history): if any rank differs
+* after every replayed step a second, tiny all-gather of each rank's (choice, history) checks that the
+  ranks agree, and at the boundary (at most ``rounds`` steps replayed: the z test or an early commit
+  may end them sooner) :meth:`AutoSwitch.end` returns the chosen arm's policy (``Auto.choose``); if any
+  rank differs
   -- a replay that is not deterministic, ranks fed different numbers -- every rank raises
   :class:`AutoSwitchError` rather than each running the arm its own replay picked (the choice is one for
   the whole pipeline, and a replay that differs between ranks is a bug). The caller builds a fresh
@@ -159,18 +161,20 @@ class AutoSwitch:
         return TaskMeter() if self.replaying else None
 
     def end(self, meter: TaskMeter, backfill: Backfill) -> Policy | None:
-        """After a metered step (collective over the group): gather, replay every arm, append. At the
-        boundary, check every rank agrees and return the chosen arm's policy; before it, None.
-        ``backfill``: the calibrated safe arm (what the scheduler runs now)."""
+        """After a metered step (collective over the group): gather, replay every arm, append, check
+        every rank replayed the same (every step: the z test or an early commit may end the replays
+        after any of them, and ranks that disagreed there would part ways), and at the boundary return
+        the chosen arm's policy; before it, None. ``backfill``: the calibrated safe arm (what the
+        scheduler runs now)."""
         t0 = time.perf_counter()
         gathered: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, meter.share(self.hint, self.rank), group=self.group)
         arms = [backfill, *(get_policy(name) for name in self.record.arms[1:])]
         self.record.history.append(self.replay(self.hint, arms, gathered, self.budget))
         chosen = None
+        arm = self.arm
+        self.agree(arm)
         if not self.replaying:
-            arm = self.arm
-            self.agree(arm)
             self.record.chosen = self.record.arms[arm]
             chosen = arms[arm]
         self.record.cost_s.append(time.perf_counter() - t0)
