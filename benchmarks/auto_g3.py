@@ -12,6 +12,9 @@ its arms on each hint as auto_study composes it (the same weights: a T-iteration
   the larger of its arms' on each rank, its budget theirs);
 * the goal: auto's speedup over that best fixed order, paired per seed, has a 95% CI low >= 0.99.
 
+A hint the cell cannot set up (rrfp-sim refuses it, e.g. fewer layers than stages at v = 2) is left
+out of that cell (the row's ``skipped``); one whose arms do not fit its memory too.
+
 Seven hints cost about seven times auto_study's run per cell, so ``--every N`` judges every N-th cell
 of the split (the subset is fixed by index before anything runs). Held out runs only with ``--final``.
 
@@ -37,6 +40,7 @@ import auto_study as study
 import regimes as rg
 
 from rrfp.dispatch.auto import ARMS, EARLY, HORIZON, MARGIN, ROUNDS, Z
+from rrfp.errors import UserError
 
 HINTS = ("1f1b", "bf", "bfw", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv")
 """Every hint a cell runs (the regime generator's hints)."""
@@ -83,8 +87,13 @@ def judge_cell(regime: rg.Regime, seeds: int, rule: tuple[int, float, float | No
     base = rg.tiny(regime.args) if small else regime.args
     fixed: dict[Any, tuple[Footprint, list[float]]] = {}
     autos: dict[str, tuple[Footprint, list[float]]] = {}
+    skipped = []
     for hint in HINTS:
-        stats, byte_mode = _runs(hint_args(tuple(base), hint), seeds, rule[0] + committed)
+        try:
+            stats, byte_mode = _runs(hint_args(tuple(base), hint), seeds, rule[0] + committed)
+        except UserError:  # this hint cannot be set up in this cell (e.g. fewer layers than v x pp)
+            skipped.append(hint)
+            continue
         ok = [s for s in stats if not s.infeasible and s.measured]
         for s in ok:
             if s.key.policy == "fixed":
@@ -98,6 +107,7 @@ def judge_cell(regime: rg.Regime, seeds: int, rule: tuple[int, float, float | No
         autos[hint] = (Footprint(arms[ARMS[0]].key, float(np.mean(times)), peaks, prints[0].allowed,
                                  prints[0].unit), times)  # fmt: skip
     row: dict[str, Any] = {"regime": regime.index, "split": regime.split, "hints": len(autos),
+                           "skipped": ",".join(skipped),
                            "command": "rrfp-sim " + shlex.join(base)}  # fmt: skip
     if not autos:
         return {**row, "best_hint": "", "best_fixed": "", "speedup": np.nan, "ci_low": np.nan}

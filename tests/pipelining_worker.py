@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pipelining_starts import AnnounceCounter, starts
 from torch import nn
 
 RTOL = 1e-5
@@ -255,51 +256,8 @@ def run_grad(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     return row
 
 
-class AnnounceCounter:
-    """The announcement messages this rank's transport sends: every call passes through to the real
-    ``Transport.announce`` and is counted (the schedules' loops look it up on the transport each time)."""
-
-    def __init__(self, transport: Any) -> None:
-        self.sent, self._announce = 0, None
-        if transport is not None:
-            self._announce, transport.announce = transport.announce, self
-
-    def __call__(self, *args: Any) -> None:
-        self.sent += 1
-        assert self._announce is not None
-        self._announce(*args)
-
-
 ANNOUNCED = AnnounceCounter(None)
 """This rank's counter, installed on the shared pipeline's transport by rank_main."""
-
-
-def mapped(path: str) -> bool:
-    """Does this process map ``path`` (an unlinked file still shows, marked deleted)?"""
-    with open("/proc/self/maps") as f:
-        return any(path in line for line in f)
-
-
-def starts(sched: Any, announced: int) -> dict[str, Any]:
-    """How the schedule heard producer starts, then close it: its announce mode and the calibration's,
-    the announcement messages this rank sent over the case, and with a board: the slots its steps wrote,
-    whether its file was gone while mapped, and whether close() unmapped it."""
-    row: dict[str, Any] = {"announce": sched.announce, "announced": announced, "board_posts": None}
-    row["calibrated"] = None if sched.calibration is None else sched.calibration.get("announce")
-    board = sched.board
-    if board is not None:
-        row["board_posts"] = int((board.slots != 0).sum())
-        row["board_file"] = os.path.exists(board.path)
-        row["mapped"] = [mapped(board.path)]
-    sched.close()
-    if board is not None:
-        row["mapped"].append(mapped(board.path))
-    try:  # a closed schedule (its board unmapped) steps no more; local, before any collective
-        sched.step()
-        row["after_close"] = None
-    except Exception as e:
-        row["after_close"] = f"{type(e).__name__}: {e}"
-    return row
 
 
 def torch_check(case: dict[str, Any], ref: list[nn.Module], mine: list[int], num_stages: int, batch: Any,
