@@ -19,7 +19,7 @@ Seven hints cost about seven times auto_study's run per cell, so ``--every N`` j
 of the split (the subset is fixed by index before anything runs). Held out runs only with ``--final``.
 
     .venv/bin/python benchmarks/auto_g3.py --set c --split tune --limit 4 --seeds 3 --tiny   # smoke test
-    .venv/bin/python benchmarks/auto_g3.py --set c --split heldout --final --every 6 --seeds 10 --workers 2
+    .venv/bin/python benchmarks/auto_g3.py --set c --split heldout --final --every 10 --seeds 10 --workers 2
 """
 
 from __future__ import annotations

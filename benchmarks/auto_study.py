@@ -11,8 +11,8 @@ for ``fixed``, ``rrfp`` and ``backfill`` (``rrfp-sim <regime> --policy fixed,rrf
 + (T - R) / C * (t_R + ... + t_{R+C-1})) / T`` of its own iterations. The committed iterations are
 i.i.d. (each draws its own sample; schedulers reset at the flush), so this is an unbiased estimate of
 the T-iteration mean; C simulated committed iterations instead of T - R only widen each row's CI.
-(Not quite i.i.d. with deterministic durations: there rrfp's times can depend on the iteration's
-absolute start, BENCHMARKS.md §10.) ``auto``'s iterations are its arms' on the same samples: each
+(Each iteration runs on its own clock from t = 0, so with deterministic durations they are
+equal too, sim/model.py.) ``auto``'s iterations are its arms' on the same samples: each
 iteration on the arm :func:`rrfp.dispatch.auto.next_arm` picks from the replays before it (the
 simulator's replay: a task's duration is its sample's, whoever orders it). That is what ``rrfp-sim
 --policy auto`` (rrfp.sim.auto) simulates, iteration for iteration (tests/test_auto.py holds the two
@@ -23,7 +23,8 @@ reference order, not bfw's extra zero-bubble one), as in regimes.py, and judged 
 (:func:`benchmarks.regimes.goal_report`), plus a line for the best fixed order among the regime's own
 runs (G3 as far as one regime reaches). ``--rounds``, ``--margins``, ``--early`` and ``--arm-sets``
 evaluate every combination on one simulation of max R + C iterations (tuning: ``--split tune`` only);
-a candidate is named ``auto`` for the module's constants and ``auto@R<R>m<margin>e<early>`` for others.
+a candidate is named ``auto`` for the module's constants and ``auto@R<R>m<margin>e<early>[z<z>]``
+for others.
 ``--from CSV[,CSV...]`` judges studies' stored iterations (their ``measured`` column) again for
 other candidates, without simulating. ``--replay-cost HINTS`` times one replayed round. Held out runs only
 with ``--final``.

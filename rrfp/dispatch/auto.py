@@ -122,13 +122,12 @@ def totals(history: Sequence[Replayed], arms: int, rounds: int) -> list[float]:
     return out
 
 
-def _lowest(total: Sequence[float], margin: float | Sequence[float]) -> int:
-    """The arm with the lowest total, if below the safe arm's by more than ``margin`` (one for every
-    arm, or one per arm); else the safe."""
+def _lowest(total: Sequence[float], margins: Sequence[float]) -> int:
+    """The arm with the lowest total, if below the safe arm's by more than its ``margins[a]`` (a
+    fraction); else the safe."""
     best = 0
     for a in range(1, len(total)):  # strictly lower only: ties stay with the earlier (safer) arm
-        m = margin if isinstance(margin, float | int) else margin[a]
-        if total[a] < total[best] and total[a] < total[0] * (1.0 - m):
+        if total[a] < total[best] and total[a] < total[0] * (1.0 - margins[a]):
             best = a
     return best
 
@@ -147,15 +146,13 @@ def spread(history: Sequence[Replayed], arms: int, rounds: int) -> list[float]:
     return out
 
 
-def _decided(history: Sequence[Replayed], arms: int, k: int, margin: float, z: float) -> int | None:
-    """After ``k >= 2`` replayed iterations, the arm that is ``z`` standard errors clear of ``margin``
-    (:func:`spread`): an arm whose lead is above it, or the safe one when every lead is below it; None
-    while one is within it."""
-    total, se = totals(history, arms, k), spread(history, arms, k)
+def _cleared(total: Sequence[float], se: Sequence[float], margin: float, z: float) -> int | None:
+    """The arm that is ``z`` standard errors ``se`` clear of ``margin``: an arm whose lead is above it,
+    or the safe one when every lead is below it; None while one is within it."""
     best = _lowest(total, [margin + z * e for e in se])
     if best != 0:
         return best
-    below = all((total[0] - total[a]) / total[0] < margin - z * se[a] for a in range(1, arms))
+    below = all((total[0] - total[a]) / total[0] < margin - z * se[a] for a in range(1, len(total)))
     return 0 if below else None
 
 
@@ -177,13 +174,12 @@ def _choice(
             raise AutoError(f"a replayed iteration needs {arms} times > 0, got {tuple(times)}")
     for k in range(1, min(len(history), rounds) + 1):
         total = totals(history, arms, k)
+        se = spread(history, arms, k) if z is not None else [0.0] * arms  # 0 too while k < 2
         if k == rounds:
-            if z is None or k < 2:
-                return _lowest(total, margin)
-            return _lowest(total, [margin + z * e for e in spread(history, arms, k)])
-        if early is not None and (a := _lowest(total, early)) != 0:
+            return _lowest(total, [margin + (z or 0.0) * e for e in se])
+        if early is not None and (a := _lowest(total, [early] * arms)) != 0:
             return a
-        if z is not None and k >= 2 and (a := _decided(history, arms, k, margin, z)) is not None:
+        if z is not None and k >= 2 and (a := _cleared(total, se, margin, z)) is not None:
             return a
     return None
 
