@@ -10,13 +10,13 @@ the options) hashes to :data:`HELDOUT_SHA256` (e925cc96e64f0d0f...; 346 of the 7
 out, 374 tune); tests/test_regimes.py pins it, so any edit that changes a held-out regime shows in the
 diff.
 
-**Two sets.** ``--set a`` (the default) is regimes 0-719, the set above: auto was tuned on its tune
+**Four sets.** ``--set a`` (the default) is regimes 0-719, the set above: auto was tuned on its tune
 split and judged once on its held out (BENCHMARKS.md §10). ``--set b`` is regimes 720-1439, drawn by
 the same generator and split by the same rule, a fresh held out for a second round of tuning: its
 held-out list (``--set b --split heldout --list``, 360 regimes) hashes to :data:`HELDOUT_B_SHA256`
 (f9fa5bf697e64a8d...), pinned in tests/test_regimes.py before that round began. ``--set c`` is regimes
 1440-2159, the third round's fresh held out, pinned the same way (:data:`HELDOUT_C_SHA256`) before that
-round's tuning.
+round's tuning; ``--set d`` is regimes 2160-2879, the fourth round's (:data:`HELDOUT_D_SHA256`).
 
 **What a regime draws** (:func:`draw_options`; every draw is uniform over the values listed):
 
@@ -89,10 +89,11 @@ SETS = {
     "a": range(0, N_REGIMES),
     "b": range(N_REGIMES, 2 * N_REGIMES),
     "c": range(2 * N_REGIMES, 3 * N_REGIMES),
+    "d": range(3 * N_REGIMES, 4 * N_REGIMES),
 }
 """The regime sets (``--set``), each with its own tune and held-out split by the same index rule. Set a
 was tuned on and its held out judged once (BENCHMARKS.md §10); set b's indices were first drawn, and its
-held out pinned, before the second round of tuning; set c's before the third."""
+held out pinned, before the second round of tuning; set c's before the third, set d's before the fourth."""
 SEED_BASE = 700_000
 """Regime i runs from ``--seed SEED_BASE + i`` (replications 0..seeds-1 of it)."""
 HELDOUT_SHA256 = "e925cc96e64f0d0fe4eb0f33538b640bacf8f758465f21746978950449f50f22"
@@ -107,6 +108,10 @@ HELDOUT_C_SHA256 = "c686df805b74a49732e43b6c08c052683d19cca36c1588851438f148ff4e
 """sha256 of set c's ``--set c --split heldout --list`` text (tests/test_regimes.py pins it)."""
 HELDOUT_C_COUNT = 355
 """Regimes in set c's held-out split."""
+HELDOUT_D_SHA256 = "eea0569d3673cbd1bb268f653608e0363dabe546158f37e988c29588dfa6108c"
+"""sha256 of set d's ``--set d --split heldout --list`` text (tests/test_regimes.py pins it)."""
+HELDOUT_D_COUNT = 394
+"""Regimes in set d's held-out split."""
 
 PIPELINES = (4, 6, 8, 12, 16, 20, 24)
 HINTS = ("1f1b", "bf", "bfw", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv")
@@ -366,7 +371,8 @@ def add_run_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--workers", type=parse_workers, default=1)
     ap.add_argument("--out", type=Path, default=None, help="write the rows (CSV)")
     ap.add_argument("--set", dest="regime_set", choices=tuple(SETS), default="a",
-                    help="regime set: a = indices 0-719 (default), b = 720-1439, c = 1440-2159")  # fmt: skip
+                    help="regime set: a = indices 0-719 (default), b = 720-1439, c = 1440-2159, "
+                    "d = 2160-2879")  # fmt: skip
     ap.add_argument("--limit", type=int, default=None, help="the split's first N regimes only")
     ap.add_argument("--skip", type=int, default=0, help="leave out the split's first N regimes [0]")
     ap.add_argument("--tiny", action="store_true", help="every regime at pp 4, m 8 (a smoke test)")

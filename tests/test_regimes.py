@@ -35,6 +35,19 @@ def every(reg):
     return reg.regimes()
 
 
+@pytest.fixture(scope="module")
+def drawn(reg, every):
+    """Each set's regimes, drawn once for the module (a set takes seconds)."""
+    cache = {"a": every}
+
+    def of(name: str) -> list:
+        if name not in cache:
+            cache[name] = reg.regimes(regime_set=name)
+        return cache[name]
+
+    return of
+
+
 def _value(args: tuple[str, ...], flag: str) -> str | None:
     return args[args.index(flag) + 1] if flag in args else None
 
@@ -61,8 +74,8 @@ def test_split_is_disjoint_stable_and_pinned(reg, every) -> None:
     assert edited != text and hashlib.sha256(edited.encode()).hexdigest() != reg.HELDOUT_SHA256
 
 
-def test_set_b_is_fresh_and_its_heldout_pinned(reg, every, capsys) -> None:
-    b = reg.regimes(regime_set="b")
+def test_set_b_is_fresh_and_its_heldout_pinned(reg, every, drawn, capsys) -> None:
+    b = drawn("b")
     assert [r.index for r in b] == list(range(reg.N_REGIMES, 2 * reg.N_REGIMES))
     assert not {r.args for r in b} & {r.args for r in every}  # no regime of set a again
     assert reg.make_regime(b[5].index) == b[5] and all(r.split == reg.split_of(r.index) for r in b)
@@ -81,17 +94,33 @@ def test_set_b_is_fresh_and_its_heldout_pinned(reg, every, capsys) -> None:
         assert reg.config_of(reg.command(r, reg.POLICIES, 10)).study.pp == int(_value(r.args, "--stages"))
 
 
-def test_set_c_is_fresh_and_its_heldout_pinned(reg, every) -> None:
-    c = reg.regimes(regime_set="c")
+def test_set_c_is_fresh_and_its_heldout_pinned(reg, every, drawn) -> None:
+    c = drawn("c")
     assert [r.index for r in c] == list(range(2 * reg.N_REGIMES, 3 * reg.N_REGIMES))
-    earlier = {r.args for r in every} | {r.args for r in reg.regimes(regime_set="b")}
+    earlier = {r.args for r in every} | {r.args for r in drawn("b")}
     assert not {r.args for r in c} & earlier  # no regime of set a or b again
     held = [r for r in c if r.split == "heldout"]
     assert len(held) == reg.HELDOUT_C_COUNT >= 300
-    assert reg.listing_hash("heldout", "c") == reg.HELDOUT_C_SHA256
-    edited = "".join(r.line + "\n" for r in held).replace("--cv 0.3 ", "--cv 0.31 ", 1)
+    text = "".join(r.line + "\n" for r in held)  # what listing() writes (set b's test holds the two equal)
+    assert hashlib.sha256(text.encode()).hexdigest() == reg.HELDOUT_C_SHA256
+    edited = text.replace("--cv 0.3 ", "--cv 0.31 ", 1)
     assert hashlib.sha256(edited.encode()).hexdigest() != reg.HELDOUT_C_SHA256
     for r in held:  # every held-out regime of set c is a valid rrfp-sim command
+        assert reg.config_of(reg.command(r, reg.POLICIES, 10)).study.pp == int(_value(r.args, "--stages"))
+
+
+def test_set_d_is_fresh_and_its_heldout_pinned(reg, every, drawn) -> None:
+    d = drawn("d")
+    assert [r.index for r in d] == list(range(3 * reg.N_REGIMES, 4 * reg.N_REGIMES))
+    earlier = {r.args for s in "bc" for r in drawn(s)} | {r.args for r in every}
+    assert not {r.args for r in d} & earlier  # no regime of set a, b or c again
+    held = [r for r in d if r.split == "heldout"]
+    assert len(held) == reg.HELDOUT_D_COUNT >= 300
+    text = "".join(r.line + "\n" for r in held)  # what listing() writes (set b's test holds the two equal)
+    assert hashlib.sha256(text.encode()).hexdigest() == reg.HELDOUT_D_SHA256
+    edited = text.replace("--cv 0.3 ", "--cv 0.31 ", 1)
+    assert hashlib.sha256(edited.encode()).hexdigest() != reg.HELDOUT_D_SHA256
+    for r in held:  # every held-out regime of set d is a valid rrfp-sim command
         assert reg.config_of(reg.command(r, reg.POLICIES, 10)).study.pp == int(_value(r.args, "--stages"))
 
 
