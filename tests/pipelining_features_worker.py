@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -415,6 +416,52 @@ def run_tp_refused(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     return {"raised": None}
 
 
+class _RaisingTP(TPBlock):
+    """A TP shard whose second forward raises before its all-reduce (a user bug on one TP member)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("boom in one TP member")
+        return super().forward(x)
+
+
+def run_tp_fail(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
+    """pp 2 x tp 2 (as :func:`run_tp`), rank 3 (pipeline rank 1, TP member 1) raising mid-step: its
+    pipeline [1, 3] stops at once naming it; its TP partner, rank 2, is left in the user's all-reduce
+    until the user's TP group times out (5 s here), then its pipeline [0, 2] stops naming rank 2's
+    timeout. Every rank raises StageFailed, none hangs. (A failed step leaves the pipeline unusable:
+    it is not closed, as in tests/pipelining_worker.py's error cases.)"""
+    from rrfp.errors import UserError
+    from rrfp.exec import ReadinessPipeline, ScheduleReadiness
+
+    rank = dist.get_rank()
+    pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    user_tp = timedelta(seconds=5)
+    tp_groups = [dist.new_group([0, 1], timeout=user_tp), dist.new_group([2, 3], timeout=user_tp)]
+    pp_rank, tp_rank = divmod(rank, 2)
+    pp_group, tp_group = pp_groups[tp_rank], tp_groups[pp_rank]
+    pipe = ReadinessPipeline(group=pp_group, timeout=4.0, tp_group=tp_group)
+    torch.manual_seed(7)
+    block = _RaisingTP if rank == 3 else TPBlock
+    mine = nn.Sequential(block(FullBlock(), tp_group))
+    stage = stages_of({pp_rank: mine}, 2, group=pp_group)[0]
+    sched = ScheduleReadiness(stage, 4, mse, hint="1f1b", policy="rrfp", pipeline=pipe, tp_group=tp_group)
+    g = torch.Generator().manual_seed(300)
+    arg_mbs = [(torch.randn(2, 16, generator=g),) for _ in range(4)]
+    tgt_mbs = [torch.randn(2, 16, generator=g) for _ in range(4)]
+    start = time.monotonic()
+    try:
+        sched.step_microbatches(arg_mbs if pp_rank == 0 else None, tgt_mbs if pp_rank == 1 else None)
+    except UserError as e:
+        return {"raised": type(e).__name__, "text": str(e), "seconds": time.monotonic() - start}
+    except Exception as e:
+        return {"raised": f"not a UserError: {type(e).__name__}", "text": str(e)}
+    return {"raised": None}
+
+
 # -- item 5: DDP-wrapped stages ---------------------------------------------------------------------
 def run_ddp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     """pp 2 x dp 2: PipelineStage(DistributedDataParallel(module, process_group=dp_group)) for each of the
@@ -516,7 +563,7 @@ def run_size_error(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
 
 
 KINDS = {"sizes": run_sizes, "order_dropout": run_order_dropout, "refused": run_refused, "tp": run_tp,
-         "autocast": run_autocast, "dcp": run_dcp, "tp_refused": run_tp_refused,
+         "autocast": run_autocast, "dcp": run_dcp, "tp_refused": run_tp_refused, "tp_fail": run_tp_fail,
          "size_error": run_size_error,
          "ddp": run_ddp, "fsdp": run_fsdp}  # fmt: skip
 TWO: list[dict[str, Any]] = [
@@ -548,6 +595,7 @@ FOUR: list[dict[str, Any]] = [
     {"kind": "ddp", "hint": "zb-h1", "policy": "fixed", "unchecked": True},
     {"kind": "fsdp", "hint": "1f1b", "policy": "rrfp"},
     {"kind": "fsdp", "hint": "zb-h1", "policy": "rrfp"},
+    {"kind": "tp_fail"},  # last: it leaves its pipelines unusable
 ]
 SUITES: dict[str, list[dict[str, Any]]] = {"two": TWO, "four": FOUR}
 

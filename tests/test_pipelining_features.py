@@ -7,6 +7,7 @@ reference (tests/pipelining_worker.py's) at relative 1e-5 unless a case says oth
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -201,6 +202,25 @@ def test_tensor_parallel_layouts_refused_on_every_rank(four: list[dict[str, Any]
     assert len(found) == 4
     for r in found:
         assert r["raised"] == "StageLayoutError" and TP_ERRORS[error] in r["text"], r
+
+
+def test_a_tp_member_raising_mid_step_stops_every_rank(four: list[dict[str, Any]]) -> None:
+    """Rank 3 (pipeline rank 1, TP member 1) raises in its second forward, before the user's all-reduce:
+    its pipeline [1, 3] raises StageFailed naming it at once. The other pipeline [0, 2] is not told (the
+    word spreads along pipelines, not across TP groups): its ranks wait in a TP collective with a
+    stopped member -- rank 2 in the user's all-reduce (group timeout 5 s), rank 0 in the task
+    agreement with rank 1 (2 x timeout + 5 = 13 s) -- and then raise StageFailed naming the first
+    timeout. Every rank stops within those bounds; none hangs."""
+    found = {r["rank"]: r for r in rows(four, kind="tp_fail")}
+    assert sorted(found) == [0, 1, 2, 3]
+    for rank, r in found.items():
+        assert r["raised"] == "StageFailed", r
+        if rank in (1, 3):
+            assert r["text"] == "rank 3 raised RuntimeError: boom in one TP member", r
+            assert r["seconds"] < 5.0, r  # told along the pipeline, not timed out
+        else:
+            assert re.fullmatch(r"rank [02] raised RuntimeError: .*[Tt]imed out.*", r["text"]), r
+            assert 4.0 < r["seconds"] < 30.0, r
 
 
 # -- item 5: DDP- and FSDP-wrapped stages --------------------------------------------------------------
