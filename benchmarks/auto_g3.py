@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import auto_study as study
 import regimes as rg
 
-from rrfp.dispatch.auto import ARMS, EARLY, HORIZON, MARGIN, ROUNDS, Z
+from rrfp.dispatch.auto import ARMS, EARLY, EARLY_FROM, HORIZON, MARGIN, ROUNDS, Z
 from rrfp.errors import UserError
 
 HINTS = ("1f1b", "bf", "bfw", "zb-h1", "zb-h2", "interleaved-1f1b", "zbv")
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.every < 1 or a.committed < 1 or a.seeds < 2:
         ap.error("--every and --committed need values >= 1, --seeds >= 2")
     chosen = rg.regimes(a.split, None, a.regime_set, a.skip)[:: a.every][: a.limit]
-    rule = (ROUNDS, MARGIN, EARLY, Z)
+    rule = (ROUNDS, MARGIN, EARLY, Z, EARLY_FROM)
     start = time.perf_counter()
     jobs = [(f"cell {r.index}", (r, a.seeds, rule, a.committed, a.tiny)) for r in chosen]
     done = dict(run_jobs(judge_cell, jobs, resolve_workers(a.workers, len(jobs))))

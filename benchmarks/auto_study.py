@@ -50,24 +50,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import regimes as rg
 
-from rrfp.dispatch.auto import ARMS, EARLY, HORIZON, MARGIN, ROUNDS, Z, next_arm, replaying
+from rrfp.dispatch.auto import ARMS, EARLY, EARLY_FROM, HORIZON, MARGIN, ROUNDS, Z, next_arm, replaying
 
 PEERS = ("fixed", "rrfp", "backfill")
 
 
-Candidate = tuple[tuple[str, ...], int, float, float | None, float | None]
-"""(arms, safe first; replayed rounds R; margin; early-commit lead, None: none; z, None: no test)."""
+Candidate = tuple[tuple[str, ...], int, float, float | None, float | None, int]
+"""(arms, safe first; replayed rounds R; margin; early-commit lead, None: none; z, None: no test; the
+rounds an early commit needs)."""
 
 
 def candidate_name(
-    arms: tuple[str, ...], rounds: int, margin: float, early: float | None = EARLY, z: float | None = Z
+    arms: tuple[str, ...],
+    rounds: int,
+    margin: float,
+    early: float | None = EARLY,
+    z: float | None = Z,
+    early_from: int = EARLY_FROM,
 ) -> str:
-    """``auto`` at the module's ARMS, ROUNDS, MARGIN, EARLY and Z, else
-    ``auto@R<rounds>m<margin>e<early>[z<z>]`` (``e-``: no early commit; no ``z``: no test) and the arms
-    after ``:`` where they are not the module's."""
-    if (arms, rounds, margin, early, z) == (ARMS, ROUNDS, MARGIN, EARLY, Z):
+    """``auto`` at the module's ARMS, ROUNDS, MARGIN, EARLY, Z and EARLY_FROM, else
+    ``auto@R<rounds>m<margin>e<early>[f<early_from>][z<z>]`` (``e-``: no early commit; no ``f``: from
+    the first round; no ``z``: no test) and the arms after ``:`` where they are not the module's."""
+    if (arms, rounds, margin, early, z, early_from) == (ARMS, ROUNDS, MARGIN, EARLY, Z, EARLY_FROM):
         return "auto"
-    e = "-" if early is None else f"{early:g}"
+    e = "-" if early is None else f"{early:g}" + ("" if early_from == 1 else f"f{early_from}")
     tail = "" if z is None else f"z{z:g}"
     return f"auto@R{rounds}m{margin:g}e{e}{tail}" + ("" if arms == ARMS else ":" + "+".join(arms))
 
@@ -81,7 +87,7 @@ def weights(horizon: int, rounds: int, committed: int = 1) -> np.ndarray:
 
 
 def _auto_runs(
-    measured: list[list[float]], rule: tuple[int, float, float | None, float | None], w: np.ndarray
+    measured: list[list[float]], rule: tuple[int, float, float | None, float | None, int], w: np.ndarray
 ) -> tuple[list, list]:
     """auto's weighted time and final arm per seed; ``measured[a][rep]`` arm a's iteration times. As
     rrfp.sim.auto runs it: each iteration on the arm next_arm picks, replayed while ``replaying``."""
@@ -172,11 +178,11 @@ def judge_regime(
         best = None if best_measured is None else [float(np.dot(w, m[: len(w)])) for m in best_measured]
         share: dict[str, float] = {}
         arm_why: dict[str, str] = {}
-        for arms, _, margin, early, z in (c for c in candidates if c[1] == rounds):
-            name = candidate_name(arms, rounds, margin, early, z)
+        for arms, _, margin, early, z, early_from in (c for c in candidates if c[1] == rounds):
+            name = candidate_name(arms, rounds, margin, early, z, early_from)
             arm_why[name] = next((why[a] for a in arms if a in why), "")  # auto runs every arm
             if not arm_why[name]:
-                rule = (rounds, margin, early, z)
+                rule = (rounds, margin, early, z, early_from)
                 times[name], picks = _auto_runs([measured[a] for a in arms], rule, w)
                 share[name] = float(np.mean([arms[c] == "rrfp" for c in picks]))
         for name in [*PEERS, *arm_why]:
@@ -301,6 +307,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[Candidate, 
     ap.add_argument("--z", default="none" if Z is None else f"{Z:g}",
                     help="z values (standard errors a lead must clear) to evaluate, comma-separated "
                     "('none': no test)")  # fmt: skip
+    ap.add_argument("--early-from", default=str(EARLY_FROM),
+                    help=f"rounds an early commit needs, comma-separated [{EARLY_FROM}]")  # fmt: skip
     ap.add_argument("--committed", type=int, default=1, help="committed iterations simulated per seed [1]")
     ap.add_argument("--brief", action="store_true", help="one line per candidate: its two goals")
     rg.add_run_options(ap)
@@ -317,8 +325,17 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, tuple[Candidate, 
     earlies = [None if e.strip() == "none" else float(e) for e in a.early.split(",") if e.strip()]
     zs = [None if z.strip() == "none" else float(z) for z in a.z.split(",") if z.strip()]
     margins, sets = _floats(a.margins), arm_sets(ap, a.arm_sets)
+    froms = tuple(int(f) for f in _floats(a.early_from))
+    if not froms or min(froms) < 1:
+        ap.error("--early-from needs values >= 1")
     return a, tuple(
-        (s, r, m, e, z) for s in sets for r in rounds for m in margins for e in earlies for z in zs
+        (s, r, m, e, z, f)
+        for s in sets
+        for r in rounds
+        for m in margins
+        for e in earlies
+        for f in (froms if e is not None else (1,))
+        for z in zs
     )
 
 
@@ -345,8 +362,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         frame.to_csv(a.out, index=False)
-    for arms, r, m, e, z in candidates:
-        name, part = candidate_name(arms, r, m, e, z), frame[frame["rounds"] == r]
+    for arms, r, m, e, z, f in candidates:
+        name, part = candidate_name(arms, r, m, e, z, f), frame[frame["rounds"] == r]
         if a.brief:
             print(brief_line(part, name))
             continue

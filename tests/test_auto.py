@@ -25,6 +25,7 @@ import rrfp
 from rrfp.dispatch.auto import (
     ARMS,
     EARLY,
+    EARLY_FROM,
     MARGIN,
     ROUNDS,
     Auto,
@@ -51,15 +52,32 @@ def test_replays_run_the_safe_arm_then_commit():
 
 
 def test_early_commit_only_on_a_lead_above_early():
-    assert next_arm([(10.0, 9.0)], rounds=3, early=0.05) == 1  # 10% ahead after one round: commit now
-    assert not replaying([(10.0, 9.0)], rounds=3, early=0.05)  # and stop replaying
-    assert next_arm([(10.0, 9.8)], rounds=3, early=0.05) == 0  # 2% ahead: replay another round
-    assert replaying([(10.0, 9.8)], rounds=3, early=0.05)
-    assert next_arm([(10.0, 9.8), (10.0, 9.0)], rounds=3, early=0.05) == 1  # 19.8 vs 18.8 after two
+    assert (
+        next_arm([(10.0, 9.0)], rounds=3, early=0.05, early_from=1) == 1
+    )  # 10% ahead after one round: commit now
+    assert not replaying([(10.0, 9.0)], rounds=3, early=0.05, early_from=1)  # and stop replaying
+    assert next_arm([(10.0, 9.8)], rounds=3, early=0.05, early_from=1) == 0  # 2% ahead: replay another round
+    assert replaying([(10.0, 9.8)], rounds=3, early=0.05, early_from=1)
+    assert (
+        next_arm([(10.0, 9.8), (10.0, 9.0)], rounds=3, early=0.05, early_from=1) == 1
+    )  # 19.8 vs 18.8 after two
     # the first deciding prefix holds: later replays (a driver that kept going) do not undo it
-    assert next_arm([(10.0, 9.0), (10.0, 20.0), (10.0, 20.0)], rounds=3, early=0.05) == 1
-    assert next_arm([(10.0, 10.0), (10.0, 10.0)], rounds=2, early=0.0) == 0  # ties never commit early
+    assert next_arm([(10.0, 9.0), (10.0, 20.0), (10.0, 20.0)], rounds=3, early=0.05, early_from=1) == 1
+    assert (
+        next_arm([(10.0, 10.0), (10.0, 10.0)], rounds=2, early=0.0, early_from=1) == 0
+    )  # ties never commit early
     assert not replaying([(1.0, 1.0)] * 2, rounds=2)  # R rounds replayed: done, whatever was chosen
+
+
+def test_an_early_commit_waits_for_early_from_rounds():
+    one, kw = [(10.0, 9.0)], {"rounds": 3, "early": 0.05, "z": None}
+    assert next_arm(one, early_from=1, **kw) == 1  # 10% ahead after the first round: commit now
+    assert next_arm(one, early_from=2, **kw) == 0 and replaying(one, early_from=2, **kw)  # one is not enough
+    assert next_arm(one * 2, early_from=2, **kw) == 1 and not replaying(one * 2, early_from=2, **kw)
+    assert (
+        next_arm([(10.0, 9.0), (10.0, 10.5)], early_from=2, **kw) == 0
+    )  # 20 vs 19.5 after two: 2.5%, below early
+    assert next_arm(one * 2, early_from=3, **kw) == 0  # not before the third: at R = 3 the totals decide
 
 
 def test_commits_to_the_lowest_total_and_stays():
@@ -110,15 +128,16 @@ def test_the_policy_replays_for_its_rounds():
     auto = Auto()
     assert auto.replaying([]) and not auto.replaying([(1.0, 1.0)] * ROUNDS)
     assert auto.replaying([(1.0, 1.0)] * (ROUNDS - 1)) == (ROUNDS > 1)
-    assert auto.choose([(2.0, 1.0)]) == next_arm([(2.0, 1.0)], 2, ROUNDS, MARGIN, EARLY, Z)
+    assert auto.choose([(2.0, 1.0)]) == next_arm([(2.0, 1.0)], 2, ROUNDS, MARGIN, EARLY, Z, EARLY_FROM)
     assert (auto.rounds, auto.choice_margin, auto.early, auto.z) == (ROUNDS, MARGIN, EARLY, Z)
+    assert auto.early_from == EARLY_FROM
 
 
 @pytest.mark.parametrize(
     "history, kw",
     [([], {"arms": 0}), ([], {"rounds": 0}), ([], {"margin": 1.0}), ([], {"margin": -0.1}),
      ([], {"early": 1.0}), ([], {"early": -0.1}), ([], {"z": -1.0}), ([], {"z": float("inf")}),
-     ([(1.0,)], {}), ([(1.0, 0.0)], {}), ([(1.0, float("nan"))], {})],
+     ([], {"early_from": 0}), ([(1.0,)], {}), ([(1.0, 0.0)], {}), ([(1.0, float("nan"))], {})],
 )  # fmt: skip
 def test_bad_arguments_are_user_errors(history, kw):
     with pytest.raises(AutoError):
@@ -153,15 +172,16 @@ def regret_excess(
     margin=st.sampled_from([0.0, 0.005, 0.01, 0.05]),
     early=st.sampled_from([None, 0.0, 0.05, 0.2]),
     z=st.sampled_from([None, 0.0, 1.0, 3.0]),
+    early_from=st.integers(1, 3),
     extra=st.integers(0, 60),
     data=st.data(),
 )
-def test_regret_within_the_bound(scores, rounds, margin, early, z, extra, data):
+def test_regret_within_the_bound(scores, rounds, margin, early, z, early_from, extra, data):
     t = rounds + extra
     works = data.draw(st.lists(st.floats(0.5, 2.0), min_size=t, max_size=t), label="works")
 
     def choose(history: Sequence[Sequence[float]], k: int, rounds: int, margin: float) -> int:
-        return next_arm(history, k, rounds, margin, early, z)
+        return next_arm(history, k, rounds, margin, early, z, early_from)
 
     assert regret_excess(choose, scores, works, rounds, margin) <= 0
 
@@ -212,10 +232,10 @@ def test_each_auto_iteration_is_its_arms_on_the_same_sample():
         expected = [arm_times[a][k] for k, a in enumerate(runs[-1])]
         assert stats["auto"].measured[rep] == pytest.approx(expected, rel=1e-9)
     assert auto.model is not None and auto.model.chosen == runs[-1]
-    # the case exercises an early commit, commits by the z test after 2 and 3 replays, and staying with
+    # the case exercises commits after 2 and 3 replays (none after one: EARLY_FROM = 2) and staying with
     # the safe arm
     commits = {tuple(r).index(1) if 1 in r else None for r in runs}
-    assert commits == {1, 2, 3, None} and all(r == sorted(r) for r in runs) and ROUNDS == 5
+    assert commits == {2, 3, None} and all(r == sorted(r) for r in runs) and (ROUNDS, EARLY_FROM) == (6, 2)
 
 
 def test_one_iteration_of_auto_is_backfill():
@@ -286,7 +306,7 @@ def test_the_studys_auto_row_is_rrfp_sims_auto(study, committed):
 
     rg = study.rg
     regime = rg.regimes("tune", 1)[0]
-    rows = study.study_regime(regime, 3, 50, ((ARMS, ROUNDS, MARGIN, EARLY, Z),), True, committed)
+    rows = study.study_regime(regime, 3, 50, ((ARMS, ROUNDS, MARGIN, EARLY, Z, EARLY_FROM),), True, committed)
     got = next(r for r in rows if r["policy"] == "auto")["speedup"]
     policies = ("fixed", *ARMS, "auto")
     args = [*rg.command(regime, policies, 3, True), "--iterations", str(ROUNDS + committed)]
@@ -312,7 +332,7 @@ def test_the_studys_fixed_is_the_arms_pairing_baseline(study):
     regime = next(r for r in rg.regimes("tune") if "bfw" in r.args and "--virtual-stages" not in r.args)
     rows = {
         r["policy"]: r
-        for r in study.study_regime(regime, 3, ROUNDS + 1, ((ARMS, ROUNDS, 0.0, None, None),), True)
+        for r in study.study_regime(regime, 3, ROUNDS + 1, ((ARMS, ROUNDS, 0.0, None, None, 1),), True)
     }
     args = [*rg.command(regime, study.PEERS, 3, True), "--iterations", str(ROUNDS + 1)]
     result = run_experiment(rg.config_of(args), progress=False)
@@ -372,7 +392,7 @@ def test_a_cells_best_fixed_fits_autos_memory_and_is_paired_per_seed(g3):
     from rrfp.study.metrics import paired_speedup
 
     regime = g3.rg.regimes("tune", 1, "c")[0]
-    rule = (ROUNDS, MARGIN, EARLY, Z)
+    rule = (ROUNDS, MARGIN, EARLY, Z, EARLY_FROM)
     row = g3.judge_cell(regime, 3, rule, 1, True)
     assert row["best_hint"] in g3.HINTS and row["best_fixed"].startswith("fixed/")
     base = tuple(g3.rg.tiny(regime.args))

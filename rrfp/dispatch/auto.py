@@ -21,11 +21,14 @@ The rule (:func:`next_arm`, a pure function of the replayed times), replay-then-
 * every later iteration runs the arm with the lowest total replayed time over those ``R`` iterations;
   an arm other than the safe one only if its total is below the safe arm's by more than ``margin`` (a
   fraction of it); ties go to the earlier arm (the safe one first);
-* **early commit**: after ``k < R`` replayed iterations, if the lowest total so far is below the safe
-  arm's by more than ``early`` (a fraction), the next iteration already commits to that arm and nothing
-  more is replayed. Where one arm leads by that much the remaining replays only cost time: each one
-  runs the safe arm, ``R·(s_safe − s_best)/T`` of the run (BENCHMARKS.md §10: with R = 2 that was the
-  whole 0.02 miss where rrfp was 1.2x backfill); where the arms are close, all ``R`` rounds still decide.
+* **early commit**: after ``k < R`` replayed iterations, ``k >= early_from``, if the lowest total so
+  far is below the safe arm's by more than ``early`` (a fraction), the next iteration already commits
+  to that arm and nothing more is replayed. Where one arm leads by that much the remaining replays only
+  cost time: each one runs the safe arm, ``R·(s_safe − s_best)/T`` of the run (BENCHMARKS.md §10: with
+  R = 2 that was the whole 0.02 miss where rrfp was 1.2x backfill); where the arms are close, all ``R``
+  rounds still decide. ``early_from`` = 2: one round is never enough -- with heavy-tailed lengths one
+  iteration's lead says little about the next (BENCHMARKS.md §10, round 4: a 9.8% lead after one round
+  where rrfp is 7% slower than backfill on average).
 * **z test** (``z``, None: off): from ``k = 2`` replayed iterations on, an arm's lead over the safe arm
   (``(total_safe − total_arm) / total_safe``) that is ``z`` standard errors (:func:`spread`: of its
   per-iteration leads) above ``margin`` commits to it, and leads all ``z`` standard errors below it
@@ -38,14 +41,13 @@ The rule (:func:`next_arm`, a pure function of the replayed times), replay-then-
 ``w_k <= w``, over ``T`` iterations ``sum_k (s_chosen(k) - s_best) * w_k <= R * (s_safe - s_best) * w +
 (T - R) * margin * s_safe * w``: the safe arm's deficit while replaying, plus the margin's (zero at
 ``margin = 0``). Per iteration that is ``(x - 1) * R / T`` of the iteration time when the safe arm is
-``x`` times slower than the best. An early commit keeps it: with exact replays the lowest total after
-``k`` rounds is the best arm, so it only shortens the first term to ``k``. So does the z test: with
-exact replays every iteration's lead is the same, its standard error 0, and the test decides at
-``k = 2`` by the margin alone. Replays err where the replay
-model differs from the machine (message contention, a task's time depending on what runs beside it)
-and where iterations differ from the replayed ones; ``margin`` would keep the safe arm where the two
-are too close to tell (it is 0: on the tune regimes every margin tried cost more than it saved,
-BENCHMARKS.md §10).
+``x`` times slower than the best. An early commit keeps it (at any ``early_from``): with exact replays
+the lowest total after ``k`` rounds is the best arm, so it only shortens the first term to ``k``. So
+does the z test: with exact replays every iteration's lead is the same, its standard error 0, and the
+test decides at ``k = 2`` by the margin alone. Replays err where the replay model differs from the
+machine (message contention, a task's time depending on what runs beside it) and where iterations
+differ from the replayed ones; ``margin`` would keep the safe arm where the two are too close to tell
+(it is 0: on the tune regimes every margin tried cost more than it saved, BENCHMARKS.md §10).
 tests/test_auto.py holds :func:`next_arm` to the bound (hypothesis), to the schedule and to the tie rule.
 
 **What a driver must do** (rrfp.sim.auto does it in the simulator): build the arms' policies (one
@@ -65,7 +67,9 @@ it is correct everywhere and only a switching driver adds the choice.
     0
     >>> next_arm([(10.0, 9.8)], rounds=2, early=0.05)    # 2% faster after one round: replay another
     0
-    >>> next_arm([(10.0, 9.0)], rounds=2, early=0.05)    # 10% faster: commit to rrfp at once
+    >>> next_arm([(10.0, 9.0)], rounds=3, early=0.05)    # 10% faster after one round: not enough yet
+    0
+    >>> next_arm([(10.0, 9.0)] * 2, rounds=3, early=0.05, z=None)   # after two (early_from = 2): commit
     1
     >>> next_arm([(10.0, 9.8), (10.0, 10.1)], rounds=2, margin=0.0, z=None)   # totals 20 vs 19.9
     1
@@ -91,13 +95,15 @@ from rrfp.errors import UserError
 
 ARMS: tuple[str, ...] = ("backfill", "rrfp")
 """The arms, safe first: the policies the choice is between."""
-ROUNDS = 5
+ROUNDS = 6
 """Iterations run on the safe arm and replayed under every arm before the commit (``R``)."""
 MARGIN = 0.0
 """How much lower (a fraction of the safe arm's total) another arm's replayed total must be to be chosen."""
 EARLY: float | None = 0.05
 """Before ``R`` rounds: how much lower another arm's total so far must be to commit to it at once
 (None: never before ``R``)."""
+EARLY_FROM = 2
+"""The replayed rounds an early commit (``early``) needs at least (1: it may follow the first)."""
 Z: float | None = 1.25
 """How many standard errors (:func:`spread`) an arm's lead must clear ``margin`` by, from 2 rounds on, to
 decide before ``R`` rounds, and at ``R`` to be chosen over the safe arm (None: no such test: the totals
@@ -156,19 +162,29 @@ def _cleared(total: Sequence[float], se: Sequence[float], margin: float, z: floa
     return 0 if below else None
 
 
-def _check(arms: int, rounds: int, margin: float, early: float | None, z: float | None) -> None:
+def _check(
+    arms: int, rounds: int, margin: float, early: float | None, z: float | None, early_from: int
+) -> None:
     if arms < 1 or rounds < 1 or not (0.0 <= margin < 1.0) or not (early is None or 0.0 <= early < 1.0):
         raise AutoError(f"need arms >= 1, rounds >= 1, 0 <= margin < 1 and 0 <= early < 1 (or None), "
                         f"got {arms}, {rounds}, {margin}, {early}")  # fmt: skip
     if z is not None and not (math.isfinite(z) and z >= 0.0):
         raise AutoError(f"need z >= 0 (or None), got {z}")
+    if early_from < 1:
+        raise AutoError(f"need early_from >= 1, got {early_from}")
 
 
 def _choice(
-    history: Sequence[Replayed], arms: int, rounds: int, margin: float, early: float | None, z: float | None
+    history: Sequence[Replayed],
+    arms: int,
+    rounds: int,
+    margin: float,
+    early: float | None,
+    z: float | None,
+    early_from: int,
 ) -> int | None:
     """The committed arm, or None while undecided (the rule of :func:`next_arm`)."""
-    _check(arms, rounds, margin, early, z)
+    _check(arms, rounds, margin, early, z, early_from)
     for times in history:
         if len(times) != arms or not all(math.isfinite(t) and t > 0 for t in times):
             raise AutoError(f"a replayed iteration needs {arms} times > 0, got {tuple(times)}")
@@ -177,7 +193,7 @@ def _choice(
         se = spread(history, arms, k) if z is not None else [0.0] * arms  # 0 too while k < 2
         if k == rounds:
             return _lowest(total, [margin + (z or 0.0) * e for e in se])
-        if early is not None and (a := _lowest(total, [early] * arms)) != 0:
+        if early is not None and k >= early_from and (a := _lowest(total, [early] * arms)) != 0:
             return a
         if z is not None and k >= 2 and (a := _cleared(total, se, margin, z)) is not None:
             return a
@@ -191,12 +207,13 @@ def next_arm(
     margin: float = MARGIN,
     early: float | None = EARLY,
     z: float | None = Z,
+    early_from: int = EARLY_FROM,
 ) -> int:
     """The arm the next iteration runs, from the replayed iterations so far (see the module docstring):
     the first prefix of ``history`` that decides -- an early commit, a lead ``z`` standard errors clear
     of ``margin`` either way after ``2 <= k < rounds`` of them, or the commit after ``rounds`` -- so
     entries a driver replayed past it never reopen the choice."""
-    arm = _choice(history, arms, rounds, margin, early, z)
+    arm = _choice(history, arms, rounds, margin, early, z, early_from)
     return 0 if arm is None else arm
 
 
@@ -207,10 +224,11 @@ def replaying(
     margin: float = MARGIN,
     early: float | None = EARLY,
     z: float | None = Z,
+    early_from: int = EARLY_FROM,
 ) -> bool:
     """Does the iteration after ``history`` still need every arm's replayed time? Yes until the rule
     has decided: at most ``rounds`` iterations."""
-    return _choice(history, arms, rounds, margin, early, z) is None
+    return _choice(history, arms, rounds, margin, early, z, early_from) is None
 
 
 @register_policy
@@ -224,11 +242,16 @@ class Auto(Backfill):
     choice_margin: ClassVar[float] = MARGIN
     early: ClassVar[float | None] = EARLY
     z: ClassVar[float | None] = Z
+    early_from: ClassVar[int] = EARLY_FROM
 
     def choose(self, history: Sequence[Replayed]) -> int:
         """The arm of the next iteration (:func:`next_arm` with this policy's parameters)."""
-        return next_arm(history, len(self.arms), self.rounds, self.choice_margin, self.early, self.z)
+        return next_arm(
+            history, len(self.arms), self.rounds, self.choice_margin, self.early, self.z, self.early_from
+        )
 
     def replaying(self, history: Sequence[Replayed]) -> bool:
         """Does the iteration after ``history`` still need every arm's replayed time (:func:`replaying`)?"""
-        return replaying(history, len(self.arms), self.rounds, self.choice_margin, self.early, self.z)
+        return replaying(
+            history, len(self.arms), self.rounds, self.choice_margin, self.early, self.z, self.early_from
+        )
