@@ -94,33 +94,25 @@ def test_set_b_is_fresh_and_its_heldout_pinned(reg, every, drawn, capsys) -> Non
         assert reg.config_of(reg.command(r, reg.POLICIES, 10)).study.pp == int(_value(r.args, "--stages"))
 
 
-def test_set_c_is_fresh_and_its_heldout_pinned(reg, every, drawn) -> None:
-    c = drawn("c")
-    assert [r.index for r in c] == list(range(2 * reg.N_REGIMES, 3 * reg.N_REGIMES))
-    earlier = {r.args for r in every} | {r.args for r in drawn("b")}
-    assert not {r.args for r in c} & earlier  # no regime of set a or b again
-    held = [r for r in c if r.split == "heldout"]
-    assert len(held) == reg.HELDOUT_C_COUNT >= 300
-    text = "".join(r.line + "\n" for r in held)  # what listing() writes (set b's test holds the two equal)
-    assert hashlib.sha256(text.encode()).hexdigest() == reg.HELDOUT_C_SHA256
+@pytest.mark.parametrize("name, first", [("c", 2), ("d", 3)])
+def test_later_sets_are_fresh_and_their_heldout_pinned(reg, drawn, name: str, first: int) -> None:
+    """Set c (round 3's held out) and set d (round 4's): new indices, no regime of an earlier set again,
+    the held-out listing pinned (listing() writes this text: set b's test holds the two equal)."""
+    mine = drawn(name)
+    assert [r.index for r in mine] == list(range(first * reg.N_REGIMES, (first + 1) * reg.N_REGIMES))
+    earlier = {r.args for s in "abcd"[:first] for r in drawn(s)}
+    assert not {r.args for r in mine} & earlier
+    held = [r for r in mine if r.split == "heldout"]
+    pinned, count = (
+        getattr(reg, f"HELDOUT_{name.upper()}_SHA256"),
+        getattr(reg, f"HELDOUT_{name.upper()}_COUNT"),
+    )
+    assert len(held) == count >= 300
+    text = "".join(r.line + "\n" for r in held)
+    assert hashlib.sha256(text.encode()).hexdigest() == pinned
     edited = text.replace("--cv 0.3 ", "--cv 0.31 ", 1)
-    assert hashlib.sha256(edited.encode()).hexdigest() != reg.HELDOUT_C_SHA256
-    for r in held:  # every held-out regime of set c is a valid rrfp-sim command
-        assert reg.config_of(reg.command(r, reg.POLICIES, 10)).study.pp == int(_value(r.args, "--stages"))
-
-
-def test_set_d_is_fresh_and_its_heldout_pinned(reg, every, drawn) -> None:
-    d = drawn("d")
-    assert [r.index for r in d] == list(range(3 * reg.N_REGIMES, 4 * reg.N_REGIMES))
-    earlier = {r.args for s in "bc" for r in drawn(s)} | {r.args for r in every}
-    assert not {r.args for r in d} & earlier  # no regime of set a, b or c again
-    held = [r for r in d if r.split == "heldout"]
-    assert len(held) == reg.HELDOUT_D_COUNT >= 300
-    text = "".join(r.line + "\n" for r in held)  # what listing() writes (set b's test holds the two equal)
-    assert hashlib.sha256(text.encode()).hexdigest() == reg.HELDOUT_D_SHA256
-    edited = text.replace("--cv 0.3 ", "--cv 0.31 ", 1)
-    assert hashlib.sha256(edited.encode()).hexdigest() != reg.HELDOUT_D_SHA256
-    for r in held:  # every held-out regime of set d is a valid rrfp-sim command
+    assert hashlib.sha256(edited.encode()).hexdigest() != pinned
+    for r in held:  # every held-out regime is a valid rrfp-sim command
         assert reg.config_of(reg.command(r, reg.POLICIES, 10)).study.pp == int(_value(r.args, "--stages"))
 
 
