@@ -1,6 +1,6 @@
 """Fidelity on a user model: replay one ScheduleReadiness policy's trace, predict another's measured step.
 
-    .venv/bin/python benchmarks/library_fidelity.py                  # one launch of 2 gloo ranks (~3 min)
+    .venv/bin/python benchmarks/library_fidelity.py                  # one launch of 2 gloo ranks (~7.5 min)
     .venv/bin/python benchmarks/library_fidelity.py --no-record      # replay the traces of the last launch
 
 One ``torch.distributed.run --standalone`` launch trains examples/train_gpt_varlen.py's GPT stages with
@@ -183,7 +183,7 @@ def report(out: Path) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, default=2, help="gloo ranks (pipeline stages)")
-    p.add_argument("--rounds", type=int, default=160, help="steps per schedule (the first is dropped)")
+    p.add_argument("--rounds", type=int, default=480, help="steps per schedule (the first is dropped)")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--mean-len", type=float, default=64.0)
