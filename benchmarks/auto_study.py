@@ -21,10 +21,10 @@ equal).
 Speedups are paired with fixed on the same hint (the run rrfp-sim pairs the arms with: a class hint's
 reference order, not bfw's extra zero-bubble one), as in regimes.py, and judged by its goal report
 (:func:`benchmarks.regimes.goal_report`), plus a line for the best fixed order among the regime's own
-runs (G3 as far as one regime reaches). ``--rounds``, ``--margins``, ``--early``, ``--z`` and ``--arm-sets``
-evaluate every combination on one simulation of max R + C iterations (tuning: ``--split tune`` only);
-a candidate is named ``auto`` for the module's constants and ``auto@R<R>m<margin>e<early>[z<z>]``
-for others.
+runs (G3 as far as one regime reaches). ``--rounds``, ``--margins``, ``--early``, ``--early-from``,
+``--z`` and ``--arm-sets`` evaluate every combination on one simulation of max R + C iterations
+(tuning: ``--split tune`` only); a candidate is named ``auto`` for the module's constants and
+``auto@R<R>m<margin>e<early>[f<early_from>][z<z>]`` for others.
 ``--from CSV[,CSV...]`` judges studies' stored iterations (their ``measured`` column) again for
 other candidates, without simulating. ``--replay-cost HINTS`` times one replayed round. Held out runs only
 with ``--final``.
