@@ -431,9 +431,10 @@ class _RaisingTP(TPBlock):
 def run_tp_fail(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     """pp 2 x tp 2 (as :func:`run_tp`), rank 3 (pipeline rank 1, TP member 1) raising mid-step: its
     pipeline [1, 3] stops at once naming it; its TP partner, rank 2, is left in the user's all-reduce
-    until the user's TP group times out (5 s here), then its pipeline [0, 2] stops naming rank 2's
-    timeout. Every rank raises StageFailed, none hangs. (A failed step leaves the pipeline unusable:
-    it is not closed, as in tests/pipelining_worker.py's error cases.)"""
+    until the user's TP group times out (5 s here), rank 0 in the task agreement with rank 1 (13 s),
+    then pipeline [0, 2] stops naming a timeout. Every rank raises StageFailed, none hangs. (A failed
+    step leaves the pipeline unusable: it is not closed, as in tests/pipelining_worker.py's error
+    cases.)"""
     from rrfp.errors import UserError
     from rrfp.exec import ReadinessPipeline, ScheduleReadiness
 

@@ -209,8 +209,9 @@ def test_a_tp_member_raising_mid_step_stops_every_rank(four: list[dict[str, Any]
     its pipeline [1, 3] raises StageFailed naming it at once. The other pipeline [0, 2] is not told (the
     word spreads along pipelines, not across TP groups): its ranks wait in a TP collective with a
     stopped member -- rank 2 in the user's all-reduce (group timeout 5 s), rank 0 in the task
-    agreement with rank 1 (2 x timeout + 5 = 13 s) -- and then raise StageFailed naming the first
-    timeout. Every rank stops within those bounds; none hangs."""
+    agreement with rank 1 (2 x timeout + 5 = 13 s) -- and then raise StageFailed naming a timeout (the
+    first in pipeline order of the ranks that raised one). Every rank stops within those bounds; none
+    hangs."""
     found = {r["rank"]: r for r in rows(four, kind="tp_fail")}
     assert sorted(found) == [0, 1, 2, 3]
     for rank, r in found.items():
