@@ -52,31 +52,25 @@ def test_replays_run_the_safe_arm_then_commit():
 
 
 def test_early_commit_only_on_a_lead_above_early():
-    assert (
-        next_arm([(10.0, 9.0)], rounds=3, early=0.05, early_from=1) == 1
-    )  # 10% ahead after one round: commit now
-    assert not replaying([(10.0, 9.0)], rounds=3, early=0.05, early_from=1)  # and stop replaying
-    assert next_arm([(10.0, 9.8)], rounds=3, early=0.05, early_from=1) == 0  # 2% ahead: replay another round
-    assert replaying([(10.0, 9.8)], rounds=3, early=0.05, early_from=1)
-    assert (
-        next_arm([(10.0, 9.8), (10.0, 9.0)], rounds=3, early=0.05, early_from=1) == 1
-    )  # 19.8 vs 18.8 after two
+    kw = {"rounds": 3, "early": 0.05, "early_from": 1}
+    assert next_arm([(10.0, 9.0)], **kw) == 1  # 10% ahead after one round: commit now
+    assert not replaying([(10.0, 9.0)], **kw)  # and stop replaying
+    assert next_arm([(10.0, 9.8)], **kw) == 0  # 2% ahead: replay another round
+    assert replaying([(10.0, 9.8)], **kw)
+    assert next_arm([(10.0, 9.8), (10.0, 9.0)], **kw) == 1  # 19.8 vs 18.8 after two
     # the first deciding prefix holds: later replays (a driver that kept going) do not undo it
-    assert next_arm([(10.0, 9.0), (10.0, 20.0), (10.0, 20.0)], rounds=3, early=0.05, early_from=1) == 1
-    assert (
-        next_arm([(10.0, 10.0), (10.0, 10.0)], rounds=2, early=0.0, early_from=1) == 0
-    )  # ties never commit early
+    assert next_arm([(10.0, 9.0), (10.0, 20.0), (10.0, 20.0)], **kw) == 1
+    ties = [(10.0, 10.0), (10.0, 10.0)]
+    assert next_arm(ties, rounds=2, early=0.0, early_from=1) == 0  # ties never commit early
     assert not replaying([(1.0, 1.0)] * 2, rounds=2)  # R rounds replayed: done, whatever was chosen
 
 
 def test_an_early_commit_waits_for_early_from_rounds():
     one, kw = [(10.0, 9.0)], {"rounds": 3, "early": 0.05, "z": None}
-    assert next_arm(one, early_from=1, **kw) == 1  # 10% ahead after the first round: commit now
     assert next_arm(one, early_from=2, **kw) == 0 and replaying(one, early_from=2, **kw)  # one is not enough
     assert next_arm(one * 2, early_from=2, **kw) == 1 and not replaying(one * 2, early_from=2, **kw)
-    assert (
-        next_arm([(10.0, 9.0), (10.0, 10.5)], early_from=2, **kw) == 0
-    )  # 20 vs 19.5 after two: 2.5%, below early
+    behind = [(10.0, 9.0), (10.0, 10.5)]  # 20 vs 19.5 after two: 2.5%, below early
+    assert next_arm(behind, early_from=2, **kw) == 0
     assert next_arm(one * 2, early_from=3, **kw) == 0  # not before the third: at R = 3 the totals decide
 
 
