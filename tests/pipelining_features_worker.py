@@ -508,38 +508,69 @@ def run_ddp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     return {"worst": worst}
 
 
-def run_fsdp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
-    """pp 2 x dp 2 with fully_shard(module, mesh=the dp group's) stages: what happens (the evidence for
-    the docs' statement on FSDP)."""
-    from torch.distributed.device_mesh import DeviceMesh
+def _sharded(module: nn.Module, mesh: Any, layers: bool) -> nn.Module:
+    """fully_shard(module) -- first each of its Blocks (torchtitan's layer-by-layer sharding) where
+    ``layers``: with reshard_after_forward=True (they re-gather in every forward and backward), or False
+    where ``layers`` is ``"keep"``."""
     from torch.distributed.fsdp import fully_shard
 
+    if layers:
+        for block in module:
+            fully_shard(block, mesh=mesh, reshard_after_forward=layers != "keep")
+    return fully_shard(module, mesh=mesh)
+
+
+def run_fsdp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
+    """pp 2 x dp 2 with fully_shard(module, mesh=the dp group's) stages, one or two a rank, ``steps``
+    steps against the reference over both replicas' microbatches; ``agree``: the DP group as tp_group."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from rrfp.errors import UserError
     from rrfp.exec import ReadinessPipeline, ScheduleReadiness
 
     n = 4
     pp_groups, dp_groups, replica, pp_rank = pp2_dp2()
-    pipe = ReadinessPipeline(group=pp_groups[replica], timeout=20.0)
-    ref = mlp_stages(2)
-    local = copies(ref, [pp_rank])
-    g = torch.Generator().manual_seed(9)
-    x, y = torch.randn(4 * n, 16, generator=g), torch.randn(4 * n, 16, generator=g)
-    reference(ref, [(c,) for c in x.chunk(2 * n)], list(y.chunk(2 * n)), mse, True, 0)
+    agree = dp_groups[pp_rank] if case.get("agree") else None
+    pipe = ReadinessPipeline(group=pp_groups[replica], timeout=20.0, tp_group=agree)
+    mine, num_stages = stage_indices(case["hint"], 2, pp_rank, n)
+    ref = mlp_stages(num_stages)
+    local = copies(ref, mine)
+    mesh = DeviceMesh.from_group(dp_groups[pp_rank], "cpu")
+    sharded = {s: _sharded(local[s], mesh, case.get("layers", False)) for s in mine}
+    if case.get("slow") and replica == 1 and pp_rank == 1:  # replica 1's rank 0 runs forwards ahead
+        for m in sharded.values():
+            m.register_forward_pre_hook(lambda *_: time.sleep(0.3))
+    from rrfp.exec.pipelining import compute, schedule
+
+    check, static = schedule._fsdp_regathering, compute.fsdp_groups
+    if case.get("unchecked"):  # the refusal's own evidence
+        schedule._fsdp_regathering = lambda stages: []  # type: ignore[attr-defined]
+    if case.get("static_off"):  # the split check alone must find the sharded weights
+        compute.fsdp_groups = lambda module: (0, False)  # type: ignore[attr-defined]
     try:
-        mesh = DeviceMesh.from_group(dp_groups[pp_rank], "cpu")
-        sharded = fully_shard(local[pp_rank], mesh=mesh)
-        stage = stages_of({pp_rank: sharded}, 2, group=pp_groups[replica])[0]
-        sched = ScheduleReadiness(stage, n, mse, hint=case["hint"], policy=case["policy"], pipeline=pipe)
+        sched = ScheduleReadiness(stages_of(sharded, num_stages, group=pp_groups[replica]), n, mse,
+                                  hint=case["hint"], policy=case["policy"], pipeline=pipe, tp_group=agree,
+                                  memory_budget=case.get("budget", "1x"))  # fmt: skip
+    except UserError as e:
+        pipe.close()
+        return {"raised": type(e).__name__, "text": str(e)}
+    finally:
+        schedule._fsdp_regathering, compute.fsdp_groups = check, static  # type: ignore[attr-defined]
+    first, last, worst = 0 in mine, num_stages - 1 in mine, 0.0
+    for step in range(case.get("steps", 1)):
+        g = torch.Generator().manual_seed(9 + step)
+        x, y = torch.randn(4 * n, 16, generator=g), torch.randn(4 * n, 16, generator=g)
+        zero(*ref, *local.values())
+        reference(ref, [(c,) for c in x.chunk(2 * n)], list(y.chunk(2 * n)), mse, True, step)
         half = slice(replica * 2 * n, (replica + 1) * 2 * n)
-        sched.step(*((x[half],) if pp_rank == 0 else ()), target=y[half] if pp_rank == 1 else None)
-    except Exception as e:
-        return {"outcome": f"{type(e).__name__}: {str(e)[:300]}"}
-    worst = 0.0
-    for p, q in zip(local[pp_rank].parameters(), ref[pp_rank].parameters(), strict=True):
-        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        worst = max(worst, rel_err(grad, q.grad))
+        sched.step(*((x[half],) if first else ()), target=y[half] if last else None)
+        for s in mine:
+            for p, q in zip(local[s].parameters(), ref[s].parameters(), strict=True):
+                grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                worst = max(worst, rel_err(grad, q.grad))
     sched.close()
     pipe.close()
-    return {"outcome": "ran", "worst": worst}
+    return {"outcome": "ran", "worst": worst, "notes": sched.split_notes}
 
 
 def run_size_error(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
@@ -596,6 +627,12 @@ FOUR: list[dict[str, Any]] = [
     {"kind": "ddp", "hint": "zb-h1", "policy": "fixed", "unchecked": True},
     {"kind": "fsdp", "hint": "1f1b", "policy": "rrfp"},
     {"kind": "fsdp", "hint": "zb-h1", "policy": "rrfp"},
+    {"kind": "fsdp", "hint": "interleaved-1f1b", "policy": "rrfp", "steps": 2},  # roots: no reshard
+    {"kind": "fsdp", "hint": "zbv", "policy": "backfill", "layers": True, "agree": True, "steps": 2},
+    {"kind": "fsdp", "hint": "interleaved-1f1b", "policy": "fixed", "layers": True, "steps": 2},
+    {"kind": "fsdp", "hint": "interleaved-1f1b", "policy": "rrfp", "layers": "keep"},  # no re-gathering
+    {"kind": "fsdp", "hint": "1f1b", "policy": "rrfp", "layers": True},  # refused: 4 groups a rank
+    {"kind": "fsdp", "hint": "zb-h1", "policy": "fixed", "layers": True, "static_off": True},
     {"kind": "tp_fail"},  # last: it leaves its pipelines unusable
 ]
 SUITES: dict[str, list[dict[str, Any]]] = {"two": TWO, "four": FOUR}

@@ -249,11 +249,47 @@ def test_ddp_with_a_split_backward_is_refused(four: list[dict[str, Any]]) -> Non
 def test_fully_sharded_stages_equal_the_reference(four: list[dict[str, Any]]) -> None:
     """fully_shard(module, mesh=DeviceMesh.from_group(dp_group, "cpu")) stages on gloo: torch's own FSDP
     hooks (PipelineStage's no-sync and perform_reduce_grad) run under readiness dispatch; the gathered
-    gradients equal the reference, with and without a split backward."""
-    found = rows(four, kind="fsdp")
-    assert {r["case"]["hint"] for r in found} == {"1f1b", "zb-h1"}
-    assert all(r["outcome"] == "ran" for r in found), found
+    gradients equal the reference, with and without a split backward, one and two stages a rank (two
+    steps each there): root-only sharding and layer-by-layer sharding that keeps its parameters
+    (reshard_after_forward=False) under rrfp; layer by layer re-gathering in every forward under the fixed
+    order or with the replicas agreeing on every task (``tp_group=`` the DP group)."""
+    found = [r for r in rows(four, kind="fsdp") if "raised" not in r and not r["case"].get("static_off")]
+    cases = {(r["case"]["hint"], r["case"]["policy"], r["case"].get("layers", False)) for r in found}
+    assert cases == {("1f1b", "rrfp", False), ("zb-h1", "rrfp", False), ("interleaved-1f1b", "rrfp", False),
+                     ("zbv", "backfill", True), ("interleaved-1f1b", "fixed", True),
+                     ("interleaved-1f1b", "rrfp", "keep")}  # fmt: skip
+    assert all(r["outcome"] == "ran" for r in map(ok, found)), found
     assert_equal_to_reference(found)
+
+
+def test_fsdp_stages_run_the_full_backward_for_a_split_hint(four: list[dict[str, Any]]) -> None:
+    """FSDP keeps a no-sync backward's gradients outside .grad: every fully_shard stage but stage 0 runs B
+    where the hint has I and W, saying why. With that rule off, the first-step check still catches
+    layer-by-layer sharding (its weights are not in the graph I/W walk), and the gradients stand."""
+    from rrfp.plan.sources import make_hint
+
+    for r in rows(four, kind="fsdp"):
+        if "raised" in r or r["case"]["hint"] not in ("zb-h1", "zbv"):
+            continue
+        spec = make_hint(r["case"]["hint"], 2, 4).spec
+        held = [s for s in spec.stages_of(r["rank"] % 2) if s != 0]  # pp 2 x dp 2: rank = 2 replica + pp rank
+        why = ("not in the microbatch's autograd graph" if r["case"].get("static_off")
+               else "keeps its gradients outside .grad")  # fmt: skip
+        assert sorted(int(n.split(":")[0].split()[1]) for n in r["notes"]) == sorted(held), r
+        assert all(why in n for n in r["notes"]), r
+    assert_equal_to_reference(rows(four, kind="fsdp", static_off=True))
+
+
+def test_fsdp_groups_that_regather_in_dispatch_order_are_refused(four: list[dict[str, Any]]) -> None:
+    """Layer-by-layer fully_shard (several groups a rank, re-gathering in every forward and backward)
+    under rrfp without agreement: replicas could all-gather different groups at once, so every rank
+    refuses with one line naming the ways out."""
+    refused = [r for r in rows(four, kind="fsdp") if "raised" in r]
+    assert len(refused) == 4 and {r["case"]["hint"] for r in refused} == {"1f1b"}, refused
+    for r in refused:
+        assert r["raised"] == "StageLayoutError", r
+        assert "reshard after forward" in r["text"] and "tp_group=<the DP group>" in r["text"], r
+        assert "\n" not in r["text"]
 
 
 def test_schedule_state_refuses_a_bad_step_count() -> None:

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_map_only
 from rrfp.exec.pipelining.codec import forward_only, pack, unpack
 from rrfp.exec.pipelining.errors import LossError, MicrobatchError, StageIOError
 from rrfp.exec.pipelining.memory import ForwardBytes
+from rrfp.exec.pipelining.wrapped import fsdp_groups
 from rrfp.plan.spec import PipelineSpec
 from rrfp.plan.task import Op, Task
 
@@ -70,6 +71,10 @@ class StageCompute:
         """Byte budgets: this step's microbatch sizes (the same on every rank)."""
         self.notes: list[str] = []
         """What the split check found (also warned once per stage)."""
+        for s, stage in stages.items():
+            if spec.split and s != 0 and fsdp_groups(stage.submod)[0]:  # stage 0 runs B at W anyway
+                self._split_off(s, "a fully_shard module keeps its gradients outside .grad, where "
+                                "the split's check and W cannot follow them")  # fmt: skip
         self.begin([], [], None, None, training=False, outputs=False, seed=0, step=0)
 
     def begin(
@@ -231,8 +236,11 @@ class StageCompute:
         wanted = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         ref = torch.autograd.grad(roots, wanted + params, grads, retain_graph=True, allow_unused=True)
         ref_in, ref_w = list(ref[: len(wanted)]), list(ref[len(wanted) :])
-        before = [None if p.grad is None else p.grad.clone() for p in params]
         self.w_state[(s, m)] = ("none", None)
+        if params and all(r is None for r in ref_w):  # torch's I/W would find no weights either
+            self._split_off(s, "its parameters are not in the microbatch's autograd graph")
+            return self._full(stage, args, roots, grads, last=self._last_backward(s, Op.I))
+        before = [None if p.grad is None else p.grad.clone() for p in params]
         kw = {"stage_output": list(roots), "output_grads": grads, "input_values": list(args)}
         try:
             dinputs, groups = stage.backward_maybe_with_nosync("input", kw)

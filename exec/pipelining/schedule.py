@@ -56,7 +56,8 @@ Data parallel: one :class:`ReadinessPipeline` per replica, each on its own pipel
 builds its own at the same time), and the user all-reduces the stage gradients over the replicas after
 ``step`` (tests/test_pipelining.py does) -- or DDP/FSDP-wrapped stage modules, which reduce through
 torch's own ``backward_maybe_with_nosync``/``perform_reduce_grad`` (tests/test_pipelining_features.py).
-DDP with a split backward is refused: W writes the weight gradients past DDP's autograd hooks.
+DDP with a split backward is refused: W writes the weight gradients past DDP's autograd hooks; FSDP
+stages run B where the hint has I and W (rrfp.exec.pipelining.wrapped says why).
 
 Tensor parallel (``tp_group=``): the members of a TP group (each its own pipeline of the same stages)
 agree on every task before starting it (rrfp.dispatch.tp, as rrfp-run does), so their collectives
@@ -82,8 +83,11 @@ Checkpoints: torch.distributed.checkpoint on the stage modules and optimizers as
 schedule itself is a ``Stateful`` (:meth:`ScheduleReadiness.state_dict`: the step count that numbers the
 dropout streams), so a resumed run equals an uninterrupted one (tests/test_pipelining_features.py).
 
-Not yet: CUDA runs (the transport's NCCL path is rrfp-run's, itself not yet run on a GPU); FSDP with
-several stages a rank (untested: its all-gathers follow the dispatch order).
+fully_shard groups that reshard after forward, more than one on a rank (several stages, or one stage
+sharded layer by layer), all-gather in dispatch order: they need ``policy="fixed"`` or the DP group as
+``tp_group=`` (the replicas then agree on every task); otherwise they are refused (StageLayoutError).
+
+Not yet: CUDA runs (the transport's NCCL path is rrfp-run's, itself not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -123,6 +127,8 @@ from rrfp.exec.pipelining.errors import (
 from rrfp.exec.pipelining.memory import ForwardBytes
 from rrfp.exec.pipelining.sizing import SizedMeter, StepSizes, agree_sizes, check_mb_order, sized_model
 from rrfp.exec.pipelining.starts import open_starts, resolve_announce
+from rrfp.exec.pipelining.wrapped import ddp_stages as _ddp_stages
+from rrfp.exec.pipelining.wrapped import fsdp_regathering as _fsdp_regathering
 from rrfp.plan.budget import ByteBudget, parse_byte_item, position_bytes, resolve_budget
 from rrfp.plan.compiled import code_count
 from rrfp.plan.sources import make_hint
@@ -233,6 +239,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
                 f"that a split backward's W (hint {self.hint_name!r}) bypasses; use an unsplit hint (1f1b, "
                 "interleaved-1f1b), fully_shard, or all-reduce the gradients yourself"
             )
+        self._check_fsdp()
         policy_obj = get_policy(policy) if isinstance(policy, str) else policy
         self._template = policy_obj if isinstance(policy_obj, Backfill) else None
         budgets = resolve_budget(memory_budget, self.hint)
@@ -336,6 +343,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
             "n": self._n_microbatches, "hint": hint, "policy": self.policy_name, "budget": repr(budget),
             "loss": self._loss_fn is not None, "rank": pipe.rank, "extras": extras,
             "now": time.monotonic(), "tp_error": self._tp_error, "ddp": _ddp_stages(stages),
+            "fsdp": _fsdp_regathering(stages),
             "announce": repr(announce), "host": socket.gethostname(),
         }  # fmt: skip
         views: list[Any] = [None] * pipe.pp
@@ -373,7 +381,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         start the same tasks), checked over the replica so every rank raises alike."""
         pipe = self.pipeline
         views: list[Any] = [None] * dist.get_world_size(pipe.model_ctrl)
-        same = {k: v for k, v in mine.items() if k not in ("rank", "now", "tp_error", "ddp", "host")}
+        same = {k: v for k, v in mine.items() if k not in ("rank", "now", "tp_error", "ddp", "fsdp", "host")}
         dist.all_gather_object(views, (pipe.pp_rank, same), group=pipe.model_ctrl)
         for pp_rank, theirs in views:
             ours = next(v for r, v in views if r == pp_rank)
@@ -382,6 +390,18 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
                 raise StageLayoutError(
                     f"tensor-parallel members of pipeline rank {pp_rank} disagree on {', '.join(diff)}"
                 )
+
+    def _check_fsdp(self) -> None:
+        """fully_shard groups that re-gather during the step, several on a rank: replicas must dispatch
+        alike (the fixed order, or agreement over the replicas), else their all-gathers would not match."""
+        fsdp = sorted({s for v in self._views for s in v["fsdp"]})
+        if fsdp and self.policy_name != "fixed" and self.pipeline.tp_ctrl is None:
+            raise StageLayoutError(
+                f"stages {fsdp} hold fully_shard groups that reshard after forward, several a rank: their "
+                f"all-gathers follow the dispatch order, which policy {self.policy_name!r} may change "
+                "between replicas; use fully_shard(..., reshard_after_forward=False), tp_group=<the DP "
+                "group> (replicas agree on every task), or policy='fixed'"
+            )
 
     def _check_placement(self) -> None:
         spec = self.hint.spec
@@ -681,12 +701,6 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
     def split_notes(self) -> list[str]:
         """What the first split backward check found (empty: I + W matched B, or no split)."""
         return list(self.compute.notes)
-
-
-def _ddp_stages(stages: list[Any]) -> list[int]:
-    from torch.nn.parallel import DistributedDataParallel
-
-    return sorted(s.stage_index for s in stages if isinstance(s.submod, DistributedDataParallel))
 
 
 def _tp_mismatch(pipe: ReadinessPipeline, tp_group: Any) -> str | None:
