@@ -508,7 +508,7 @@ def run_ddp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     return {"worst": worst}
 
 
-def _sharded(module: nn.Module, mesh: Any, layers: bool) -> nn.Module:
+def _sharded(module: nn.Module, mesh: Any, layers: bool | str) -> nn.Module:
     """fully_shard(module) -- first each of its Blocks (torchtitan's layer-by-layer sharding) where
     ``layers``: with reshard_after_forward=True (they re-gather in every forward and backward), or False
     where ``layers`` is ``"keep"``."""
@@ -537,25 +537,20 @@ def run_fsdp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     local = copies(ref, mine)
     mesh = DeviceMesh.from_group(dp_groups[pp_rank], "cpu")
     sharded = {s: _sharded(local[s], mesh, case.get("layers", False)) for s in mine}
-    if case.get("slow") and replica == 1 and pp_rank == 1:  # replica 1's rank 0 runs forwards ahead
-        for m in sharded.values():
-            m.register_forward_pre_hook(lambda *_: time.sleep(0.3))
-    from rrfp.exec.pipelining import compute, schedule
+    from rrfp.exec.pipelining import compute
 
-    check, static = schedule._fsdp_regathering, compute.fsdp_groups
-    if case.get("unchecked"):  # the refusal's own evidence
-        schedule._fsdp_regathering = lambda stages: []  # type: ignore[attr-defined]
+    static = compute.fsdp_groups
     if case.get("static_off"):  # the split check alone must find the sharded weights
         compute.fsdp_groups = lambda module: (0, False)  # type: ignore[attr-defined]
     try:
-        sched = ScheduleReadiness(stages_of(sharded, num_stages, group=pp_groups[replica]), n, mse,
-                                  hint=case["hint"], policy=case["policy"], pipeline=pipe, tp_group=agree,
-                                  memory_budget=case.get("budget", "1x"))  # fmt: skip
+        stages = stages_of(sharded, num_stages, group=pp_groups[replica])
+        sched = ScheduleReadiness(stages, n, mse, hint=case["hint"], policy=case["policy"], pipeline=pipe,
+                                  tp_group=agree)  # fmt: skip
     except UserError as e:
         pipe.close()
         return {"raised": type(e).__name__, "text": str(e)}
     finally:
-        schedule._fsdp_regathering, compute.fsdp_groups = check, static  # type: ignore[attr-defined]
+        compute.fsdp_groups = static  # type: ignore[attr-defined]
     first, last, worst = 0 in mine, num_stages - 1 in mine, 0.0
     for step in range(case.get("steps", 1)):
         g = torch.Generator().manual_seed(9 + step)
