@@ -303,12 +303,19 @@ def run_command(cfg: ExperimentConfig, a: Advice) -> str:
 
 
 def _run_label(c: Candidate) -> str:
-    """The candidate as an rrfp-run trial: ``device`` (rrfp-sim's alone) becomes the least bytes any rank
-    may hold, in MiB (rounded down): one byte budget for every rank, within each rank's device budget."""
+    """The candidate as an rrfp-run trial, its budget as :func:`_run_budget` says."""
+    key = c.plan.key
+    return dataclasses.replace(key, budget=_run_budget(c)).label if key.budget == DEVICE else key.label
+
+
+def _run_budget(c: Candidate) -> str | None:
+    """The candidate's budget as rrfp-run and ScheduleReadiness take it: ``device`` (rrfp-sim's alone)
+    becomes the least bytes any rank may hold, in MiB (rounded down): one byte budget for every rank,
+    within each rank's device budget."""
     key = c.plan.key
     if key.budget != DEVICE or c.stats is None or not c.stats.allowed_bytes:
-        return key.label
-    return dataclasses.replace(key, budget=f"{min(c.stats.allowed_bytes) // 2**20}MiB").label
+        return key.budget
+    return f"{min(c.stats.allowed_bytes) // 2**20}MiB"
 
 
 def _token_words(cfg: ExperimentConfig) -> list[str]:
@@ -331,19 +338,34 @@ def _token_words(cfg: ExperimentConfig) -> list[str]:
 
 
 def readiness_args(a: Advice) -> dict[str, Any]:
-    """``ScheduleReadiness(...)``'s arguments for the candidate (``virtual_stages`` where it is not the
-    hint's own)."""
-    key = a.candidate.plan.key
-    args: dict[str, Any] = {"hint": key.hint, "policy": key.policy, "memory_budget": key.budget or "1x"}
-    if a.candidate.v != a.candidate.plan.hint.spec.virtual_stages or (
-        a.candidate.v != 1 and key.hint not in ("interleaved-1f1b", "zbv")
-    ):
-        args["virtual_stages"] = a.candidate.v
+    """``ScheduleReadiness(...)``'s keyword arguments for the candidate: in token mode its budget is in
+    bytes (``byte_budget``: ``Nx`` of the hint's byte peak, or ``device`` as rrfp-run's least per-rank
+    bytes) and its ``mb_order``. The schedule takes v from the stages a rank passes (:func:`stages_note`)."""
+    c = a.candidate
+    key = c.plan.key
+    args: dict[str, Any] = {"hint": key.hint, "policy": key.policy}
+    if a.unit == "bytes":
+        args["byte_budget"] = _run_budget(c) or "1x"
+    else:
+        args["memory_budget"] = key.budget or "1x"
+    if c.mb_order not in (None, "none"):
+        args["mb_order"] = c.mb_order
     return args
 
 
+def stages_note(a: Advice) -> str:
+    """Which ``PipelineStage``s each pipeline rank passes for the candidate's v and placement."""
+    spec = a.candidate.plan.hint.spec
+    if spec.virtual_stages == 1:
+        return "one PipelineStage a rank (stage r)"
+    if spec.placement == "v":
+        return f"{spec.virtual_stages} PipelineStages a rank (V placement: stages r and 2 pp - 1 - r)"
+    return f"{spec.virtual_stages} PipelineStages a rank (loop placement: stages r + k pp)"
+
+
 def readiness_call(a: Advice) -> str:
-    return "ScheduleReadiness(" + ", ".join(f"{k}={v!r}" for k, v in readiness_args(a).items()) + ")"
+    args = ", ".join(f"{k}={v!r}" for k, v in readiness_args(a).items())
+    return f"ScheduleReadiness(stages, n_microbatches, loss_fn, {args})  # {stages_note(a)}"
 
 
 def _held(a: Advice) -> str:
@@ -402,6 +424,7 @@ def advice_json(cfg: ExperimentConfig, search: Search, advice: list[Advice], com
             "iteration_time": interval(*a.time), "peak_memory": {"unit": a.unit, "per_rank": list(a.peaks)},
             "vs_fixed_1f1b": vs(a.vs_1f1b), "vs_best_fixed": vs(a.vs_best),
             "rrfp_run": run_command(cfg, a), "schedule_readiness": readiness_args(a),
+            "stages": stages_note(a),
         })  # fmt: skip
     searched = {"candidates": len(search.candidates), "seeds": search.schedule, "rounds": search.rounds}
     return {"config": {**config_head(command), "stages": cfg.study.pp, "microbatches": cfg.study.m},

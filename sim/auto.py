@@ -16,7 +16,7 @@ run, up to float rounding of the start offset (tests/test_auto.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -72,16 +72,23 @@ class AutoModel:
             self.chosen.append(arm)
             outs.append(out)
             start += out.iteration_times[0]
-        peak_bytes = None
-        if outs[0].peak_bytes is not None:
-            peak_bytes = [max(p) for p in zip(*(o.peak_bytes or [] for o in outs), strict=True)]
         return ModelRun(
             [o.iteration_times[0] for o in outs],
             np.concatenate([o.busy for o in outs]),
             [max(p) for p in zip(*(o.peaks for o in outs), strict=True)],
             np.concatenate([o.finish for o in outs]),
-            peak_bytes,
+            _most(o.peak_bytes for o in outs),
+            # What the budget allowed: the best-fixed rule reads it (a run without it has no best fixed).
+            _most(o.budget_bytes for o in outs),
         )
+
+
+def _most(per_iteration: Iterable[list[int] | None]) -> list[int] | None:
+    """The per-rank maximum over the iterations' byte lists (None outside byte mode)."""
+    lists = list(per_iteration)
+    if lists[0] is None:
+        return None
+    return [max(p) for p in zip(*lists, strict=True)]
 
 
 def _recorder_like(r: TraceRecorder) -> TraceRecorder:

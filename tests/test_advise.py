@@ -72,7 +72,9 @@ def test_the_table_shows_how_to_run_each_candidate(capsys: pytest.CaptureFixture
     code, out, _ = _advise([*TINY, "--seeds", "2", "--top", "2", "-v", "1"], capsys)
     assert code == 0
     assert out.startswith("rrfp-sim advise: ") and "vs best fixed" in out
-    assert out.count("ScheduleReadiness(hint=") == 2 and "(v=2)" not in out  # -v 1: that v only
+    assert (
+        out.count("ScheduleReadiness(stages, n_microbatches, loss_fn, hint=") == 2 and "(v=2)" not in out
+    )  # -v 1
 
 
 def test_a_search_with_nothing_to_run_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
@@ -89,3 +91,29 @@ def test_fixed_1f1b_is_measured_whatever_narrows_the_search(capsys: pytest.Captu
     assert rows and all(r["virtual_stages"] == 2 for r in rows)
     assert all(r["vs_fixed_1f1b"]["trial"] == "fixed/1f1b" for r in rows)
     assert all("fixed/1f1b" not in r["rrfp_run"] for r in rows)  # one rrfp-run has one v
+
+
+def test_the_advised_call_binds_to_schedule_readiness(capsys: pytest.CaptureFixture[str]) -> None:
+    """Token mode: what advise tells a library user to pass is ScheduleReadiness's own keywords -- a byte
+    budget, the microbatch order, no ``virtual_stages`` (v comes from the stages a rank passes) -- and
+    every readiness candidate, auto too, is set against its best fixed order."""
+    import inspect
+
+    from rrfp.exec import ScheduleReadiness
+
+    args = ["--scenario", "finetune-unpacked", "--stages", "4", "-m", "8", "--seeds", "2", "--top", "40",
+            "--gpu-memory", "80GiB", "--policy", "auto,backfill", "--json"]  # fmt: skip
+    code, out, err = _advise(args, capsys)
+    assert code == 0, err
+    rows = json.loads(out)["candidates"]
+    signature = inspect.signature(ScheduleReadiness)
+    for r in rows:
+        kwargs = r["schedule_readiness"]
+        signature.bind(["stage"], 8, None, **kwargs)  # raises TypeError on a keyword it does not take
+        assert "byte_budget" in kwargs and "memory_budget" not in kwargs
+        assert kwargs.get("mb_order", "none") == r["mb_order"]
+        assert ("PipelineStages a rank" in r["stages"]) == (r["virtual_stages"] > 1)
+    assert {r["policy"] for r in rows} >= {"auto", "backfill", "fixed"}
+    assert all(r["vs_best_fixed"] is not None for r in rows if r["policy"] != "fixed")
+    device = [r for r in rows if r["memory_budget"] == "device"]
+    assert device and all(r["schedule_readiness"]["byte_budget"].endswith("MiB") for r in device)
