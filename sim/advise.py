@@ -55,6 +55,7 @@ from .experiment import (
     replication_job,
 )
 from .memory import DEVICE
+from .memory import over_device as over_device_bytes
 
 HINTS_BY_V = {1: ("1f1b", "zb-h1", "zb-h2", "bf", "bfw"), 2: ("interleaved-1f1b", "zbv", "bf", "bfw")}
 """The hints advise searches at each v unless ``--hint`` names others (at v > 2: those of v = 2 that run)."""
@@ -208,13 +209,22 @@ def run_search(search: Search, top: int, workers: int | str = 1) -> list[Candida
     for k, stop in enumerate(search.schedule):
         search.rounds.append(len(alive))
         _run_round(search, alive, start, stop, n)
-        alive = [c for c in alive if c.alive]
+        alive = [c for c in alive if c.alive and (is_reference(c) or not over_device(search, c))]
         if k < len(search.schedule) - 1:
             ready = sorted((c for c in alive if not c.fixed), key=_rank)
             keep = max(top, 4, math.ceil(KEEP * len(ready)))
             alive = [c for c in alive if c.fixed] + ready[:keep]
         start = stop
     return sorted(alive, key=_rank)
+
+
+def over_device(search: Search, c: Candidate) -> bool:
+    """With ``--gpu-memory``: the candidate held more activation bytes on some rank, in some seed, than the
+    device leaves that rank (rrfp.sim.memory.over_device) -- advise never recommends it. Fixed 1F1B stays
+    as the speedups' baseline whatever it holds (:func:`advise` lists it only if it fits)."""
+    if c.stats is None:
+        return False
+    return over_device_bytes(search.configs[c.group], c.plan.hint.spec, c.stats.peak_bytes) is not None
 
 
 def _rank(c: Candidate) -> tuple[float, float, bool]:
@@ -266,11 +276,12 @@ class Advice:
 def advise(search: Search, ranked: list[Candidate], top: int) -> list[Advice]:
     """The ``top`` fastest of ``ranked`` with their speedups, paired per seed, against fixed 1F1B (v=1,
     the microbatches as drawn) and against their best fixed order among every fixed order searched."""
-    fixed = [c for c in ranked if c.fixed]
+    fitting = [c for c in ranked if not over_device(search, c)]
+    fixed = [c for c in fitting if c.fixed]
     prints = {id(c): footprint(c.stats, search.byte_mode) for c in ranked if c.stats is not None}
-    base = next((c for c in fixed if is_reference(c)), None)
+    base = next((c for c in ranked if is_reference(c)), None)
     out = []
-    for c in ranked[:top]:
+    for c in fitting[:top]:
         assert c.stats is not None
         f = prints[id(c)]
         best = best_fixed(f, [prints[id(x)] for x in fixed])
@@ -383,6 +394,16 @@ def _cell(x: tuple[Candidate, tuple[float, float, float]] | None, name: bool) ->
     return f"{text} vs {x[0].name}" if name else text
 
 
+def over_count(search: Search) -> int:
+    """Candidates left out for holding more than ``--gpu-memory`` leaves a rank (:func:`over_device`)."""
+    return sum(not is_reference(c) and over_device(search, c) for c in search.candidates)
+
+
+def _over_note(search: Search) -> str:
+    n = over_count(search)
+    return f" ({n} left out: more than --gpu-memory holds)" if n else ""
+
+
 def format_advice(cfg: ExperimentConfig, search: Search, advice: list[Advice], seconds: float) -> str:
     """The terminal answer: what was searched, the top candidates fastest first, how to run each."""
     from rrfp.study.report import ci, render
@@ -391,7 +412,7 @@ def format_advice(cfg: ExperimentConfig, search: Search, advice: list[Advice], s
     rounds = ", ".join(f"{n} at {s} seed{'s' if s > 1 else ''}" for n, s in pairs)
     head = [f"rrfp-sim advise: {len(search.candidates)} candidates (hints x policies x budgets x v"
             f"{' x mb order' if search.byte_mode or len(search.configs) > 2 else ''}), successive halving: "
-            f"{rounds}; {seconds:.1f} s", ""]  # fmt: skip
+            f"{rounds}{_over_note(search)}; {seconds:.1f} s", ""]  # fmt: skip
     header = ["#", "candidate", "iteration time s [95% CI]", "peak", "vs fixed/1f1b [95% CI]",
               "vs best fixed"]  # fmt: skip
     rows = [[str(i), a.candidate.name, ci(*a.time, ".4g"), _held(a), _cell(a.vs_1f1b, False),
@@ -426,7 +447,8 @@ def advice_json(cfg: ExperimentConfig, search: Search, advice: list[Advice], com
             "rrfp_run": run_command(cfg, a), "schedule_readiness": readiness_args(a),
             "stages": stages_note(a),
         })  # fmt: skip
-    searched = {"candidates": len(search.candidates), "seeds": search.schedule, "rounds": search.rounds}
+    searched = {"candidates": len(search.candidates), "seeds": search.schedule, "rounds": search.rounds,
+                "over_device": over_count(search)}  # fmt: skip
     return {"config": {**config_head(command), "stages": cfg.study.pp, "microbatches": cfg.study.m},
             "search": searched, "candidates": rows}  # fmt: skip
 

@@ -68,3 +68,17 @@ def byte_budget(text: str, cfg: ExperimentConfig, spec: PipelineSpec) -> ByteBud
 def scaled(act: np.ndarray, tp: int) -> np.ndarray:
     """One TP member's share of ``act`` (sequence parallelism splits activations evenly)."""
     return act if tp == 1 else np.rint(act / tp).astype(np.int64)
+
+
+def over_device(
+    cfg: ExperimentConfig, spec: PipelineSpec, peak_bytes: list[int]
+) -> tuple[int, int, int] | None:
+    """With ``--gpu-memory`` (token mode): the first pipeline rank whose activation peak is more than the
+    device leaves it after its static bytes, as (rank, peak, room); None when every rank fits (or no
+    device is given). A budget of ``Nx`` is relative to the hint, so it can ask for more than the device
+    has: such a run is measured as asked, but would not fit the device it names."""
+    if cfg.gpu_memory is None or not cfg.byte_mode or not peak_bytes:
+        return None
+    room = byte_budget(DEVICE, cfg, spec).per_rank
+    assert room is not None
+    return next(((r, p, c) for r, (p, c) in enumerate(zip(peak_bytes, room, strict=True)) if p > c), None)

@@ -149,7 +149,8 @@ def result_dict(
             del cfg[key]
     cfg.update(extra or {})
     budgets = {s.key: s.budget_text for s in result.stats}
-    rows = [_run_dict(s) for s in result.stats]
+    over = over_device(result)  # token mode with --gpu-memory: runs the device could not hold
+    rows = [{**_run_dict(s), **({"over_device": over[s.key]} if s.key in over else {})} for s in result.stats]
     best = best_comparisons(result)
     return json_document(command or shlex.join(sys.argv), cfg, rows, comparisons(result), budgets, best=best)
 
@@ -213,16 +214,46 @@ def best_comparisons(result: ExperimentResult) -> dict[Any, Comparison]:
     return {key: _comparison(s) for key, s in result.best_fixed.items()}
 
 
+def over_device(result: ExperimentResult) -> dict[Any, str]:
+    """With ``--gpu-memory``: run -> why it would not fit that device (rrfp.sim.memory.over_device), for
+    each run that held more activation bytes on a rank than the device leaves it (an ``Nx`` budget is
+    relative to the hint, not the device)."""
+    from rrfp.plan.budget import format_bytes
+
+    from .experiment import plan_runs
+    from .memory import over_device as over
+
+    cfg = result.config
+    if cfg.gpu_memory is None or not cfg.byte_mode:
+        return {}
+    specs = {p.key: p.hint.spec for p in plan_runs(cfg)}
+    out = {}
+    for s in result.stats:
+        found = None if s.infeasible or s.key not in specs else over(cfg, specs[s.key], s.peak_bytes)
+        if found is not None:
+            r, peak, room = found
+            out[s.key] = (f"{s.key.label} holds more than --gpu-memory {cfg.gpu_memory} leaves a rank: "
+                          f"{format_bytes(peak)} of activations on rank {r}, which has {format_bytes(room)} "
+                          "after its weights, gradients and optimizer state")  # fmt: skip
+    return out
+
+
 def summary_line(result: ExperimentResult) -> str:
-    """The ``summary:`` line (rrfp.study.compare.summary): the fastest feasible run, ties paired per
-    seed, and what readiness adds over its best fixed order."""
+    """The ``summary:`` line (rrfp.study.compare.summary): the fastest feasible run that fits the device
+    (when ``--gpu-memory`` names one), ties paired per seed, and what readiness adds over its best fixed
+    order."""
     byte_mode = bool(result.config.byte_mode)
-    feasible = [s for s in result.stats if not s.infeasible and s.iteration_time]
+    over = over_device(result)
+    feasible = [s for s in result.stats if not s.infeasible and s.iteration_time and s.key not in over]
     times = {s.key: s.iteration_time for s in feasible}
 
     def pair(trial: Any, baseline: Any) -> Comparison:
         return Comparison(trial, baseline, *paired_speedup(times[baseline], times[trial]))
 
+    if not feasible and over:
+        cap = result.config.gpu_memory
+        return (f"summary: nothing to compare: every trial that ran holds more than --gpu-memory {cap} "
+                "leaves a rank (the notes below); try --memory-budget device")  # fmt: skip
     prints = [footprint(s, byte_mode) for s in feasible]
     return summary(prints, pair, best_comparisons(result))
 
@@ -281,7 +312,8 @@ def format_table(result: ExperimentResult, header: list[str] | None = None) -> s
         )
     infeasible = [f"{s.key.label}: {s.infeasible}" for s in result.stats if s.infeasible]
     note = budget_note(comps, [s.key.budget for s in result.stats])
-    notes = [summary_line(result), *infeasible, *([note] if note else []), *auto_note(result)]
+    over = [f"note: {why}; the summary leaves it out" for why in over_device(result).values()]
+    notes = [summary_line(result), *infeasible, *([note] if note else []), *over, *auto_note(result)]
     return format_report(columns, rows, notes, COLUMNS, head=[describe(result), *(header or []), ""])
 
 
