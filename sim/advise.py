@@ -56,6 +56,7 @@ from .experiment import (
 )
 from .memory import DEVICE
 from .memory import over_device as over_device_bytes
+from .report import auto_note
 
 HINTS_BY_V = {1: ("1f1b", "zb-h1", "zb-h2", "bf", "bfw"), 2: ("interleaved-1f1b", "zbv", "bf", "bfw")}
 """The hints advise searches at each v unless ``--hint`` names others (at v > 2: those of v = 2 that run)."""
@@ -425,7 +426,9 @@ def format_advice(cfg: ExperimentConfig, search: Search, advice: list[Advice], s
               "peak on every rank is within this candidate's budget there")  # fmt: skip
     import textwrap
 
-    return "\n".join([*head, *render(header, rows), "", "to run:", *runs, "", *textwrap.wrap(legend, 108)])
+    notes = auto_note(cfg) if any(a.candidate.plan.key.policy == "auto" for a in advice) else []
+    table = [*head, *render(header, rows), *notes]
+    return "\n".join([*table, "", "to run:", *runs, "", *textwrap.wrap(legend, 108)])
 
 
 def advice_json(cfg: ExperimentConfig, search: Search, advice: list[Advice], command: str) -> dict[str, Any]:

@@ -273,10 +273,10 @@ COLUMNS = (
 """The table's footer: what each column means (rrfp.study.compare.legend)."""
 
 
-def auto_note(result: ExperimentResult) -> list[str]:
+def auto_note(result: ExperimentResult | ExperimentConfig) -> list[str]:
     """Say so when ``auto`` ran too few iterations to be sure it chose: it replays up to
     ``Auto.rounds`` of them on its safe arm first."""
-    study = result.config.study
+    study = (result if isinstance(result, ExperimentConfig) else result.config).study
     ran = study.warmup + study.iterations
     if "auto" not in study.policies or ran > Auto.rounds:
         return []
