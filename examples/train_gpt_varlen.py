@@ -71,6 +71,12 @@ def lengths(n: int, mean: float, cv: float, gen: torch.Generator) -> list[int]:
     ]
 
 
+def counting(rows: int, n: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """``rows`` sequences of ``n`` tokens counting up from random starts (mod ``vocab``): data the model
+    learns in a few steps, so the printed loss falls (on uniform random tokens it stays at ln(vocab))."""
+    return (torch.randint(0, vocab, (rows, 1), generator=gen) + torch.arange(n)) % vocab
+
+
 def parser() -> argparse.ArgumentParser:
     """The example's options (tests/test_readme.py parses the documented command lines with it)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -80,7 +86,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mean-len", type=float, default=64.0)
     ap.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of the lengths")
     ap.add_argument("--hint", default="1f1b")
-    ap.add_argument("--policy", default="rrfp")
+    ap.add_argument("--policy", default=None, help="fixed, rrfp, backfill, guarded, auto [DEFAULT_POLICY]")
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=256)
     return ap
@@ -96,14 +103,15 @@ def main() -> None:
     model = stages[rank]  # one stage per rank (interleaved hints: several, see rrfp.exec.pipelining)
     stage = PipelineStage(model, rank, world, torch.device("cpu"))
     # torch: schedule = Schedule1F1B(stage, args.microbatches, loss_fn=token_loss, scale_grads=False)
+    extra = {} if args.policy is None else {"policy": args.policy}  # else DEFAULT_POLICY
     schedule = ScheduleReadiness(
-        stage, args.microbatches, token_loss, hint=args.hint, policy=args.policy, scale_grads=False
+        stage, args.microbatches, token_loss, hint=args.hint, scale_grads=False, **extra
     )
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(1)
     for step in range(args.steps):
         lens = lengths(args.microbatches, args.mean_len, args.cv, gen)  # the same on every rank (seeded)
-        data = [torch.randint(0, args.vocab, (args.rows, t + 1), generator=gen) for t in lens]
+        data = [counting(args.rows, t + 1, args.vocab, gen) for t in lens]
         inputs, targets = [d[:, :-1] for d in data], [d[:, 1:] for d in data]
         total = sum(t.numel() for t in targets)
         losses: list[torch.Tensor] = []

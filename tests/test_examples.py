@@ -55,4 +55,5 @@ def test_the_huggingface_example_trains_on_unpadded_lengths() -> None:
     tiny = ["--steps", "3", "--layers", "2", "--hidden", "32", "--vocab", "64", "--microbatches", "4",
             "--min-len", "4", "--max-len", "24"]  # fmt: skip
     values = losses(torchrun("train_hf_llama.py", *tiny), 3)
-    assert all(0 < v < 2 * math.log(64) for v in values)  # per-token cross entropy near ln(vocab)
+    assert all(0 < v < 2 * math.log(64) for v in values)  # per-token cross entropy, ln(vocab) at first
+    assert values[-1] < values[0]  # and it learns (the rows count up: learnable data)
