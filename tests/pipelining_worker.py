@@ -441,6 +441,8 @@ def run_error(case: dict[str, Any], shared: Any) -> dict[str, Any]:
         ref[mine[0]] = Raising(ref[mine[0]])
     stages = [PipelineStage(ref[s], s, num_stages, torch.device("cpu")) for s in mine]
     loss_fn = None if what == "loss_one_rank" and rank == 0 else mse
+    if what == "nonscalar":  # a loss that is not a scalar: torch's stage backward refuses it
+        loss_fn = nn.MSELoss(reduction="none")
     args, tgt = mlp_batch(8 if what != "rows" else 3, 0)
     start = time.monotonic()
     try:
@@ -454,9 +456,16 @@ def run_error(case: dict[str, Any], shared: Any) -> dict[str, Any]:
         if what == "mbs":
             arg_mbs = list(args[0].chunk(4))[: 3 if first else 4]
             sched.step_microbatches(arg_mbs if first else None, list(tgt.chunk(4)) if last else None)
+        elif what == "stacked":  # the four microbatches as one tensor instead of a list of them
+            sched.step_microbatches(
+                args[0].view(4, 2, -1) if first else None, list(tgt.chunk(4)) if last else None
+            )
         else:
             no_target = what == "no_target"
-            sched.step(*(args if first else ()), target=tgt if last and not no_target else None)
+            losses = () if what == "losses_tuple" and last else None
+            sched.step(
+                *(args if first else ()), target=tgt if last and not no_target else None, losses=losses
+            )
     except UserError as e:
         return {"raised": type(e).__name__, "text": str(e), "seconds": time.monotonic() - start}
     except Exception as e:
@@ -654,6 +663,9 @@ TWO: list[dict[str, Any]] = [
             "mbs",
             "no_target",
             "raises",
+            "stacked",
+            "losses_tuple",
+            "nonscalar",
         )
     ),
 ]

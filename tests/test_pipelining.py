@@ -254,6 +254,15 @@ ERRORS = {
     "mbs": ("StageFailed", "rank 0 raised MicrobatchError: arg_mbs has 3 microbatches"),
     "no_target": ("StageFailed", "rank 1 raised LossError: a training step needs target="),
     "raises": ("StageFailed", "rank 1 raised RuntimeError: boom in the user's module"),
+    "stacked": (
+        "StageFailed",
+        "rank 0 raised MicrobatchError: arg_mbs must be a list of microbatches, not Tensor",
+    ),
+    "losses_tuple": ("StageFailed", "rank 1 raised LossError: losses must be a list (cleared, then filled)"),
+    "nonscalar": (
+        "StageFailed",
+        "stage backward: RuntimeError: grad can be implicitly created only for scalar",
+    ),
 }
 
 

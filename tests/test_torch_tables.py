@@ -198,6 +198,15 @@ def test_names_are_case_insensitive_like_torch() -> None:
     assert rrfp.hint_orders("torch:gpipe", 2, 2) == rrfp.hint_orders("gpipe", 2, 2)
 
 
+def test_a_torch_class_name_means_its_lookup_name() -> None:
+    """Users type the class they import (Schedule1F1B); torch's get_schedule_class calls it 1F1B."""
+    assert ts.canonical_name("Schedule1F1B") == "1F1B"
+    assert ts.canonical_name("scheduleinterleavedzerobubble") == "InterleavedZeroBubble"
+    assert rrfp.hint_orders("torch:ScheduleGPipe", 2, 3) == rrfp.hint_orders("torch:GPipe", 2, 3)
+    with pytest.raises(HintError, match="unknown torch schedule 'ScheduleNope'"):
+        ts.canonical_name("ScheduleNope")
+
+
 def test_one_schedule_table_agrees_with_torch() -> None:
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 

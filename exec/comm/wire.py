@@ -171,8 +171,21 @@ def decode_announce(values: list[int]) -> tuple[int, int, Task, int]:
 
 
 def one_line(e: BaseException) -> str:
-    """First line of the error, without gloo's source location and boilerplate advice."""
+    """First line of the error, without gloo's source location and boilerplate advice. A first line that
+    only announces more (it ends with ':', as torch's "Failed to run stage backward:" does, the reason
+    being its cause) gets its innermost cause's ``Type: first line`` after it."""
+    line = _first_line(e) or type(e).__name__
+    if line.endswith(":"):
+        cause = e
+        while cause.__cause__ is not None and cause.__cause__ is not cause:
+            cause = cause.__cause__
+        if cause is not e:
+            line = f"{line} {type(cause).__name__}: {_first_line(cause)}"
+    return line[:300]
+
+
+def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
-    line = text[0] if text else type(e).__name__
+    line = text[0] if text else ""
     line = line.split("] ", 1)[-1] if line.startswith("[") else line
-    return line.split(". This is typically", 1)[0][:200]
+    return line.split(". This is typically", 1)[0]

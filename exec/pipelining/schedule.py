@@ -467,6 +467,8 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
 
         def prepared() -> tuple[list[Any], list[Any], list[Any] | None]:
             for what, mbs in (("arg_mbs", arg_mbs), ("target_mbs", target_mbs), ("kwarg_mbs", kwarg_mbs)):
+                if mbs is not None and not isinstance(mbs, (list, tuple)):  # a stacked tensor, say
+                    raise MicrobatchError(f"{what} must be a list of microbatches, not {type(mbs).__name__}")
                 if mbs is not None and len(mbs) != n:
                     raise MicrobatchError(f"{what} has {len(mbs)} microbatches, not n_microbatches={n}")
             if any(s.is_first for s in self._stages) and arg_mbs is None:
@@ -495,6 +497,8 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         self._steps += 1
         sizes: StepSizes | None = None
         try:
+            if losses is not None and not isinstance(losses, list):  # filled in place, as torch's is
+                raise LossError(f"losses must be a list (cleared, then filled), not {type(losses).__name__}")
             arg_mbs, kwarg_mbs, target_mbs, sizes = self._sized(prepare)
             has_last = any(s.is_last for s in self._stages)
             if training and has_last and target_mbs is None:

@@ -86,9 +86,10 @@ _OPS = {"F": Op.F, "B": Op.B, "I": Op.I, "W": Op.W}
 
 
 def canonical_name(name: str) -> str:
-    """torch's spelling of a schedule name (matched case-insensitively, like torch does)."""
+    """torch's spelling of a schedule name (matched case-insensitively, like torch's
+    ``get_schedule_class``); the class name a user may type (``Schedule1F1B``) means its lookup name."""
     for known in TORCH_SCHEDULES:
-        if known.lower() == name.lower():
+        if known.lower() in (name.lower(), name.lower().removeprefix("schedule")):
             return known
     raise HintError(f"unknown torch schedule {name!r}: choose one of {', '.join(TORCH_SCHEDULES)}")
 
