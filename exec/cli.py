@@ -129,6 +129,9 @@ def plan_config(o: dict[str, Any], given: Collection[str] = ()) -> tuple[RunConf
     backend = _backend(o, world)
     baselines = tuple(_baseline_name(b) for b in split_list(o["baseline"], "--baseline"))
     trials = tuple(parse_trial(t) for t in split_list(o["trials"], "--trials"))
+    twice = sorted({t.label for t in trials if trials.count(t) > 1})
+    if twice:  # two rows of one name, and a summary that calls a trial tied with itself
+        raise ExecConfigError(f"--trials names {', '.join(twice)} twice: list each trial once")
     # The shared jitter default applies where something is jittered (sampled durations, injected sleeps);
     # a real model's run without --inject-ms has none, unless --jitter asks (then the preflight says so).
     jittered = o["synthetic"] or o["inject_ms"] > 0 or any(n in given for n in JITTERED_BY)

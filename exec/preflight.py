@@ -193,6 +193,7 @@ def _check_trace_path(text: str) -> None:
 def _check_baseline(cfg: RunConfig, name: str) -> None:
     if name not in BASELINE_SCHEDULES:
         choices = "|".join(BASELINE_SCHEDULES)
-        raise ExecConfigError(f"--baseline torch:{name} is not supported: choose torch:<{choices}>")
+        # Named by --baseline or among --trials: say the schedule, not an option the user may not have typed.
+        raise ExecConfigError(f"torch:{name} is not a torch baseline rrfp-run runs: choose torch:<{choices}>")
     stages = cfg.study.pp * TORCH_TABLE[name].stages_per_rank
     partition(cfg.model.layers, stages)

@@ -44,6 +44,7 @@ from rrfp.workload.tokens import MB_ORDERS, TokenWorkload
 
 from .config import ExperimentConfig
 from .experiment import (
+    LONG_RUN_S,
     PlannedRun,
     RunStats,
     _extend,
@@ -456,18 +457,48 @@ def advice_json(cfg: ExperimentConfig, search: Search, advice: list[Advice], com
             "search": searched, "candidates": rows}  # fmt: skip
 
 
+def search_seconds(search: Search) -> float:
+    """A rough one-core estimate of the halving (rrfp.sim.experiment.estimate_seconds): every candidate
+    at the first round's seeds, then a quarter of them at each next round's."""
+    total = 0.0
+    for g, cfg in enumerate(search.configs):
+        ready = sum(c.group == g and not c.fixed for c in search.candidates)
+        fixed = sum(c.group == g and c.fixed for c in search.candidates)  # in every round: all the seeds
+        one = estimate_seconds(cfg, 1) / cfg.seeds  # one replication of one candidate of the config
+        total += one * fixed * search.schedule[-1]
+        prev, share = 0, 1.0
+        for seeds in search.schedule:
+            total += one * ready * share * (seeds - prev)
+            prev, share = seeds, share * KEEP
+    return total
+
+
 def run_advise(
-    cfg: ExperimentConfig, given: Iterable[str], top: int, workers: int | str, as_json: bool, command: str
-) -> str:
-    """``rrfp-sim advise``: plan the search around ``cfg``, run it, and format the answer."""
+    cfg: ExperimentConfig, given: Iterable[str], top: int, workers: int | str, as_json: bool, command: str,
+    progress: bool | None = False,
+) -> str:  # fmt: skip
+    """``rrfp-sim advise``: plan the search around ``cfg``, run it, and format the answer. A search that
+    looks long says so up front on stderr (it shows no progress bar)."""
     import json
+    import sys
     import time
 
     start = time.monotonic()
     search = plan_search(cfg, given)
+    seconds = search_seconds(search)
+    if seconds > LONG_RUN_S:
+        print(f"rrfp-sim: warning: a long search: about {seconds:.0f} s on one core, estimated up front "
+              f"({len(search.candidates)} candidates, seeds per round {search.schedule})", file=sys.stderr,
+              flush=True)  # fmt: skip
     ranked = run_search(search, top, workers)
+    if not any(not c.fixed for c in search.candidates):
+        raise AdviseError("advise: --policy fixed alone leaves nothing to compare: add a readiness policy "
+                          f"({', '.join(p for p in policy_names() if p != FIXED)})")  # fmt: skip
     if not any(not c.fixed for c in ranked):
-        raise AdviseError("advise: no candidate fits its memory budget (try --memory-budget 1x)")
+        budgets = {c.plan.key.budget or "1x" for c in search.candidates}
+        hint = "" if "1x" in budgets else " (try --memory-budget 1x)"
+        device = f" and --gpu-memory {cfg.gpu_memory}" if cfg.gpu_memory is not None else ""
+        raise AdviseError(f"advise: no readiness candidate ran within its memory budget{device}{hint}")
     advice = advise(search, ranked, top)
     if as_json:
         return json.dumps(advice_json(cfg, search, advice, command), indent=1, allow_nan=False)

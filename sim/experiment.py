@@ -577,10 +577,20 @@ def _extend(into: RunStats, part: RunStats) -> None:
     into.peaks = [max(a, b) for a, b in zip(into.peaks or [0] * len(part.peaks), part.peaks, strict=True)]
 
 
+SECONDS_PER_TASK = 6e-6
+"""One simulated task on one core: 5-9 us measured here (BENCHMARKS.md §1: 107-204 k tasks/s at pp
+16-128 for fixed, rrfp and backfill)."""
+SECONDS_PER_ITERATION = 2e-5
+"""One iteration's own set-up per run (its samples, resets): what makes tiny pipelines cost ~7-9 us a
+task (pp 2, m 2)."""
+
+
 def estimate_seconds(cfg: ExperimentConfig, runs: int) -> float:
-    """A rough wall time of the simulation: tasks x runs x iterations x replications x ~3 us (measured
-    on one core; an over-estimate costs a pool start, about a second)."""
-    return cfg.task_total() * runs * (cfg.study.warmup + cfg.study.iterations) * cfg.seeds * 3e-6
+    """A rough one-core time of the simulation: (tasks x :data:`SECONDS_PER_TASK` + hints x
+    :data:`SECONDS_PER_ITERATION`) x runs x iterations x replications; ``runs``: per hint (its policies).
+    Rather over than under: an over-estimate costs a pool start, about a second."""
+    per_iteration = cfg.task_total() * SECONDS_PER_TASK + len(cfg.study.hints) * SECONDS_PER_ITERATION
+    return per_iteration * runs * (cfg.study.warmup + cfg.study.iterations) * cfg.seeds
 
 
 LONG_RUN_S = 30.0
@@ -591,13 +601,14 @@ def long_run_warning(cfg: ExperimentConfig, prog: str = "rrfp-sim") -> str | Non
     """One warning line with the up-front estimate when ``cfg`` looks long (> LONG_RUN_S on one core),
     else None: a run with --no-progress (or stderr not a terminal) would otherwise be silent for
     minutes. The run still runs."""
-    seconds = estimate_seconds(cfg, len(cfg.study.policies))  # task_total covers every hint already
+    runs = len({*cfg.study.policies, BASELINE_POLICY})  # fixed runs beside the others, listed or not
+    seconds = estimate_seconds(cfg, runs)  # task_total covers every hint already
     if seconds <= LONG_RUN_S:
         return None
     its = cfg.study.warmup + cfg.study.iterations
     return (
         f"{prog}: warning: a long run: about {seconds:.0f} s on one core, estimated up front "
-        f"({cfg.task_total():,} tasks x {len(cfg.study.policies)} policies x {its} "
+        f"({cfg.task_total():,} tasks x {runs} policies x {its} "
         f"iterations x {cfg.seeds} seeds); --progress shows how far it is"
     )
 

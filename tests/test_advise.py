@@ -117,3 +117,26 @@ def test_the_advised_call_binds_to_schedule_readiness(capsys: pytest.CaptureFixt
     assert all(r["vs_best_fixed"] is not None for r in rows if r["policy"] != "fixed")
     device = [r for r in rows if r["memory_budget"] == "device"]
     assert device and all(r["schedule_readiness"]["byte_budget"].endswith("MiB") for r in device)
+
+
+def test_a_long_search_says_so_up_front(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """advise shows no progress bar, so a search estimated past LONG_RUN_S warns on stderr first; the
+    estimate grows with the seeds (the fixed orders run at all of them)."""
+    import rrfp.sim.advise as adv
+
+    values = {**option_defaults(), "stages": 4, "microbatches": 8, "seeds": 6, "hints": "1f1b,zb-h1"}
+    given = {"stages", "microbatches", "seeds", "hints"}
+    small = adv.search_seconds(plan_search(build_config(values, given), given))
+    more = adv.search_seconds(plan_search(build_config({**values, "seeds": 600}, given), given))
+    assert 0 < small < 2 and more > 10 * small
+    monkeypatch.setattr(adv, "LONG_RUN_S", small / 2)
+    code, _, err = _advise(["--stages", "4", "-m", "8", "--seeds", "6", "--hint", "1f1b,zb-h1"], capsys)
+    assert code == 0 and err.startswith("rrfp-sim: warning: a long search: about ") and err.count("\n") == 1
+
+
+def test_advise_with_fixed_alone_says_what_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _advise(["--stages", "2", "-m", "2", "--seeds", "1", "--policy", "fixed"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "advise: --policy fixed alone leaves nothing to compare: add a readiness policy" in err

@@ -21,7 +21,9 @@ BAD = [
     (["--gpus", "2", "--jitter", "wobbly", "--inject-ms", "5"], "unknown jitter distribution 'wobbly'"),
     (["--gpus", "4", "--layers", "3"], "--layers 3 is fewer than the 4 pipeline stages"),
     (["--gpus", "2", "--baseline", "1F1B"], "must be torch:<ScheduleName>"),
-    (["--gpus", "2", "--baseline", "torch:Nope"], "torch:Nope is not supported"),
+    (["--gpus", "2", "--baseline", "torch:Nope"], "torch:Nope is not a torch baseline rrfp-run runs"),
+    (["--gpus", "2", "--trials", "fixed/1f1b,torch:Nope"], "torch:Nope is not a torch baseline rrfp-run"),
+    (["--gpus", "2", "--trials", "fixed/1f1b,rrfp/1f1b,fixed/1f1b@1x"], "--trials names fixed/1f1b twice"),
     (
         ["--gpus", "4", "--pp", "2", "--tp", "2", "--heads", "3", "--hidden", "63"],
         "--heads 3 must be divisible",

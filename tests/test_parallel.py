@@ -5,6 +5,7 @@ Every subprocess and pool here has a bounded wait; pools are shut down before a 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -235,3 +236,40 @@ def test_a_retry_runs_alone_so_only_the_job_that_kills_its_worker_is_named(monke
         for i, value in run_jobs(die_always, [(f"job {v}", (v,)) for v in range(4)], 2, make_executor=make):
             seen[i] = value
     assert seen == {0: 0} and rounds == [[0, 1, 2, 3], [0], [1]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_main_process_stops_its_workers_at_once(signum: int, tmp_path: Path) -> None:
+    """``kill -INT`` / ``timeout`` reach rrfp-sim's main process alone, not its pool's workers: it must
+    end their jobs (hours here), say one line, and leave no process, semaphore or warning behind -- it
+    used to wait for the running jobs (Ctrl-C ignored for 10 minutes in the audit)."""
+    import time
+
+    import psutil
+    from execkit import left_after
+
+    argv = [sys.executable, "-m", "rrfp.sim", "--stages", "2", "-m", "2", "--iterations", "1000000",
+            "--workers", "2", "--no-progress"]  # fmt: skip
+    before = set(os.listdir("/dev/shm"))
+    proc = subprocess.Popen(argv, cwd=tmp_path, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(psutil.Process(proc.pid).children()) < 3:
+            time.sleep(0.1)  # the resource tracker and two workers: the pool runs
+        time.sleep(1.0)
+        sent = time.monotonic()
+        proc.send_signal(signum)  # the main process only, as kill does
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+        left = left_after(proc.pid, 10)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert not left, f"workers outlived rrfp-sim: {[p.pid for p in left]}"
+    assert took < 15, f"rrfp-sim took {took:.1f} s to stop"
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 130 and last == "rrfp-sim: error: interrupted", err[-2000:]
+    assert "leaked" not in err and "Traceback" not in err, err[-2000:]
+    assert set(os.listdir("/dev/shm")) <= before

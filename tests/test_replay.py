@@ -296,11 +296,14 @@ def _bad_frames(good: pd.DataFrame) -> dict[str, tuple[pd.DataFrame, str]]:
     out["task twice"] = (twice, rf"row {len(good)}, field 'microbatch': task 0F0 runs twice on rank 0")
     two_runs = pd.concat([good, good.assign(policy="rrfp")], ignore_index=True)
     out["two runs"] = (two_runs, r"holds 2 runs .*pick one with --replay-run")
+    huge = good.copy()
+    huge.loc[_first(huge, "compute", rank=0), "microbatch"] = 10**12  # sizes no pipeline has, not a placement
+    out["huge microbatch"] = (huge, r"field.* 'microbatch'/'stage': pipeline .* is above the limit")
     return out
 
 
 CASES = ["missing column", "wrong type", "negative time", "end before start", "overlap", "before its input"]
-CASES += ["missing task", "task twice", "two runs"]
+CASES += ["missing task", "task twice", "two runs", "huge microbatch"]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -407,7 +407,9 @@ class _Loader:
         for placement in ("loop", "v"):
             try:
                 spec = PipelineSpec(self.pp, m, v, placement, split)
-            except SpecError:
+            except SpecError as e:
+                if placement == "loop":  # loop takes any v: the sizes are wrong (a microbatch of 1e12)
+                    raise ReplayError(f"{self.source}: fields 'microbatch'/'stage': {e}") from None
                 continue
             if all(spec.rank_of(s) == r for s, r in stage_rank.items()):
                 return spec

@@ -108,7 +108,19 @@ def executor_for(workers: int) -> Executor:
     cluster = _CLUSTER.get()
     if cluster is not None:
         return cluster.executor()
-    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+    spawn = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(max_workers=workers, mp_context=spawn, initializer=_start_worker)
+
+
+def _start_worker() -> None:
+    """A pool worker's start: tqdm's write lock becomes a thread lock. tqdm makes a multiprocessing RLock
+    (a named semaphore) at its first bar, a disabled one too; a worker that :func:`stop_pool` ends never
+    unlinks it, and multiprocessing's resource tracker then warns of "leaked semaphore objects"."""
+    import threading
+
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
 
 
 def run_jobs(
@@ -136,11 +148,35 @@ def run_jobs(
         # (a death also fails the jobs queued behind it -- on Dask as a KilledWorker), so a second
         # death names the job that really kills its worker.
         batches = [[i] for i in todo] if died else [list(todo)]
+        finished = False
         try:
             for batch in batches:
                 yield from _run_batch(pool, fn, todo, batch, died)
+            finished = True
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            if finished:
+                pool.shutdown(wait=True)
+            else:
+                stop_pool(pool)
+
+
+def stop_pool(pool: Executor, grace_s: float = 5.0) -> None:
+    """Leave ``pool`` at once (Ctrl-C, an error, a caller that stopped reading): its queued jobs are
+    cancelled and its running ones ended. A local worker does not hear a SIGINT sent to this process
+    alone (a terminal's Ctrl-C reaches the group, ``kill -INT`` or ``timeout -s INT`` does not), and
+    waiting for its job could take hours; its processes are terminated, then joined, and so is the
+    pool's manager thread -- it holds the queues, whose named semaphores multiprocessing's resource
+    tracker would otherwise report as leaked at exit."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())  # ProcessPoolExecutor's own
+    manager = getattr(pool, "_executor_manager_thread", None)
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in processes:
+        proc.join(grace_s)
+    if manager is not None:
+        manager.join(grace_s)  # it sees its workers gone and ends, dropping the queues
 
 
 def _run_batch(

@@ -329,12 +329,35 @@ def deprecated(prog: str, message: str) -> None:
     print(f"{prog}: deprecated: {' '.join(message.split())}", file=sys.stderr, flush=True)
 
 
+_OUTPUT_ERRNOS = frozenset({28, 32, 27, 30, 122})  # ENOSPC, EPIPE, EFBIG, EROFS, EDQUOT
+
+
+def os_error_line(e: OSError) -> str:
+    """What a CLI says of an OSError that reached its top: output it could not write (a full disk, a
+    closed pipe), or the system's own words."""
+    return f"cannot write output: {e}" if e.errno in _OUTPUT_ERRNOS else f"{type(e).__name__}: {e}"
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM stops the command as Ctrl-C does (one line, exit 130, worker processes ended): by default
+    it would kill this process alone and orphan its pool's workers for a while."""
+    import signal
+    import threading
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def one_line_errors(base: type, prog: str, os_errors: bool = False) -> type:
     """``base`` (a click command class) whose standalone ``main`` reports every user error as one line
     ``<prog>: error: <message>`` with exit status 2 -- click's usage errors (an unknown option, a bad
     number) and :class:`rrfp.errors.UserError` alike; a :class:`rrfp.errors.RunFailure` is one line
-    with status 1 (``os_errors``: an OSError too, as "cannot write output"); anything else is a bug
-    and keeps its traceback. The context records the arguments (:func:`command_line`)."""
+    with status 1, and so is an OSError (:func:`os_error_line`); anything else is a bug and keeps its
+    traceback. ``os_errors``: also SIGTERM stops it as Ctrl-C does (a command that runs no signal
+    handling of its own). The context records the arguments (:func:`command_line`)."""
     import click
 
     class OneLine(base):  # type: ignore[misc, valid-type]
@@ -348,6 +371,8 @@ def one_line_errors(base: type, prog: str, os_errors: bool = False) -> type:
                  standalone_mode: bool = True, **extra: Any) -> Any:  # fmt: skip
             if not standalone_mode:
                 return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            if os_errors:
+                _stop_on_sigterm()
             try:
                 rv = super().main(args, prog_name or prog, complete_var, standalone_mode=False, **extra)
             except click.ClickException as e:  # usage errors, bad values: the user's
@@ -359,9 +384,7 @@ def one_line_errors(base: type, prog: str, os_errors: bool = False) -> type:
             except RunFailure as e:
                 fail(prog, str(e), 1)
             except OSError as e:
-                if not os_errors:
-                    raise
-                fail(prog, f"cannot write output: {e}", 1)
+                fail(prog, os_error_line(e), 1)
             sys.exit(rv if isinstance(rv, int) else 0)
 
     OneLine.__name__ = OneLine.__qualname__ = f"OneLine{base.__name__}"
