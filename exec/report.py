@@ -38,7 +38,7 @@ import sys
 from typing import Any
 
 from rrfp.errors import RunFailure
-from rrfp.exec.config import RunConfig
+from rrfp.exec.config import RunConfig, clocked_policy
 from rrfp.exec.models.tokens import describe as token_text
 from rrfp.exec.results import ExecMeasures, measures, median_time, without_trace
 from rrfp.plan.budget import format_bytes, parse_byte_item
@@ -305,7 +305,18 @@ def table(cfg: RunConfig, results: list[TrialResult]) -> str:
     note = budget_note(comps, cfg.study.budget_labels())
     notes = [summary(footprints(cfg, results), _pairwise(cfg, results), best), *([note] if note else [])]
     notes += [memory_line(r.trial.label, c) for r in results if (c := measures(r).memory_check)][:1]
+    notes += uncalibrated_note(cfg)
     return format_report(header, rows, notes, _columns(cfg, torch))
+
+
+def uncalibrated_note(cfg: RunConfig) -> list[str]:
+    """With ``--warmup 0`` a clocked policy's first measured iteration runs before its costs are
+    calibrated (it calibrates after one iteration at least): say so, or its mean hides it."""
+    clocked = [t.label for t in cfg.trials if not t.is_baseline and clocked_policy(t.policy)]
+    if cfg.study.warmup > 0 or not clocked:
+        return []
+    return [f"note: --warmup 0: the first measured iteration of {', '.join(clocked)} ran before their costs "
+            "were calibrated (on their rule without a clock); --warmup 1 leaves it out"]  # fmt: skip
 
 
 def memory_line(label: str, check: Any) -> str:

@@ -108,3 +108,21 @@ def test_bad_switch_interval_exits_2(value: str, monkeypatch: pytest.MonkeyPatch
     result = CliRunner().invoke(main, ["--gpus", "2"])
     assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
     assert f"RRFP_SWITCH_MS must be milliseconds in (0, 1000], got {value!r}" in result.output
+
+
+def test_warmup_0_says_a_clocked_trial_measured_its_uncalibrated_iteration(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from rrfp.exec.report import uncalibrated_note
+
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    opts = dict(main.make_context("rrfp-run", []).params)
+    trials = "fixed/1f1b,backfill/1f1b,rrfp/1f1b"
+    (note,) = uncalibrated_note(build_config({**opts, "gpus": 2, "trials": trials, "warmup": 0}))
+    assert note.startswith("note: --warmup 0: the first measured iteration of backfill/1f1b ran before")
+    assert uncalibrated_note(build_config({**opts, "gpus": 2, "trials": trials, "warmup": 1})) == []
+    assert (
+        uncalibrated_note(build_config({**opts, "gpus": 2, "trials": "fixed/1f1b,rrfp/1f1b", "warmup": 0}))
+        == []
+    )
