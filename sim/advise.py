@@ -474,9 +474,8 @@ def search_seconds(search: Search) -> float:
 
 
 def run_advise(
-    cfg: ExperimentConfig, given: Iterable[str], top: int, workers: int | str, as_json: bool, command: str,
-    progress: bool | None = False,
-) -> str:  # fmt: skip
+    cfg: ExperimentConfig, given: Iterable[str], top: int, workers: int | str, as_json: bool, command: str
+) -> str:
     """``rrfp-sim advise``: plan the search around ``cfg``, run it, and format the answer. A search that
     looks long says so up front on stderr (it shows no progress bar)."""
     import json

@@ -175,7 +175,7 @@ def workers_option(what: str) -> Callable[[Any], Any]:
     ])  # fmt: skip
 
 
-class _DefaultGroup(one_line_errors(click.Group, PROG, os_errors=True)):  # type: ignore[misc]
+class _DefaultGroup(one_line_errors(click.Group, PROG, sigterm=True)):  # type: ignore[misc]
     """``rrfp-sim [OPTIONS]`` runs the comparison; ``rrfp-sim sweep ...`` the sweep. Every user error,
     click's usage errors included, is one line and exit status 2 (rrfp.study.options.one_line_errors)."""
 

@@ -351,12 +351,12 @@ def _stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, interrupt)
 
 
-def one_line_errors(base: type, prog: str, os_errors: bool = False) -> type:
+def one_line_errors(base: type, prog: str, sigterm: bool = False) -> type:
     """``base`` (a click command class) whose standalone ``main`` reports every user error as one line
     ``<prog>: error: <message>`` with exit status 2 -- click's usage errors (an unknown option, a bad
     number) and :class:`rrfp.errors.UserError` alike; a :class:`rrfp.errors.RunFailure` is one line
     with status 1, and so is an OSError (:func:`os_error_line`); anything else is a bug and keeps its
-    traceback. ``os_errors``: also SIGTERM stops it as Ctrl-C does (a command that runs no signal
+    traceback. ``sigterm``: SIGTERM stops it as Ctrl-C does (a command that runs no signal
     handling of its own). The context records the arguments (:func:`command_line`)."""
     import click
 
@@ -371,7 +371,7 @@ def one_line_errors(base: type, prog: str, os_errors: bool = False) -> type:
                  standalone_mode: bool = True, **extra: Any) -> Any:  # fmt: skip
             if not standalone_mode:
                 return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-            if os_errors:
+            if sigterm:
                 _stop_on_sigterm()
             try:
                 rv = super().main(args, prog_name or prog, complete_var, standalone_mode=False, **extra)
