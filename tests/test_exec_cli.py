@@ -126,3 +126,21 @@ def test_warmup_0_says_a_clocked_trial_measured_its_uncalibrated_iteration(
         uncalibrated_note(build_config({**opts, "gpus": 2, "trials": "fixed/1f1b,rrfp/1f1b", "warmup": 0}))
         == []
     )
+
+
+def test_an_unwritable_stdout_is_one_line_not_a_traceback() -> None:
+    """``rrfp-run ... > /dev/full``: the audit saw a 28-line traceback; now one line, exit 1."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full here")
+    rrfp_run = Path(sys.executable).with_name("rrfp-run")
+    with open("/dev/full", "w") as full:
+        cmd = [str(rrfp_run), "--gpus", "2", "--dry-run"]
+        done = subprocess.run(cmd, stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "rrfp-run: error: cannot write output: [Errno 28] No space left on device"
+    ]
