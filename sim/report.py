@@ -238,12 +238,12 @@ def over_device(result: ExperimentResult) -> dict[Any, str]:
     return out
 
 
-def summary_line(result: ExperimentResult) -> str:
+def summary_line(result: ExperimentResult, over: dict[Any, str] | None = None) -> str:
     """The ``summary:`` line (rrfp.study.compare.summary): the fastest feasible run that fits the device
     (when ``--gpu-memory`` names one), ties paired per seed, and what readiness adds over its best fixed
-    order."""
+    order. ``over``: :func:`over_device`'s answer, when the caller has it already."""
     byte_mode = bool(result.config.byte_mode)
-    over = over_device(result)
+    over = over_device(result) if over is None else over
     feasible = [s for s in result.stats if not s.infeasible and s.iteration_time and s.key not in over]
     times = {s.key: s.iteration_time for s in feasible}
 
@@ -312,8 +312,9 @@ def format_table(result: ExperimentResult, header: list[str] | None = None) -> s
         )
     infeasible = [f"{s.key.label}: {s.infeasible}" for s in result.stats if s.infeasible]
     note = budget_note(comps, [s.key.budget for s in result.stats])
-    over = [f"note: {why}; the summary leaves it out" for why in over_device(result).values()]
-    notes = [summary_line(result), *infeasible, *([note] if note else []), *over, *auto_note(result)]
+    over = over_device(result)  # once: it plans the runs again to know their pipelines
+    notes = [summary_line(result, over), *infeasible, *([note] if note else [])]
+    notes += [f"note: {why}; the summary leaves it out" for why in over.values()] + auto_note(result)
     return format_report(columns, rows, notes, COLUMNS, head=[describe(result), *(header or []), ""])
 
 
