@@ -24,6 +24,7 @@ import click
 from rrfp.errors import UserError
 from rrfp.study.options import check_pack_tokens
 from rrfp.workload.memory import RECOMPUTE
+from rrfp.workload.moe import MOE_OPTIONS
 from rrfp.workload.scenarios import apply_scenario, describe_scenarios, scenario_names
 from rrfp.workload.tokens import DERIVED_OPTIONS, TOKEN_OPTIONS, TokenWorkload, check_token_options
 
@@ -31,9 +32,9 @@ from .config import ExperimentConfig
 from .memory import DEVICE
 from .tokens import token_config
 
-SIM_ONLY = ("vision_hidden", "dtype_bytes", "recompute", "vocab")
+SIM_ONLY = ("vision_hidden", "dtype_bytes", "recompute", "vocab", *MOE_OPTIONS)
 """Token options rrfp-sim has and rrfp-run does not (its model's vision width is --hidden, its messages
-are what the model computes)."""
+are what the model computes, its model has no experts)."""
 MODE_OPTIONS = ("scenario", *TOKEN_OPTIONS)
 """Every option that belongs to token mode, ``--scenario`` included."""
 _FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TokenWorkload) if f.init}
@@ -54,6 +55,26 @@ OPTIONS: list[Callable[[Any], Any]] = [
                  help="Token mode: bytes per trained parameter [18: weights 2, grads 4, master 4, Adam 8]."),
     click.option("--distributed-optimizer", is_flag=True, default=False,
                  help="Token mode: optimizer state sharded over dp (6 + 12/dp bytes per parameter)."),
+    click.option("--experts", type=int, default=_FIELD_DEFAULTS["experts"], show_default=True,
+                 help="Token mode: mixture of experts -- experts per decoder layer (0: dense). Needs "
+                      "--expert-hidden; rrfp.workload.moe has the cost model."),
+    click.option("--top-k", type=int, default=_FIELD_DEFAULTS["top_k"], show_default=True,
+                 help="Token mode, MoE: experts each token visits."),
+    click.option("--capacity-factor", type=float, default=_FIELD_DEFAULTS["capacity_factor"],
+                 show_default=True,
+                 help="Token mode, MoE: an expert keeps at most this x its balanced load and drops the rest "
+                      "(0: dropless)."),
+    click.option("--expert-parallel", type=int, default=_FIELD_DEFAULTS["expert_parallel"], show_default=True,
+                 help="Token mode, MoE: ranks the experts are spread over (EP); the busiest sets the time."),
+    click.option("--expert-hidden", type=int, default=_FIELD_DEFAULTS["expert_hidden"],
+                 help="Token mode, MoE: one expert's MLP width (gated: 6 x hidden x this FLOPs a token)."),
+    click.option("--router-cv", type=float, default=_FIELD_DEFAULTS["router_cv"], show_default=True,
+                 help="Token mode, MoE: CV of an expert's load per microbatch and layer (0: balanced)."),
+    click.option("--a2a-share", type=float, default=_FIELD_DEFAULTS["a2a_share"], show_default=True,
+                 help="Token mode, MoE: a mean microbatch's all-to-all time per layer over that layer's "
+                      "forward compute (0: free)."),
+    click.option("--a2a-cv", type=float, default=_FIELD_DEFAULTS["a2a_cv"], show_default=True,
+                 help="Token mode, MoE: CV of the all-to-all time's lognormal jitter."),
     click.option("--scenario", default=None,
                  help=f"Token mode: a named set of option values ({', '.join(scenario_names())}); an option "
                       "given explicitly overrides its value. Each value's source: rrfp-sim scenarios."),

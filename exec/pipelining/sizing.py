@@ -9,7 +9,8 @@ attention costs). The sizes then serve three ends:
 
 * ``mb_order`` (:data:`MB_ORDERS`, rrfp-sim's ``--mb-order``): the hint's microbatch ``k`` runs the
   user's microbatch ``order[k]`` -- ``size-asc`` shortest first, ``size-desc`` longest first, ties in
-  the user's order (as rrfp.workload.tokens renumbers them). Only the dispatch order changes: each
+  the user's order (as rrfp.workload.tokens renumbers them); ``verl`` verl's planned order by
+  ``attention``, the lightest at both ends (rrfp.workload.mb_order). Only the dispatch order changes: each
   forward keeps its user microbatch's RNG stream, losses come back in the user's order, and the
   gradients are the natural order's up to the float rounding of their sum.
 * the scheduler's ``reset(sizes=)`` (rrfp.dispatch.sizes) in the hint's numbering, which a sized
@@ -39,9 +40,9 @@ from rrfp.exec.loop.calibrate import CostMeter
 from rrfp.exec.pipelining.errors import StageLayoutError
 from rrfp.exec.pipelining.memory import microbatch_size
 from rrfp.plan.task import Op, Task
+from rrfp.workload.mb_order import MB_ORDERS, order_microbatches
 
-MB_ORDERS = ("none", "size-asc", "size-desc")
-"""The ``mb_order`` values: rrfp-sim's ``--mb-order`` (rrfp.workload.tokens.MB_ORDERS)."""
+# MB_ORDERS (imported from rrfp.workload.mb_order): the ``mb_order`` values, rrfp-sim's ``--mb-order``.
 
 
 def check_mb_order(mb_order: str) -> str:
@@ -71,12 +72,7 @@ class StepSizes:
 
     @classmethod
     def of(cls, tokens: Sequence[int], attention: Sequence[int], mb_order: str) -> StepSizes:
-        n = len(tokens)
-        if mb_order == "none":
-            order = tuple(range(n))
-        else:  # stable: ties keep the user's order (as rrfp.workload.tokens does)
-            key = [t if mb_order == "size-asc" else -t for t in tokens]
-            order = tuple(sorted(range(n), key=key.__getitem__))
+        order = order_microbatches(tokens, attention, check_mb_order(mb_order))  # as the simulator's
         return cls(tuple(tokens), tuple(attention), order)
 
     def hinted(self) -> Sizes:

@@ -177,8 +177,9 @@ SHARED: tuple[SharedOption, ...] = (
                  "Token mode: CV of the image rate (see --images-dist).", "X >= 0"),
     SharedOption("mb_order", ("--mb-order",), None, "text", "none",
                  "Token mode: each iteration's microbatches as drawn (none), or sorted by decoder tokens, "
-                 "shortest (size-asc) or longest (size-desc) first -- for every policy, fixed included.",
-                 "none|size-asc|size-desc"),
+                 "shortest (size-asc) or longest (size-desc) first, or verl's order (verl: by the sum of "
+                 "squared sequence lengths, the lightest at both ends) -- for every policy, fixed included.",
+                 "none|size-asc|size-desc|verl"),
     SharedOption("version", ("--version",), None, "version", None, "Print the version and exit.", ""),
 )  # fmt: skip
 """The shared options, in the order both CLIs list them."""

@@ -100,6 +100,7 @@ from rrfp.plan.task import Op, Task
 from rrfp.workload import rng as rngs
 from rrfp.workload.jitter import Distribution, JitterError, make_distribution
 from rrfp.workload.lengths import FirstFit, LengthsError, LengthsTable, draw_rows, lengths_table
+from rrfp.workload.mb_order import MB_ORDERS, order_microbatches
 from rrfp.workload.memory import RECOMPUTE, MemoryModel, activation_bytes
 from rrfp.workload.model import (
     _OPS,
@@ -109,15 +110,17 @@ from rrfp.workload.model import (
     _stage_ranks,
     _straggler,
 )
+from rrfp.workload.moe import MOE_OPTIONS, MoE, a2a_work, expert_work, routed_load
 
 ENCODERS = ("none", "first", "separate")
 PACKINGS = ("none", "greedy")
-MB_ORDERS = ("none", "size-asc", "size-desc")
-"""Microbatch order per iteration: as drawn, or by decoder tokens (text + image tokens), shortest or
-longest first -- the same permutation for every policy, fixed included, and in rrfp-run."""
-DATA_COMPONENTS = ("lengths", "images")
-"""Streams the samples come from (shared by a DP replica's TP members: the same data)."""
-STREAM_COMPONENTS = (*rngs.COMPONENTS, "lengths")
+# MB_ORDERS (imported from rrfp.workload.mb_order): the microbatch order per iteration -- as drawn, by
+# decoder tokens (text + image tokens) shortest or longest first, or verl's both-ends order by attention
+# work; the same permutation for every policy, fixed included, and in rrfp-run.
+DATA_COMPONENTS = ("lengths", "images", "routing")
+"""Streams the samples (and a MoE's routing: rrfp.workload.moe) come from, shared by a DP replica's TP
+members: the same data, routed the same way."""
+STREAM_COMPONENTS = (*rngs.COMPONENTS, "lengths", "routing")
 """Every component :meth:`TokenWorkload.sample` draws from."""
 PACK_BLOCK = 256
 SIZE_LIMITS: dict[str, tuple[int, int]] = {
@@ -143,7 +146,7 @@ ATTENTION_FLOPS = 4
 TOKEN_OPTIONS = ("lengths", "layers", "hidden", "heads", "microbatch_size", "seq_len", "dtype_bytes",
                  "packing", "pack_tokens", "encoder", "encoder_stages", "freeze_encoder",
                  "vision_layers", "vision_hidden", "image_size", "patch", "images_dist", "images_mean",
-                 "images_cv", "recompute", "vocab", "mb_order")  # fmt: skip
+                 "images_cv", "recompute", "vocab", "mb_order", *MOE_OPTIONS)  # fmt: skip
 """Option names of the token mode; each is the :class:`TokenWorkload` field of the same name."""
 DERIVED_OPTIONS = ("seq_cv", "msg_bytes")
 """WorkloadConfig options token mode derives from the samples (giving one is an error)."""
@@ -250,7 +253,25 @@ class TokenWorkload:
     """Microbatch order of each iteration (:data:`MB_ORDERS`): a size-aware order is a hint pass that every
     policy sees, so its gain is never credited to readiness."""
 
+    experts: int = 0
+    """Mixture of experts (rrfp.workload.moe): experts per decoder layer; 0: a dense model."""
+    top_k: int = 2
+    """MoE: experts each token visits."""
+    capacity_factor: float = 0.0
+    """MoE: an expert keeps at most this x its balanced load (Switch Transformer); 0: dropless."""
+    expert_parallel: int = 1
+    """MoE: ranks the experts are spread over (EP); experts must divide by it."""
+    expert_hidden: int | None = None
+    """MoE: one expert's MLP width f (gated: 6 h f FLOPs per token slot)."""
+    router_cv: float = 0.0
+    """MoE: CV of an expert's load per microbatch and layer (0: balanced routing)."""
+    a2a_share: float = 0.0
+    """MoE: a mean microbatch's all-to-all time per layer forward over that layer's compute (0: free)."""
+    a2a_cv: float = 0.0
+    """MoE: CV of the all-to-all time's lognormal jitter per (stage, microbatch)."""
+
     _table: LengthsTable = field(init=False, repr=False, compare=False)
+    _moe: MoE = field(init=False, repr=False, compare=False)
     _rate: Distribution = field(init=False, repr=False, compare=False)
     _cache: dict[int, _Moments] = field(init=False, repr=False, compare=False)
 
@@ -272,6 +293,7 @@ class TokenWorkload:
         except JitterError as e:
             raise WorkloadError(f"images distribution: {e}") from e
         object.__setattr__(self, "_rate", rate)
+        object.__setattr__(self, "_moe", MoE(**{name: getattr(self, name) for name in MOE_OPTIONS}))
         self._check_pack_fits()
 
     def _check_sizes(self) -> None:
@@ -344,6 +366,11 @@ class TokenWorkload:
         return (self.image_size // self.patch) ** 2 if self.multimodal else 0
 
     @property
+    def moe(self) -> MoE:
+        """The mixture-of-experts options (inactive with experts 0)."""
+        return self._moe
+
+    @property
     def vision_width(self) -> int:
         return self.hidden if self.vision_hidden is None else self.vision_hidden
 
@@ -365,7 +392,8 @@ class TokenWorkload:
     def describe(self) -> dict[str, Any]:
         """JSON-ready: every token option's value (``lengths`` as its source) and the samples' summary
         (rows, mean, CV, min, max, content digest) -- what a report's ``config`` shows."""
-        out: dict[str, Any] = {name: getattr(self, name) for name in TOKEN_OPTIONS if name != "lengths"}
+        skip = ("lengths",) if self.moe.active else ("lengths", *MOE_OPTIONS)  # a dense model: as before
+        out: dict[str, Any] = {name: getattr(self, name) for name in TOKEN_OPTIONS if name not in skip}
         out["lengths"] = self.lengths.source
         out["samples"] = {**self._table.describe(), "digest": self._table.digest}
         return out
@@ -407,12 +435,14 @@ class TokenWorkload:
         return sizes if self.mb_order == "none" else self._ordered(sizes)
 
     def _ordered(self, sizes: BatchSizes) -> BatchSizes:
-        """``sizes`` with its microbatches renumbered by decoder tokens (ties: drawn order), samples kept
-        grouped by microbatch and row."""
-        load = sizes.per_microbatch((sizes.tokens + self.image_tokens * sizes.images).astype(np.float64))
-        key = load if self.mb_order == "size-asc" else -load
+        """``sizes`` with its microbatches renumbered by :data:`mb_order` (rrfp.workload.mb_order: by
+        decoder tokens, or verl's by the sum of each sequence's decoder length^2), samples kept grouped
+        by microbatch and row."""
+        d = (sizes.tokens + self.image_tokens * sizes.images).astype(np.float64)
+        order = order_microbatches(sizes.per_microbatch(d).tolist(), sizes.per_microbatch(d * d).tolist(),
+                                   self.mb_order)  # fmt: skip
         rank = np.empty(sizes.microbatches, dtype=np.int64)
-        rank[np.argsort(key, kind="stable")] = np.arange(sizes.microbatches)
+        rank[list(order)] = np.arange(sizes.microbatches)
         mb = rank[sizes.microbatch]
         order = np.lexsort((np.arange(len(mb)), sizes.row, mb))  # by new microbatch, row, stream order
         return BatchSizes(sizes.microbatches, sizes.tokens[order], sizes.images[order], mb[order],
@@ -463,7 +493,8 @@ class TokenWorkload:
         as their forward) + the attention core's backward (twice its forward, all input gradients);
         W = the linears' weight gradients (as many as their forward). I + W = 2 F."""
         h, hv = float(self.hidden), float(self.vision_width)
-        lin = (LINEAR_FLOPS * h * h * mom.A1, LINEAR_FLOPS * hv * hv * mom.G1)
+        per_token = self.moe.linear_flops(self.hidden) if self.moe.active else LINEAR_FLOPS * h * h
+        lin = (per_token * mom.A1, LINEAR_FLOPS * hv * hv * mom.G1)
         core = self._core_flops(mom)
         return {
             "F": (lin[0] + core[0], lin[1] + core[1]),
@@ -576,9 +607,14 @@ class TokenWorkload:
         slow = _straggler(self.base, gens["straggler"], ranks, pp, microbatches)
         jit = self.base.distribution("compute")
         per_flop = pp / self.normaliser(microbatches)  # = (S / v) / E[FLOPs]: seconds per FLOP per cost
-        work = self._work(mom, num_stages)
+        routed = routed_load(self, gens.get("routing"), num_stages, microbatches)
+        work = self._work(mom, num_stages, routed)
         # F, then I, then W, each a full (S, M) draw: the order of WorkloadConfig's sample_iteration.
         arrays = {op: work[op] * (per_flop * slow) * jit.sample(gens["compute"], shape) for op in _OPS}
+        if self.moe.a2a_share:  # the all-to-all: its own jitter, not slowed by a compute straggler
+            a2a = a2a_work(self, mom, num_stages, microbatches, routed) * per_flop
+            a2a = a2a * self.moe.a2a_jitter(gens["routing"], shape)
+            arrays["F"], arrays["I"] = arrays["F"] + a2a, arrays["I"] + a2a
         comm = self.base.distribution("comm").sample(gens["comm"], (*shape, 2))
         return IterationSample(
             arrays["F"], arrays["I"], arrays["W"], comm,
@@ -588,13 +624,23 @@ class TokenWorkload:
             known=self.known_sizes(sizes, mom),
         )  # fmt: skip
 
-    def _work(self, mom: _Moments, num_stages: int) -> dict[str, np.ndarray]:
+    def _work(
+        self, mom: _Moments, num_stages: int, routed: np.ndarray | None = None
+    ) -> dict[str, np.ndarray]:
         """Cost-weighted FLOPs of F, I and W per (stage, microbatch of ``mom``): each op's own FLOPs times
-        its ``costs`` multiplier; I also re-runs what the recompute mode dropped of the forward (at F's)."""
+        its ``costs`` multiplier; I also re-runs what the recompute mode dropped of the forward (at F's).
+        A MoE's experts run ``routed`` (rrfp.workload.moe.MoE.routed; None: balanced) over the balanced
+        load the layer FLOPs assume: the difference is each op's (the experts' I and W are linears)."""
         loads = self.stage_flops(mom, num_stages)
         work = {op: self.costs[op] * loads[op] for op in _OPS}
         work["I"] = work["I"] + self.costs["F"] * self.recompute_flops(mom, num_stages)
-        return work
+        return expert_work(self, mom, num_stages, routed, work) if self.moe.active else work
+
+    def _with_a2a(self, mom: _Moments, num_stages: int, microbatches: int) -> dict[str, np.ndarray]:
+        """:meth:`_work` at balanced routing with the all-to-all's expected time added to F and I."""
+        work = self._work(mom, num_stages)
+        a2a = a2a_work(self, mom, num_stages, microbatches, None)
+        return {**work, "F": work["F"] + a2a, "I": work["I"] + a2a}
 
     def known_sizes(self, sizes: BatchSizes, mom: _Moments | None = None) -> Sizes:
         """What the data loader knows of each microbatch: text tokens, images and the attention work
@@ -616,7 +662,7 @@ class TokenWorkload:
                 attention = np.asarray(sizes.attention, dtype=np.float64)
                 mom = _Moments(tokens + p * images, attention, p * images, images)
                 per_flop = pp / self.normaliser(microbatches)
-                work = {op: x * per_flop for op, x in self._work(mom, num_stages).items()}
+                work = {op: x * per_flop for op, x in self._with_a2a(mom, num_stages, microbatches).items()}
                 work["B"] = work["I"] + work["W"]
                 memo.clear()  # one iteration at a time: every rank of it asks with the same sizes
                 table = memo[sizes] = {Op(op): work[op].tolist() for op in work}
@@ -628,7 +674,7 @@ class TokenWorkload:
         """Expected duration per stage of F, I, W and B = I + W, shape (num_stages,) each; no stragglers
         (as rrfp.workload.model.mean_costs)."""
         per_flop = pp / self.normaliser(microbatches)
-        work = self._work(self.expected_moments(microbatches), num_stages)
+        work = self._with_a2a(self.expected_moments(microbatches), num_stages, microbatches)
         out = {op: work[op][:, 0] * per_flop for op in _OPS}
         out["B"] = out["I"] + out["W"]
         return out
