@@ -20,10 +20,11 @@ The backward's I and W each re-run the expert FLOPs (input and weight gradients 
 **Routing imbalance** (per stage, microbatch and layer, from the ``routing`` stream): expert shares
 p ~ Dirichlet(a, ..., a), with a chosen so that an expert's load n_e = E p_e (1 = balanced) has
 coefficient of variation ``router_cv`` exactly; ``router_cv = 0``: every expert gets 1 / E of the slots.
-A token takes an expert once, so n_e <= E / k; with a ``capacity_factor`` c > 0 an expert keeps at most
-c x its balanced load and drops the rest (Switch Transformer's expert capacity, arXiv 2101.03961), so
-n_e <= c. A rank's rho is the mean n_e of its experts, and the busiest rank sets the layer's time (the
-all-to-all waits for it). Slots clipped by E / k are dropped rather than re-routed: an approximation.
+A token takes an expert once, so n_e <= E / k (the slots over it move to the other experts in
+proportion to their room); with a ``capacity_factor`` c > 0 an expert keeps at most c x its balanced
+load and drops the rest (Switch Transformer's expert capacity, arXiv 2101.03961), so n_e <= c. A rank's
+rho is the mean n_e of its experts, and the busiest rank sets the layer's time (the all-to-all waits
+for it).
 
 **All-to-all.** Each MoE layer's forward sends every token's k slots out and back: 2 t k h
 ``dtype_bytes`` (EP - 1) / EP bytes per rank at balance, rho times that on the busiest rank; the
@@ -145,7 +146,11 @@ class MoE:
         a = max(((e - 1) / cv**2 - 1) / e, 1e-3)
         g = gen.gamma(a, size=(*shape, e))
         load = e * g / np.maximum(g.sum(axis=-1, keepdims=True), np.finfo(float).tiny)
-        load = np.minimum(load, e / self.top_k)  # a token takes an expert at most once
+        cap = e / self.top_k  # a token takes an expert at most once: the slots over it go elsewhere,
+        over = np.maximum(load - cap, 0.0).sum(axis=-1, keepdims=True)  # in proportion to the room left
+        load = np.minimum(load, cap)
+        room = cap - load  # sums to >= over (k <= E), so one pass keeps every load <= cap
+        load = load + over * room / np.maximum(room.sum(axis=-1, keepdims=True), np.finfo(float).tiny)
         if self.capacity_factor:
             load = np.minimum(load, self.capacity_factor)  # the expert drops what is over its capacity
         per_rank = load.reshape(*shape, self.expert_parallel, e // self.expert_parallel).mean(axis=-1)
