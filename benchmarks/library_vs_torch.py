@@ -1,30 +1,39 @@
-"""ScheduleReadiness against torch's Schedule1F1B on the same PipelineStages (issue 24's benchmark).
+"""ScheduleReadiness against what practitioners run: torch's Schedule1F1B on best-fit packed rows with
+per-document attention, and token-budget microbatches of the same documents, unpadded.
 
-    .venv/bin/python benchmarks/library_vs_torch.py                 # 3 launches of 2 gloo ranks
-    .venv/bin/python benchmarks/library_vs_torch.py --launches 5 --rounds 12
+    .venv/bin/python benchmarks/library_vs_torch.py                    # 3 launches of 2 gloo ranks
+    .venv/bin/python benchmarks/library_vs_torch.py --model moe --launches 3 --rounds 8
 
-Two comparisons, each inside every launch with the arms interleaved step by step (so a drift in the
-machine's load hits every arm alike), on a small GPT stage pair (examples/train_gpt_varlen.py's model):
+Every round draws documents of lognormal lengths (``--mean-len``, ``--cv``, at most ``--row-len``) and
+best-fit packs them into ``--microbatches`` x ``--rows`` rows of ``--row-len`` tokens (each document into
+the fullest row it fits; drawing stops after 8 documents in a row fit nowhere). Every arm then trains one
+step on exactly those documents, with per-document attention (examples/train_gpt_varlen.py's GPT, or
+examples/train_moe.py's top-2 MoE with ``--model moe``), the loss summed over real tokens only:
 
-* **static**: every microbatch the same shape, no jitter -- torch's Schedule1F1B, rrfp ``fixed/1f1b``
-  and rrfp's default policy on the 1f1b hint. The figure is torch's step time / rrfp's (> 1: rrfp faster).
-* **variable lengths** (lognormal, CV 1.0): rrfp's ``step_microbatches`` on the unpadded microbatches
-  against torch's Schedule1F1B on the same microbatches padded to the run's longest sample (torch infers
-  its shapes once, so every step is padded to that length; pads are ignored by the loss). The figure is
-  rrfp's real tokens per second / torch's.
+* (a) **torch 1F1B, packed** -- torch's Schedule1F1B on the packed rows, ``doc_lens`` as a keyword
+  argument split with the rows: the headline baseline (torchtitan's and Megatron's pre-training layout);
+* (b) **rrfp fixed, packed** and (c) **rrfp <default>, packed** -- ScheduleReadiness's ``step`` on the
+  same packed rows (fixed/1f1b is torch's order; the default policy may run ready tasks ahead of it);
+* (d) **rrfp <default>, token budget** -- the documents in their drawn order cut into the same number of
+  microbatches of about equal tokens, each one unpadded row (``step_microbatches``, verl's and NeMo-RL's
+  dynamic batching), run in that order and in **verl's order** (microbatches by the sum of their
+  documents' squared lengths, the lightest at both ends: rrfp.workload.mb_order.verl_order). The
+  reordering is done here on the documents' true sum(len^2): the library's ``mb_order="verl"`` reads a
+  microbatch's attention off its tensor's shape (rows x (tokens/rows)^2), which for one packed row is
+  tokens^2, not the documents' sum;
+* (e) footnote: **rrfp <default>, padded** -- the same token-budget microbatches with each document a row
+  padded to its microbatch's longest and full causal attention (DeepSpeed PP's default; torch's schedules
+  would need one shape for every step).
 
-The simulator's prediction of the variable-length figure, from the unpadded run's own trace (the
-variable-length arm runs a ScheduleReadiness with ``trace_out``, one trace per launch in ``--out``):
-the unpadded arm by replaying the trace with its own policy (rrfp.sim.replay.run_replay), torch's padded
-arm by a what-if on the same trace -- fixed/1f1b (torch's order) with every microbatch resized to the
-padded length, each task's cost fitted per (stage, op) as a + b t + c t^2 of its microbatch's tokens
-(rrfp.traces.resize). Per round, predicted padded step / predicted unpadded step; the benchmark prints
-it beside the measured ratio and the error. It assumes torch's per-task overhead is ScheduleReadiness's.
-
-A step's time is the slowest rank's (an all-reduce of each rank's time after a barrier). Each launch
-gives the mean of its per-round ratios with a 95% t-interval; the benchmark prints every launch's and
-the median over the launches. It needs 2 free cores to mean anything: on a shared machine quote it with
-the load beside it.
+The arms run interleaved step by step (a fresh seeded order every round, the same on every rank), so a
+drift in the machine's load hits every arm alike; a step's time is the slowest rank's. Per round, each
+arm's ratio is (a)'s time / its time (> 1: faster than torch on the packs; the same documents in every
+arm, so the time ratio is the tokens/s ratio). Each launch prints every arm's median ratio and the 95%
+t-interval of its mean log-ratio (a geometric mean), with the load average beside it; the end prints the
+median over the launches. The first two rounds warm up (the default policy calibrates on its first step)
+and are not kept. Every arm's step loss must agree (the same documents, the same weights): the
+benchmark stops if they differ by more than 1e-4 relative. It needs 2 free cores to mean much: on a
+shared machine quote it with the load beside it.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ import argparse
 import json
 import math
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -41,211 +51,305 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))  # the model is examples/train_gpt_varlen.py's
+sys.path.insert(0, str(ROOT / "examples"))  # the models are examples/train_gpt_varlen.py's and train_moe.py's
 
-
-def policies() -> list[str]:
-    """rrfp's arms: fixed and the default policy (the last one also runs the variable-length arm)."""
-    from rrfp.dispatch.policies import DEFAULT_POLICY
-
-    return list(dict.fromkeys(["fixed", DEFAULT_POLICY]))
+MISFITS = 8
+"""Packing stops after this many drawn documents in a row fit in no row (a loader would carry them)."""
 
 
 def gpt_stage(a: argparse.Namespace) -> tuple[Any, Any, int, int]:
     """(module, PipelineStage, rank, world) of this torchrun worker: examples/train_gpt_varlen.py's GPT
-    stage, the same init on every rank (also benchmarks/library_fidelity.py's model)."""
+    stage (or train_moe.py's MoE stage with ``a.model == "moe"``), the same init on every rank (also
+    benchmarks/library_fidelity.py's model)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
     from train_gpt_varlen import GptStage
+    from train_moe import MoeStage
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = [GptStage(s == 0, s == world - 1, a.blocks, a.vocab, a.dim, 4) for s in range(world)][rank]
+    if getattr(a, "model", "gpt") == "moe":
+        shape = (a.blocks, a.vocab, a.dim, 4, a.experts)
+        model = [MoeStage(s == 0, s == world - 1, *shape) for s in range(world)][rank]
+    else:
+        model = [GptStage(s == 0, s == world - 1, a.blocks, a.vocab, a.dim, 4) for s in range(world)][rank]
     return model, PipelineStage(model, rank, world, torch.device("cpu")), rank, world
 
 
-def loss_fn(logits: Any, target: Any, total: int = 1) -> Any:
-    """Summed token cross-entropy over ``total`` (the step's real tokens: padding is ignored)."""
-    from torch import nn
+def best_fit(a: argparse.Namespace, gen: Any) -> tuple[list[int], list[list[int]]]:
+    """Documents drawn and best-fit packed: (their lengths in drawn order, each row's document indices)."""
+    from train_gpt_varlen import lengths
 
-    flat = logits.flatten(0, 1)
-    return nn.functional.cross_entropy(flat, target.flatten(), reduction="sum", ignore_index=-100) / total
+    n_rows, cap = a.microbatches * a.rows, a.row_len
+    docs: list[int] = []
+    rows: list[list[int]] = []
+    room: list[int] = []
+    misfits = 0
+    while misfits < MISFITS:
+        n = min(lengths(1, a.mean_len, a.cv, gen)[0], cap)
+        fits = [r for r in range(len(rows)) if room[r] >= n]
+        if not fits and len(rows) == n_rows:
+            misfits += 1
+            continue
+        misfits = 0
+        if fits:
+            r = min(fits, key=lambda r: (room[r], r))  # the fullest row it fits
+        else:
+            rows.append([])
+            room.append(cap)
+            r = len(rows) - 1
+        rows[r].append(len(docs))
+        room[r] -= n
+        docs.append(n)
+    return docs, rows
 
 
-def padded(rows: list[Any], longest: int) -> Any:
-    """The microbatches' rows in one batch padded to ``longest`` + 1 tokens (-100: ignored)."""
+def contiguous_cut(docs: list[int], m: int) -> list[list[int]]:
+    """The documents in drawn order cut into ``m`` runs of about equal tokens (a token budget of
+    total/m), each run non-empty."""
+    total, cuts, acc = sum(docs), [], 0
+    for i, n in enumerate(docs):
+        acc += n
+        if (
+            len(cuts) < m - 1
+            and acc >= total * (len(cuts) + 1) / m
+            and len(docs) - i - 1 >= m - 1 - len(cuts)
+        ):
+            cuts.append(i + 1)
+    bounds = [0, *cuts, len(docs)]
+    runs = [list(range(bounds[k], bounds[k + 1])) for k in range(m)]
+    assert all(runs), "fewer documents than microbatches"
+    return runs
+
+
+def step_data(a: argparse.Namespace, gen: Any) -> dict[str, Any]:
+    """One round's documents as every arm feeds them (the same tokens in each)."""
     import torch
+    from train_gpt_varlen import counting
 
-    per = rows[0].shape[0]
-    pad = torch.full((len(rows) * per, longest + 1), -100, dtype=torch.long)
-    for i, row in enumerate(rows):
-        pad[i * per : (i + 1) * per, : row.shape[1]] = row
-    return pad
+    docs, rows = best_fit(a, gen)
+    seqs = [counting(1, n + 1, a.vocab, gen)[0] for n in docs]  # n inputs + the next token
+    width = max(len(r) for r in rows)
+    x = torch.zeros(len(rows), a.row_len, dtype=torch.long)
+    y = torch.full((len(rows), a.row_len), -100, dtype=torch.long)  # padding: no loss
+    doc_lens = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        at = 0
+        for j, d in enumerate(row):
+            x[r, at : at + docs[d]], y[r, at : at + docs[d]] = seqs[d][:-1], seqs[d][1:]
+            doc_lens[r, j] = docs[d]
+            at += docs[d]
+    runs = contiguous_cut(docs, a.microbatches)
+    unpadded = [(torch.cat([seqs[d][:-1] for d in run])[None], torch.cat([seqs[d][1:] for d in run])[None],
+                 torch.tensor([[docs[d] for d in run]])) for run in runs]  # fmt: skip
+    padded = []
+    for run in runs:
+        longest = max(docs[d] for d in run)
+        px = torch.zeros(len(run), longest, dtype=torch.long)
+        py = torch.full((len(run), longest), -100, dtype=torch.long)
+        for i, d in enumerate(run):
+            px[i, : docs[d]], py[i, : docs[d]] = seqs[d][:-1], seqs[d][1:]
+        padded.append((px, py))
+    from rrfp.workload.mb_order import verl_order
+
+    work = [sum(docs[d] ** 2 for d in run) for run in runs]
+    return {"packed": (x, y, doc_lens), "unpadded": unpadded, "padded": padded, "verl": verl_order(work),
+            "tokens": sum(docs), "docs": len(docs), "fill": sum(docs) / (len(rows) * a.row_len),
+            "rows": len(rows), "sq": sum(n * n for n in docs)}  # fmt: skip
+
+
+def arms(a: argparse.Namespace, stage: Any, model: Any, rank: int, world: int) -> dict[str, Any]:
+    """Each arm's one-step function of a round's data (called on every rank; returns the step loss on
+    the last stage's rank, else None), and the schedules to close."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from train_gpt_varlen import token_loss
+
+    from rrfp.dispatch.policies import DEFAULT_POLICY
+    from rrfp.exec import ScheduleReadiness
+
+    m, first, last = a.microbatches, rank == 0, rank == world - 1
+    own = PipelineStage(model, rank, world, torch.device("cpu"))  # torch infers its shapes on its own stage
+
+    def ours(policy: str) -> Any:
+        return ScheduleReadiness(stage, m, loss_fn=token_loss, hint="1f1b", policy=policy, scale_grads=False)
+
+    def packed(sched: Any) -> Any:
+        def run(d: dict[str, Any]) -> Any:
+            x, y, doc_lens = d["packed"]
+            losses: list[Any] = []
+            sched.step(
+                *((x,) if first else ()), target=y if last else None, losses=losses if last else None,
+                return_outputs=False, loss_kwargs={"total": d["tokens"]}, doc_lens=doc_lens,
+            )  # fmt: skip
+            return sum(float(v) for v in losses) if last else None
+
+        return run
+
+    def microbatches(sched: Any, kind: str, verl: bool = False) -> Any:
+        def run(d: dict[str, Any]) -> Any:
+            mbs = d[kind] if not verl else [d[kind][k] for k in d["verl"]]
+            losses: list[Any] = []
+            sched.step_microbatches(
+                arg_mbs=[mb[0] for mb in mbs] if first else None,
+                target_mbs=[mb[1] for mb in mbs] if last else None,
+                losses=losses if last else None, return_outputs=False, loss_kwargs={"total": d["tokens"]},
+                kwarg_mbs=[{"doc_lens": mb[2]} for mb in mbs] if kind == "unpadded" else None,
+            )  # fmt: skip
+            return sum(float(v) for v in losses) if last else None
+
+        return run
+
+    scheds = [ours("fixed"), *(ours(DEFAULT_POLICY) for _ in range(4))]  # one each: its own calibration
+    p = DEFAULT_POLICY
+    run = {
+        "(a) torch 1F1B, packed": packed(Schedule1F1B(own, m, loss_fn=token_loss, scale_grads=False)),
+        "(b) rrfp fixed, packed": packed(scheds[0]),
+        f"(c) rrfp {p}, packed": packed(scheds[1]),
+        f"(d) rrfp {p}, token budget, given order": microbatches(scheds[2], "unpadded"),
+        f"(d) rrfp {p}, token budget, verl order": microbatches(scheds[3], "unpadded", verl=True),
+        f"(e) rrfp {p}, padded to longest": microbatches(scheds[4], "padded"),
+    }
+    return {"run": run, "close": scheds}
 
 
 def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from train_gpt_varlen import lengths
-
-    from rrfp.exec import ScheduleReadiness
 
     model, stage, rank, world = gpt_stage(a)
-
-    m, first, last = a.microbatches, rank == 0, rank == world - 1
-    # torch infers a stage's shapes once: the static and the padded arms each get a stage of their own.
-    torch_static = Schedule1F1B(stage, m, loss_fn=loss_fn, scale_grads=False)
-    padded_stage = PipelineStage(model, rank, world, torch.device("cpu"))
-    torch_padded = Schedule1F1B(padded_stage, m, loss_fn=loss_fn, scale_grads=False)
-    ours = {f"{p}/1f1b": ScheduleReadiness(stage, m, loss_fn, hint="1f1b", policy=p, scale_grads=False)
-            for p in policies()}  # fmt: skip
-    gen = torch.Generator().manual_seed(1)
-    runs = [lengths(m, a.mean_len, a.cv, gen) for _ in range(a.rounds + 2)]
-    longest = max(max(r) for r in runs)
-    times: dict[str, list[float]] = {}
-    tokens: list[int] = []
-
-    def timed(name: str, step: Any, args: tuple, target: Any, **kw: Any) -> None:
-        dist.barrier()
-        start = time.perf_counter()
-        step(*(args if first else ()), target if last else None, losses=[] if last else None, **kw)
-        model.zero_grad(set_to_none=True)
-        t = torch.tensor([time.perf_counter() - start])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.setdefault(name, []).append(float(t))
-
-    # The variable-length arm: the default policy, in a schedule of its own that records its trace.
-    traced = ScheduleReadiness(stage, m, loss_fn, hint="1f1b", policy=policies()[-1], scale_grads=False,
-                               trace_out=str(a.trace))  # fmt: skip
-
-    def unpadded(*v: Any, **k: Any) -> None:  # (arg_mbs on the first stage,) target_mbs
-        traced.step_microbatches(v[0] if len(v) > 1 else None, v[-1], **k)
-
-    for lens in runs:
-        static = torch.randint(0, a.vocab, (m * a.rows, a.static_len + 1), generator=gen)
-        x, y, total = static[:, :-1], static[:, 1:], static[:, 1:].numel()
-        for name, sched in [("torch:1F1B", torch_static), *ours.items()]:
-            timed(f"static {name}", lambda *v, s=sched, **k: s.step(*v[:-1], target=v[-1], **k), (x,), y,
-                  loss_kwargs={"total": total})  # fmt: skip
-        rows = [torch.randint(0, a.vocab, (a.rows, t + 1), generator=gen) for t in lens]
-        real = sum(t * a.rows for t in lens)
-        pad = padded(rows, longest)
-        timed("varlen torch:1F1B padded", lambda *v, **k: torch_padded.step(*v[:-1], target=v[-1], **k),
-              (pad[:, :-1].clamp(min=0),), pad[:, 1:], loss_kwargs={"total": real})  # fmt: skip
-        inputs, targets = [(t[:, :-1],) for t in rows], [t[:, 1:] for t in rows]
-        timed("varlen rrfp unpadded", unpadded, (inputs,), targets, loss_kwargs={"total": real})
-        tokens.append(real)
-    for s in [*ours.values(), traced]:
-        s.close()  # the traced one writes its trace (collective)
-    if rank == 0:
+    built = arms(a, stage, model, rank, world)
+    names = list(built["run"])
+    gen = torch.Generator().manual_seed(1 + a.seed)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    losses: dict[str, list[float]] = {n: [] for n in names}
+    stats: list[dict[str, Any]] = []
+    for k in range(a.rounds + 2):
+        d = step_data(a, gen)
+        stats.append({key: d[key] for key in ("tokens", "docs", "fill", "rows", "sq")})
+        order = names[:]
+        random.Random(k).shuffle(order)  # seeded: the same on every rank
+        for name in order:
+            dist.barrier()
+            start = time.perf_counter()
+            loss = built["run"][name](d)
+            model.zero_grad(set_to_none=True)
+            t = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times[name].append(float(t))
+            losses[name].append(loss if loss is not None else math.nan)
+    for s in built["close"]:
+        s.close()
+    if rank == world - 1:
         keep = slice(2, None)  # the first two rounds warm up every arm
-        print(json.dumps({"times": {k: v[keep] for k, v in times.items()}, "tokens": tokens[keep],
-                          "longest": longest, "lengths": runs, "rows": a.rows}))  # fmt: skip
+        print(json.dumps({"times": {n: v[keep] for n, v in times.items()}, "losses": losses,
+                          "stats": stats[keep]}))  # fmt: skip
     dist.destroy_process_group()
 
 
 def interval(values: list[float]) -> tuple[float, float, float]:
+    """The geometric mean of ratios with the 95% t-interval of their mean log."""
     from scipy import stats
 
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, math.nan, math.nan
-    half = stats.t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, mean - half, mean + half
+    logs = [math.log(v) for v in values]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return math.exp(mean), math.nan, math.nan
+    half = stats.t.ppf(0.975, len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
-def ratios(run: dict) -> dict[str, list[float]]:
+def ratios(run: dict[str, Any]) -> dict[str, list[float]]:
+    """Per arm, per kept round: the baseline's (a) time / the arm's."""
     t = run["times"]
-    out = {name.removeprefix("static "): [a / b for a, b in zip(t["static torch:1F1B"], v, strict=True)]
-           for name, v in t.items() if name.startswith("static ") and "torch" not in name}  # fmt: skip
-    out["varlen tokens/s vs torch padded"] = [
-        a / b for a, b in zip(t["varlen torch:1F1B padded"], t["varlen rrfp unpadded"], strict=True)
-    ]  # the same tokens in each pair, so the tokens/s ratio is the inverse time ratio
-    return out
+    base = next(n for n in t if n.startswith("(a)"))
+    return {n: [b / v for b, v in zip(t[base], t[n], strict=True)] for n in t if n != base}
 
 
-def predict(run: dict, trace: Path) -> dict[str, Any]:
-    """The simulator's prediction of the variable-length ratio from the unpadded arm's trace (see the
-    module docstring), over the rounds the measured ratio keeps; with the measured one and each arm's
-    measured and predicted step time (ms)."""
-    from rrfp.sim.replay import run_replay
-    from rrfp.traces.replay import load_replay
-    from rrfp.traces.resize import fit_token_costs
+def check_losses(run: dict[str, Any]) -> None:
+    """Every arm trained on the same documents with the same weights: the step losses must agree."""
+    per_round = zip(*run["losses"].values(), strict=True)
+    for k, values in enumerate(per_round):
+        spread = (max(values) - min(values)) / max(abs(min(values)), 1e-12)
+        if not spread <= 1e-4:
+            shown = dict(zip(run["losses"], values, strict=True))
+            raise SystemExit(f"library_vs_torch: round {k}: the arms' losses differ: {shown}")
 
-    rep = load_replay(trace)
-    tokens = [[run["rows"] * t for t in lens] for lens in run["lengths"]]
-    if len(rep.iterations) != len(tokens):
-        raise SystemExit(f"library_vs_torch: {trace} holds {len(rep.iterations)} steps, not {len(tokens)}")
-    costs = fit_token_costs(rep, tokens)
-    unpadded = run_replay(rep).recorded.times
-    result = run_replay(costs.resized(rep, tokens, run["rows"] * run["longest"]), hints=("1f1b",),
-                        policies=("fixed",))  # fmt: skip
-    found = [r for r in result.runs[1:] if r.key.policy == "fixed" and r.key.hint == "1f1b"]
-    (padded,) = [r.times for r in found or result.runs[:1]]
-    keep = slice(len(tokens) - len(run["tokens"]), None)  # the worker's kept rounds
-    ratio = statistics.fmean(p / u for p, u in zip(padded[keep], unpadded[keep], strict=True))
-    t = run["times"]
-    measured = statistics.fmean(ratios(run)["varlen tokens/s vs torch padded"])  # as the launch's line
-    ms = lambda v: 1e3 * statistics.fmean(v)  # noqa: E731
-    return {
-        "measured": measured, "predicted": ratio, "error_pct": 100 * (ratio / measured - 1),
-        "unpadded_ms": (ms(t["varlen rrfp unpadded"]), ms(rep.measured[keep]), ms(unpadded[keep])),
-        "padded_ms": (ms(t["varlen torch:1F1B padded"]), ms(padded[keep])), "r2": min(costs.r2.values()),
-    }  # fmt: skip
+
+def launch(a: argparse.Namespace, argv: list[str], k: int) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           __file__, "--worker", "--seed", str(k), *argv]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=a.launch_timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"library_vs_torch: launch {k} ran past {a.launch_timeout} s") from None
+    lines = [x for x in done.stdout.splitlines() if x.startswith("{")]
+    if done.returncode or not lines:
+        raise SystemExit(f"library_vs_torch: launch {k} failed: {done.stderr[-2000:]}")
+    return json.loads(lines[-1])
+
+
+def report(k: int, run: dict[str, Any], loads: tuple[float, float], per: dict[str, list[float]]) -> None:
+    s = run["stats"]
+    mean = {key: statistics.fmean(x[key] for x in s) for key in ("docs", "tokens", "fill")}
+    print(f"launch {k}: load average {loads[0]:.2f} at start, {loads[1]:.2f} at end; "
+          f"{mean['docs']:.0f} documents, {mean['tokens']:.0f} tokens a round, "
+          f"packs {100 * mean['fill']:.1f}% full")  # fmt: skip
+    base = next(n for n in run["times"] if n.startswith("(a)"))
+    print(f"launch {k}: {base:52s} {1e3 * statistics.median(run['times'][base]):8.1f} ms a step (median)")
+    for name, values in ratios(run).items():
+        geo, lo, hi = interval(values)
+        med = statistics.median(values)
+        per.setdefault(name, []).append(med)
+        print(f"launch {k}: {name:52s} x{med:.3f} median, x{geo:.3f} [{lo:.3f}, {hi:.3f}] "
+              f"({len(values)} rounds)", flush=True)  # fmt: skip
+
+
+def parse() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--launches", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=8, help="kept rounds a launch (after 2 warm-up rounds)")
+    p.add_argument("--model", choices=("gpt", "moe"), default="gpt")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--rows", type=int, default=2, help="packed rows a microbatch")
+    p.add_argument("--row-len", type=int, default=512)
+    p.add_argument("--mean-len", type=float, default=128.0)
+    p.add_argument("--cv", type=float, default=1.5)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--blocks", type=int, default=2, help="blocks a stage")
+    p.add_argument("--experts", type=int, default=8, help="--model moe: experts a block")
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--launch-timeout", type=float, default=1800.0, help="seconds a launch may take")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # the launch's documents
+    return p
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--launches", type=int, default=3)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--rows", type=int, default=2)
-    p.add_argument("--static-len", type=int, default=128)
-    p.add_argument("--mean-len", type=float, default=128.0)
-    p.add_argument("--cv", type=float, default=1.0)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--blocks", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--out", type=Path, default=Path("results/library_vs_torch"),
-                   help="where each launch's variable-length trace is written")  # fmt: skip
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--trace", type=Path, help=argparse.SUPPRESS)  # the worker's trace_out
-    a = p.parse_args()
+    a = parse().parse_args()
+    small = [(n, v) for n, v in vars(a).items() if n in ("launches", "rounds", "microbatches", "rows", "dim",
+             "blocks", "vocab") and v < 1]  # fmt: skip
+    if small or a.row_len < 2 or a.mean_len < 2 or a.cv < 0 or (a.model == "moe" and a.experts < 2):
+        sys.stderr.write(f"library_vs_torch: sizes must be positive (experts >= 2, row-len >= 2): {small}\n")
+        sys.exit(2)
     if a.worker:
         return worker(a)
-    argv = [a for a in sys.argv[1:] if a != "--worker"]
-    a.out.mkdir(parents=True, exist_ok=True)
+    argv = [x for x in sys.argv[1:] if x != "--worker"]
+    print(f"model {a.model}, {a.microbatches} microbatches of {a.rows} x {a.row_len} tokens; documents "
+          f"lognormal mean {a.mean_len:g}, CV {a.cv:g}")  # fmt: skip
+    print("ratio = (a)'s step time / the arm's (> 1: faster than torch on the packs)")
     per: dict[str, list[float]] = {}
-    for launch in range(a.launches):
-        trace = a.out / f"varlen-launch{launch}.parquet"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               __file__, "--worker", "--trace", str(trace), *argv]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
-        if done.returncode:
-            sys.exit(f"library_vs_torch: launch {launch} failed: {done.stderr[-2000:]}")
-        run = json.loads(done.stdout.strip().splitlines()[-1])
-        for name, values in ratios(run).items():
-            mean, lo, hi = interval(values)
-            per.setdefault(name, []).append(mean)
-            print(f"launch {launch}: {name:34s} {mean:.3f} [{lo:.3f}, {hi:.3f}]  ({len(values)} rounds)")
-        print(f"launch {launch}: longest sample {run['longest']} tokens", flush=True)
-        pred = predict(run, trace)
-        for name in ("measured", "predicted", "error_pct"):
-            per.setdefault(f"varlen ratio {name}", []).append(pred[name])
-        (real, span, replayed), (torch_ms, padded_ms) = pred["unpadded_ms"], pred["padded_ms"]
-        print(f"launch {launch}: simulator, from {trace}: varlen ratio predicted {pred['predicted']:.3f}, "
-              f"measured {pred['measured']:.3f} (error {pred['error_pct']:+.1f}%); unpadded step "
-              f"{real:.1f} ms timed, {span:.1f} ms traced, {replayed:.1f} ms replayed; torch padded "
-              f"{torch_ms:.1f} ms timed, {padded_ms:.1f} ms predicted; fit R^2 >= {pred['r2']:.3f}",
-              flush=True)  # fmt: skip
-    print(f"load average {os.getloadavg()[0]:.1f} at the end")
-    for name, means in per.items():
-        print(f"median over {len(means)} launches: {name:34s} {statistics.median(means):.3f}")
+    for k in range(a.launches):
+        start = os.getloadavg()[0]
+        run = launch(a, argv, k)
+        check_losses(run)
+        report(k, run, (start, os.getloadavg()[0]), per)
+    for name, meds in per.items():
+        print(f"median over {len(meds)} launches: {name:52s} x{statistics.median(meds):.3f}")
 
 
 if __name__ == "__main__":
