@@ -24,12 +24,12 @@ Importing ``rrfp.exec`` itself stays light; torch is imported by the modules tha
 
 from typing import Any
 
-_LIBRARY = ("ScheduleReadiness", "ReadinessPipeline", "microbatch_seed")
+_LIBRARY = ("ScheduleReadiness", "ReadinessPipeline", "microbatch_seed", "profile")
 
 
 def __getattr__(name: str) -> Any:
-    """``rrfp.exec.ScheduleReadiness`` and ``ReadinessPipeline`` (rrfp.exec.pipelining), imported on first
-    use so that ``import rrfp.exec`` stays light."""
+    """``rrfp.exec.ScheduleReadiness``, ``ReadinessPipeline`` and ``profile`` (rrfp.exec.pipelining),
+    imported on first use so that ``import rrfp.exec`` stays light."""
     if name in _LIBRARY:
         from rrfp.exec import pipelining
 

@@ -293,6 +293,26 @@ def advise(search: Search, ranked: list[Candidate], top: int) -> list[Advice]:
     return out
 
 
+def fixed_answer(search: Search, ranked: list[Candidate], advice: list[Advice]) -> Advice | None:
+    """The fastest fixed order, as the answer, when no readiness candidate shown beats it beyond its
+    95% CI (paired per seed: the interval's low end above 1); None when one does."""
+    fixed = [c for c in ranked if c.fixed and not over_device(search, c)]
+    if not fixed:
+        return None
+    best = fixed[0]  # ranked: fastest first
+    for a in advice:
+        c = a.candidate
+        if c.fixed or c.stats is None or best.stats is None:
+            continue
+        low = paired_speedup(best.stats.iteration_time, c.stats.iteration_time)[1]
+        if low > 1.0:  # nan (one seed) is no evidence
+            return None
+    assert best.stats is not None
+    f = footprint(best.stats, search.byte_mode)
+    base = next((c for c in ranked if is_reference(c)), None)
+    return Advice(best, t_interval(best.stats.iteration_time), f.peaks, f.unit, _vs(base, best), None)
+
+
 def _vs(base: Candidate | None, c: Candidate) -> tuple[Candidate, tuple[float, float, float]] | None:
     if base is None or base.stats is None or c.stats is None:
         return None
@@ -406,15 +426,22 @@ def _over_note(search: Search) -> str:
     return f" ({n} left out: more than --gpu-memory holds)" if n else ""
 
 
-def format_advice(cfg: ExperimentConfig, search: Search, advice: list[Advice], seconds: float) -> str:
-    """The terminal answer: what was searched, the top candidates fastest first, how to run each."""
+def format_advice(
+    cfg: ExperimentConfig, search: Search, advice: list[Advice], seconds: float, answer: Advice | None = None
+) -> str:
+    """The terminal answer: what was searched and where its costs came from, the top candidates fastest
+    first, how to run each -- or, when none beats the best fixed order beyond its CI (``answer``), that
+    fixed order and how to run it."""
     from rrfp.study.report import ci, render
+
+    from .profiled import cost_lines
 
     pairs = zip(search.rounds, search.schedule, strict=False)
     rounds = ", ".join(f"{n} at {s} seed{'s' if s > 1 else ''}" for n, s in pairs)
     head = [f"rrfp-sim advise: {len(search.candidates)} candidates (hints x policies x budgets x v"
             f"{' x mb order' if search.byte_mode or len(search.configs) > 2 else ''}), successive halving: "
-            f"{rounds}{_over_note(search)}; {seconds:.1f} s", ""]  # fmt: skip
+            f"{rounds}{_over_note(search)}; {seconds:.1f} s",
+            *cost_lines(cfg, sorted({c.v for c in search.candidates})), ""]  # fmt: skip
     header = ["#", "candidate", "iteration time s [95% CI]", "peak", "vs fixed/1f1b [95% CI]",
               "vs best fixed"]  # fmt: skip
     rows = [[str(i), a.candidate.name, ci(*a.time, ".4g"), _held(a), _cell(a.vs_1f1b, False),
@@ -422,6 +449,11 @@ def format_advice(cfg: ExperimentConfig, search: Search, advice: list[Advice], s
     runs = []
     for i, a in enumerate(advice, 1):
         runs += [f"#{i}: {run_command(cfg, a)}", f"    {readiness_call(a)}"]
+    if answer is not None:  # readiness does not pay here: say so, and how to run the fixed order
+        name = answer.candidate.name
+        runs = [f"answer: run {name}: no candidate beats it beyond its 95% CI (predicted "
+                f"{ci(*answer.time, '.4g')} s)", f"    {run_command(cfg, answer)}",
+                f"    {readiness_call(answer)}"]  # fmt: skip
     legend = ("peak: the most memory a rank held (activations, or bytes in token mode), max over seeds; vs: "
               "that run's time / this one's, paired per seed; best fixed: the fastest fixed order whose "
               "peak on every rank is within this candidate's budget there")  # fmt: skip
@@ -432,8 +464,11 @@ def format_advice(cfg: ExperimentConfig, search: Search, advice: list[Advice], s
     return "\n".join([*table, "", "to run:", *runs, "", *textwrap.wrap(legend, 108)])
 
 
-def advice_json(cfg: ExperimentConfig, search: Search, advice: list[Advice], command: str) -> dict[str, Any]:
-    """The ``--json`` object: the search, then ``candidates`` fastest first."""
+def advice_json(
+    cfg: ExperimentConfig, search: Search, advice: list[Advice], command: str, answer: Advice | None = None
+) -> dict[str, Any]:
+    """The ``--json`` object: the search, where its costs came from, ``fixed_answer`` (the fixed order to
+    run when no candidate beats it beyond its CI, else null), then ``candidates`` fastest first."""
     from rrfp.study.schema import config_head
 
     def vs(x: tuple[Candidate, tuple[float, float, float]] | None) -> dict[str, Any] | None:
@@ -451,10 +486,15 @@ def advice_json(cfg: ExperimentConfig, search: Search, advice: list[Advice], com
             "rrfp_run": run_command(cfg, a), "schedule_readiness": readiness_args(a),
             "stages": stages_note(a),
         })  # fmt: skip
+    from .profiled import cost_lines
+
     searched = {"candidates": len(search.candidates), "seeds": search.schedule, "rounds": search.rounds,
                 "over_device": over_count(search)}  # fmt: skip
+    fixed = None if answer is None else {"trial": answer.candidate.plan.key.label,
+                                         "schedule_readiness": readiness_args(answer)}  # fmt: skip
     return {"config": {**config_head(command), "stages": cfg.study.pp, "microbatches": cfg.study.m},
-            "search": searched, "candidates": rows}  # fmt: skip
+            "search": searched, "costs": cost_lines(cfg, sorted({c.v for c in search.candidates})),
+            "fixed_answer": fixed, "candidates": rows}  # fmt: skip
 
 
 def search_seconds(search: Search) -> float:
@@ -499,6 +539,7 @@ def run_advise(
         device = f" and --gpu-memory {cfg.gpu_memory}" if cfg.gpu_memory is not None else ""
         raise AdviseError(f"advise: no readiness candidate ran within its memory budget{device}{hint}")
     advice = advise(search, ranked, top)
+    answer = fixed_answer(search, ranked, advice)
     if as_json:
-        return json.dumps(advice_json(cfg, search, advice, command), indent=1, allow_nan=False)
-    return format_advice(cfg, search, advice, time.monotonic() - start)
+        return json.dumps(advice_json(cfg, search, advice, command, answer), indent=1, allow_nan=False)
+    return format_advice(cfg, search, advice, time.monotonic() - start, answer)

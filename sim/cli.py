@@ -59,6 +59,7 @@ from rrfp.traces.replay import TIMINGS
 
 from . import token_cli
 from .config import ExperimentConfig, from_options, option_defaults
+from .profiled import cost_lines, refuse_token_mode
 
 PROG = "rrfp-sim"
 TRACE_SUFFIXES = (".parquet", ".csv", ".json")
@@ -120,10 +121,17 @@ _FITTED = ("costs", "jitter", "cv", "seq_cv", "imbalance", "straggler_prob", "st
            "comm_jitter", "comm_cv")  # fmt: skip
 
 
-def build_config(v: dict[str, Any], given: Collection[str] = ()) -> ExperimentConfig:
+def build_config(
+    v: dict[str, Any], given: Collection[str] = (), profile: str | None = None
+) -> ExperimentConfig:
     """Option values -> a validated config (rrfp.sim.config.from_options), after ``--workload fit:``.
     ``given``: the options typed on the command line (:func:`given_options`); a fit refuses the workload
-    options it replaces and, unless ``--comm-latency`` is given, brings its own latency."""
+    options it replaces and, unless ``--comm-latency`` is given, brings its own latency. ``profile``:
+    a measured cost model instead of the workload options (rrfp.sim.profiled)."""
+    if profile is not None:
+        from .profiled import profiled_config
+
+        return profiled_config(v, given, profile)
     fitted = _fitted_workload(v, given)
     if fitted is not None and v["comm_latency"] == 0.0 and "comm_latency" not in given:
         v = {**v, "comm_latency": fitted.latency_mean}  # the fitted latencies are multipliers of their mean
@@ -146,6 +154,13 @@ def _fitted_workload(v: dict[str, Any], given: Collection[str]) -> Any:
 
 class CliError(UserError):
     """A bad combination of command-line options (not caught by a config dataclass)."""
+
+
+PROFILE_OPTION = click.option(
+    "--profile", type=str, default=None, metavar="FILE",
+    help="A measured cost model of your runtime (rrfp.exec.profile's .parquet): per-stage F/B/I/W, per-task "
+    "overhead and message cost instead of the workload options (rrfp.sim.profiled).",
+)  # fmt: skip
 
 
 def check_suffix(path: str | None, allowed: tuple[str, ...], option: str) -> None:
@@ -213,12 +228,14 @@ def cli() -> None:
     default=None,
     help="--replay: timing model [runtime when the trace records waits, else exact].",
 )
+@PROFILE_OPTION
 @workers_option("the replications")
 @click.pass_context
 def compare(
     ctx: click.Context,
     workers: int | str,
     dask: str | None,
+    profile: str | None,
     json: bool,
     trace_out: str | None,
     plot: str | None,
@@ -249,16 +266,19 @@ def compare(
     command = study_command(ctx)
     ctx.with_resource(execution(workers, dask))  # the Dask client, if any, closes with the command
     if replay is not None:
-        _replay(replay, replay_run, replay_timing, values, given, json, trace_out, plot, command, workers)
+        _replay(replay, replay_run, replay_timing, values, given, json, trace_out, plot, command, workers,
+                profile)  # fmt: skip
         return
     if replay_run is not None or replay_timing is not None:
         raise CliError("--replay-run and --replay-timing need --replay TRACE")
-    built = token_cli.build(values, given, build_config)  # token mode with --lengths or --scenario
+    refuse_token_mode(values, profile)
+    built = token_cli.build(values, given, lambda v, g: build_config(v, g, profile))  # token mode: --lengths
     cfg = built.config
     note_iterations(values, given)
     warn_long_run(cfg, progress)  # one line up front when no bar will show a long run's progress
     result = run_experiment(cfg, progress=progress, trace=bool(trace_out or plot), workers=workers)
-    text = to_json(result, command, built.json_extra()) if json else format_table(result, built.header())
+    header = [*built.header(), *cost_lines(cfg)]
+    text = to_json(result, command, built.json_extra()) if json else format_table(result, header)
     if not json and hasattr(cfg.workload, "report"):  # fitted: show the fit quality first
         text = cfg.workload.report() + "\n\n" + text
     if result.traces:
@@ -299,6 +319,7 @@ def given_options(ctx: click.Context) -> frozenset[str]:
 def _replay(
     path: str, run: str | None, timing: str | None, values: dict[str, Any], given: frozenset[str],
     as_json: bool, trace_out: str | None, plot: str | None, command: str, workers: int | str = 1,
+    profile: str | None = None,
 ) -> None:  # fmt: skip
     """``--replay``: the recorded run, then the what-ifs the options ask for."""
     from rrfp.traces.replay import load_replay
@@ -315,11 +336,18 @@ def _replay(
     result = run_replay(
         rep, hints=pick["hints"], policies=pick["policies"], memory_budget=pick["memory_budget"],
         send=values["send"], contention=values["contention"], trace=bool(trace_out or plot), workers=workers,
+        profile=None if profile is None else _read_profile(profile),
     )  # fmt: skip
     text = replay_json(result, command) if as_json else format_replay(result)
     if result.traces:
         _write_trace_outputs(result.traces, trace_out, plot)
     click.echo(text)
+
+
+def _read_profile(path: str) -> Any:
+    from rrfp.traces.profile import read_profile
+
+    return read_profile(path)
 
 
 def _write_trace_outputs(recorders: list[Any], trace_out: str | None, plot: str | None) -> None:
@@ -411,10 +439,11 @@ def sweep(
     show_default=True,
     help="How many of the fastest candidates to show.",
 )
+@PROFILE_OPTION
 @workers_option("the search's rounds")
 @click.pass_context
 def advise(ctx: click.Context, json: bool, top: int, progress: bool | None, workers: int | str,
-           dask: str | None, **values: Any) -> None:  # fmt: skip
+           dask: str | None, profile: str | None, **values: Any) -> None:  # fmt: skip
     """Search hints x policies x budgets x v (token mode: x --mb-order) for this workload; print the
     fastest, their speedups over fixed 1F1B and the best fixed order, and how to run them
     (rrfp.sim.advise).
@@ -426,7 +455,8 @@ def advise(ctx: click.Context, json: bool, top: int, progress: bool | None, work
 
     given = given_options(ctx)
     ctx.with_resource(execution(workers, dask))
-    built = token_cli.build(values, given, lambda w, g: build_config(w, given))
+    refuse_token_mode(values, profile)
+    built = token_cli.build(values, given, lambda w, g: build_config(w, given, profile))
     click.echo(run_advise(built.config, given, top, workers, json, study_command(ctx)))
 
 

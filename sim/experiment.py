@@ -275,6 +275,18 @@ def build_models(cfg: ExperimentConfig, plans: list[PlannedRun], step: Step | No
             p.model = AutoModel(p.hint, policy, arms, cfg.cluster, p.budget, **args)
         else:
             p.model = ClusterModel(p.hint, policy, cfg.cluster, p.budget, **args)
+        charge_runtime(p.model, cfg.workload)
+
+
+def charge_runtime(model: Any, workload: Workload) -> None:
+    """A profiled workload's runtime costs (rrfp.traces.profile.RuntimeCosts) onto ``model`` (each arm of
+    auto's): every task its policy class's overhead, every flush the per-step cost; nothing otherwise."""
+    runtime = getattr(workload, "runtime", None)
+    if runtime is None:
+        return
+    for m in getattr(model, "models", [model]):
+        m.task_overhead = runtime.per_task(m.clocked)
+        m.allreduce_cost = m.allreduce_cost + runtime.per_step  # at every flush
 
 
 def mean_msg_bytes(workload: Workload, spec: PipelineSpec) -> float:
@@ -303,7 +315,8 @@ def expected_cost_model(workload: Workload, spec: PipelineSpec) -> CostModel:
     """Mean seconds per task of ``workload`` on ``spec``'s stages (a fit: its per-stage means, mapped
     onto the new stages the way :meth:`FittedWorkload.sample` maps them)."""
     means = workload.mean_costs(spec.pp, spec.num_stages, spec.microbatches)
-    table = {op: [float(x) for x in means[op.value]] for op in Op}
+    extra = getattr(getattr(workload, "runtime", None), "clocked", 0.0)  # a profile's: as calibrate adds it
+    table = {op: [float(x) + extra for x in means[op.value]] for op in Op}
     return lambda task: table[task.op][task.stage]
 
 

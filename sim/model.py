@@ -386,6 +386,8 @@ class ClusterModel:
         self.msg_bytes = msg_bytes
         self.agree_cost = 0.0 if name == BASELINE_POLICY else cluster.agreement_time()
         self.allreduce_cost = cluster.allreduce_time()  # s; a replay sets the recorded one
+        self.task_overhead = 0.0
+        """Seconds of runtime overhead added to every task (a profile's, rrfp.traces.profile.RuntimeCosts)."""
         self.env = InstantEnvironment()
         self.env.on_instant_end = self._dispatch_dirty
         with gc_paused():
@@ -524,7 +526,10 @@ class ClusterModel:
     def _load(self, w: _Worker, sample: Sequence[IterationSample], tables: list[np.ndarray]) -> None:
         plan = w.plan
         durs = [table[plan.opcode, plan.stage, plan.mb] for table in tables]
-        w.dur = (durs[0] if len(durs) == 1 else np.max(durs, axis=0)).tolist()
+        dur = durs[0] if len(durs) == 1 else np.max(durs, axis=0)
+        if self.task_overhead:  # zero adds nothing: the durations stay the workload's, bit for bit
+            dur = dur + self.task_overhead
+        w.dur = dur.tolist()
         w.tx = [self._tx(s, plan) for s in sample]
 
     def _use_bytes(self, w: _Worker, sample: Sequence[IterationSample]) -> None:

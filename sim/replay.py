@@ -41,6 +41,7 @@ from rrfp.study.result import TrialResult
 from rrfp.study.schema import interval, number, trial_fields
 from rrfp.study.study import Study
 from rrfp.study.trial import TrialId
+from rrfp.traces.profile import Profile
 from rrfp.traces.replay import Replay
 from rrfp.traces.trace import TraceRecorder
 from rrfp.workload.model import IterationSample
@@ -83,6 +84,8 @@ class ReplayResult:
     replay: Replay
     runs: list[ReplayRun]
     traces: list[TraceRecorder] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Which costs the what-ifs assumed where the trace does not say (rrfp.sim.replay.cost_notes)."""
 
     @property
     def recorded(self) -> ReplayRun:
@@ -162,14 +165,18 @@ def run_replay(
     contention: bool = False,
     trace: bool = False,
     workers: int | str = 1,
+    profile: Profile | None = None,
 ) -> ReplayResult:
     """Replay ``rep`` with its own policy, then each requested (hint, policy, budget) as a what-if;
     ``workers``: processes over the runs (rrfp.study.execution; traces are recorded in this process).
-    The trace is read once, here, and shipped to the workers as data."""
+    The trace is read once, here, and shipped to the workers as data. ``profile``: the measured costs
+    a what-if needs and the trace lacks (rrfp.sim.replaycosts)."""
     from rrfp.study.execution import resolve_workers, run_jobs
 
+    from .replaycosts import cost_notes
+
     planned = list(plan(rep, hints, policies, memory_budget))
-    jobs = [(p[0].label, (rep, i, p, send, contention, trace)) for i, p in enumerate(planned)]
+    jobs = [(p[0].label, (rep, i, p, send, contention, trace, profile)) for i, p in enumerate(planned)]
     n = 1 if trace else resolve_workers(workers, len(jobs))
     done = dict(run_jobs(replay_job, jobs, n))
     runs = [done[i][0] for i in range(len(jobs))]
@@ -177,22 +184,28 @@ def run_replay(
     base = _used(runs[0].times)
     for r in runs[1:]:
         r.speedup = paired_speedup(base, _used(r.times))
-    return ReplayResult(rep, runs, traces)
+    return ReplayResult(rep, runs, traces, cost_notes(rep, planned, profile))
 
 
 def replay_job(
     rep: Replay, index: int, planned: tuple[Any, Any, dict[int, int], str], send: str, contention: bool,
-    trace: bool,
+    trace: bool, profile: Profile | None = None,
 ) -> tuple[ReplayRun, Any]:  # fmt: skip
     """One replayed run (the recorded one when ``index`` is 0) and its trace recorder (or None)."""
+    from .replaycosts import profiled_samples, what_if_overhead
+
     key, hint, budget, label = planned
     cluster = ClusterConfig(tp=rep.tp, dp=rep.dp, send=send if key.policy == BASELINE_POLICY else "eager",
                             contention=contention)  # fmt: skip
     link = contention or cluster.send != "eager"  # queueing re-simulated: each message's link time
     samples = rep.samples(hint.spec.split, link=link)
+    if profile is not None:
+        samples = profiled_samples(rep, samples, hint.spec.split, profile)
     policy = replay_policy(key.policy, samples)
     model = ClusterModel(hint, policy, cluster, budget, msg_bytes=rep.msg_bytes)
     _calibrate(model, rep)
+    if profile is not None:
+        model.task_overhead = what_if_overhead(rep, key.policy, profile)
     recorder = _recorder(rep, key, budget, model) if trace else None
     out = model.run(samples, recorder)
     cfg = _config(rep, key, label, cluster)
@@ -290,7 +303,7 @@ def replay_dict(result: ReplayResult, command: str | None = None) -> dict[str, A
             "virtual_stages": spec.virtual_stages, "placement": spec.placement, "split": spec.split,
             "iterations": rep.iterations, "measured_per_iteration": rep.measured, "timing": rep.timing,
             "budget": [rep.budget[k] for k in sorted(rep.budget)], "budget_source": rep.budget_text,
-            "notes": rep.notes,
+            "notes": [*rep.notes, *result.notes],
         },
         "fidelity": {k: number(v) for k, v in result.fidelity().items()},
     }  # fmt: skip
@@ -335,8 +348,9 @@ def format_replay(result: ReplayResult) -> str:
     recorded = trial_of(rep, result.recorded)
     comps = [Comparison(trial_of(rep, r), recorded, *r.speedup) for r in result.runs if r.speedup is not None]
     summary = [verdict(comps)] if comps else []
+    notes = [*rep.notes, *result.notes]
     return format_report(header, rows, [fidelity, *summary], REPLAY_COLUMNS,
-                         head=[head, *[f"note: {n}" for n in rep.notes], ""])  # fmt: skip
+                         head=[head, *[f"note: {n}" for n in notes], ""])  # fmt: skip
 
 
 REPLAY_COLUMNS = (

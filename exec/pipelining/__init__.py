@@ -11,7 +11,8 @@ Modules: ``schedule`` (:class:`ScheduleReadiness`, its rules), ``channels`` (:cl
 the collective set-up shared by schedules), ``engine`` (extension points for a driver with its own
 compute: rrfp-run's trials), ``compute`` (F/B/I/W of torch stages as runtime tasks),
 ``codec`` (tuples of tensors as one message), ``memory`` (byte-budget fits), ``sizing`` (microbatch
-sizes: ``mb_order``, sized costs), ``starts`` (how a clocked policy hears producer starts: the
+sizes: ``mb_order``, sized costs), ``profiling`` (:func:`profile`: a measured cost model of this
+runtime for ``rrfp-sim --profile``), ``starts`` (how a clocked policy hears producer starts: the
 same-host start board or messages, ``announce=``), ``errors`` (the one-line errors).
 """
 
@@ -26,6 +27,7 @@ from rrfp.exec.pipelining.errors import (
     StageIOError,
     StageLayoutError,
 )
+from rrfp.exec.pipelining.profiling import profile
 from rrfp.exec.pipelining.schedule import ScheduleReadiness
 
 __all__ = [
@@ -39,4 +41,5 @@ __all__ = [
     "StageIOError",
     "StageLayoutError",
     "microbatch_seed",
+    "profile",
 ]

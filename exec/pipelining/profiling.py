@@ -1,0 +1,354 @@
+"""``rrfp.exec.profile``: measure one's own runtime, so the simulator's predictions hold on one's hardware.
+
+Every rank of the pipeline calls it with its ``PipelineStage``(s) and microbatches of the sizes it will
+train (a collective, like a training step)::
+
+    from rrfp.exec import profile
+    prof = profile(stage, arg_mbs if rank == 0 else None, target_mbs if last else None,
+                   loss_fn=loss_fn, out="my.profile.parquet")      # rank 0 writes the file
+    # then: rrfp-sim advise --profile my.profile.parquet --stages 2 -m 8
+
+It runs the library's own runtime (:class:`~rrfp.exec.pipelining.schedule.ScheduleReadiness`, public
+keywords only) for a few steps under three settings -- a fixed unsplit order (1f1b; interleaved-1f1b at
+v > 1), a fixed split order (zb-h1; torch's InterleavedZeroBubble at v > 1 in loop placement; zbv in v
+placement, where B is measured as I + W) and a clocked policy (backfill on the unsplit order) -- each
+step's first ``warmup`` dropped (the split check and backfill's calibration run there), and records from
+the schedules' traces and cost meters:
+
+* per stage F and B, I and W where the split works (else that it cannot, and why: the schedule's split
+  check), each as seconds = intercept + slope x tokens when the microbatches' sizes vary (R^2 kept);
+* the runtime's own overhead per task: the dispatch loop's time that is neither compute nor waiting, per
+  task (rrfp.exec.loop.runtime.LoopStats), under the fixed order and under the clocked policy; and per
+  step, the time a step spends outside the loop (the slowest rank's);
+* the message cost by bytes on the real transport: from posted (sender) to arrived (receiver) per
+  message, fitted as latency + bytes / bandwidth when sizes vary (else the latency at that size);
+* the activation bytes a forward keeps per microbatch (autograd's saved tensors, parameters excluded).
+
+Rank 0 writes ``out`` atomically (rrfp.traces.profile.write_profile) and prints a one-line progress.
+The stages' gradients are as before the call; the step count of the user's own schedule is untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rrfp.exec.loop.calibrate import CostMeter
+from rrfp.exec.models.memory import SavedBytes
+from rrfp.exec.pipelining.channels import ReadinessPipeline
+from rrfp.exec.pipelining.errors import MicrobatchError, StageLayoutError
+from rrfp.exec.pipelining.schedule import ScheduleReadiness
+from rrfp.exec.pipelining.sizing import measure
+from rrfp.traces.profile import OpCost, Profile, write_profile
+
+MIN_R2 = 0.3
+"""Below this R^2 the bytes do not explain the message times (noise dominates small messages): the
+message cost is their median, with no bandwidth term."""
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """One measured setting: what it is for, its hint and policy."""
+
+    label: str
+    hint: str
+    policy: str
+
+
+def settings(v: int, placement: str) -> list[_Setting]:
+    """The settings measured for stages at ``v`` per rank in ``placement`` (module docstring)."""
+    if placement == "v":
+        return [_Setting("split", "zbv", "fixed"), _Setting("clocked", "zbv", "backfill")]
+    plain, split = ("1f1b", "zb-h1") if v == 1 else ("interleaved-1f1b", "torch:InterleavedZeroBubble")
+    return [_Setting("fixed", plain, "fixed"), _Setting("split", split, "fixed"),
+            _Setting("clocked", plain, "backfill")]  # fmt: skip
+
+
+def profile(
+    stages: Any,
+    arg_mbs: Sequence[Any] | None,
+    target_mbs: Sequence[Any] | None = None,
+    *,
+    loss_fn: Any,
+    kwarg_mbs: Sequence[dict[str, Any]] | None = None,
+    out: str,
+    steps: int = 3,
+    warmup: int = 1,
+    timeout: float = 60.0,
+    progress: bool = True,
+) -> Profile | None:
+    """Measure this pipeline's costs (module docstring) and write them to ``out`` (rank 0). Every rank
+    of the stages' group calls it; returns the :class:`~rrfp.traces.profile.Profile` on the pipeline's
+    first rank, None elsewhere. ``steps`` measured steps after ``warmup`` per setting."""
+    if not (isinstance(steps, int) and steps >= 1 and isinstance(warmup, int) and warmup >= 1):
+        raise MicrobatchError(
+            f"profile needs steps >= 1 and warmup >= 1, got steps={steps!r} warmup={warmup!r}"
+        )
+    stage_list = list(stages) if isinstance(stages, (list, tuple)) else [stages]
+    if not stage_list:
+        raise StageLayoutError("profile needs at least one PipelineStage")
+    pipe = ReadinessPipeline(stage_list[0].group, stage_list[0].device, timeout)
+    try:
+        tokens = _agree_tokens(pipe, arg_mbs)
+        placement = _placement(stage_list, pipe.pp)
+        v = stage_list[0].num_stages // pipe.pp
+        mbs = (arg_mbs, target_mbs, kwarg_mbs)
+        found: dict[str, dict[str, Any]] = {}
+        with _kept_grads(stage_list):
+            todo = settings(v, placement)
+            for k, s in enumerate(todo):
+                if progress and pipe.pp_rank == 0:
+                    print(f"\rrrfp.exec.profile: {s.policy}/{s.hint} ({k + 1}/{len(todo)}) ...", end="",
+                          file=sys.stderr, flush=True)  # fmt: skip
+                found[s.label] = _measure(
+                    pipe, stage_list, s, mbs, loss_fn, (len(tokens), steps, warmup), k == 0
+                )
+        prof = None
+        if pipe.pp_rank == 0:
+            prof = _build(found, pipe.pp, v, placement, tokens, warmup)
+            write_profile(prof, out)
+            if progress:
+                print(f"\rrrfp.exec.profile: wrote {out}: {prof.describe()}", file=sys.stderr, flush=True)
+        dist.barrier(group=pipe.ctrl)
+        return prof
+    finally:
+        pipe.close()
+
+
+def _agree_tokens(pipe: ReadinessPipeline, arg_mbs: Sequence[Any] | None) -> list[int]:
+    """Every rank learns the microbatches' tokens from the first stage's rank (a collective)."""
+    box: list[Any] = [None]
+    if pipe.pp_rank == 0:
+        if not arg_mbs:
+            box[0] = "the first stage's rank must pass arg_mbs"
+        else:
+            box[0] = [measure(a if isinstance(a, (tuple, list)) else (a,))[0] for a in arg_mbs]
+    dist.broadcast_object_list(box, src=pipe.ranks[0], group=pipe.ctrl)
+    if isinstance(box[0], str):
+        raise MicrobatchError(box[0])
+    return [int(t) for t in box[0]]
+
+
+def _placement(stages: list[Any], pp: int) -> str:
+    """``v`` when this rank's stages are r and 2 pp - 1 - r, else ``loop``."""
+    idx = sorted(s.stage_index for s in stages)
+    return "v" if len(idx) == 2 and idx[0] + idx[1] == 2 * pp - 1 and idx[1] - idx[0] != pp else "loop"
+
+
+@contextlib.contextmanager
+def _kept_grads(stages: list[Any]) -> Iterator[None]:
+    """The stages' parameter gradients as they were before the profile's steps added into them."""
+    params = [p for s in stages for p in s.submod.parameters()]
+    saved = [None if p.grad is None else p.grad.detach().clone() for p in params]
+    try:
+        yield
+    finally:
+        for p, g in zip(params, saved, strict=True):
+            p.grad = g
+
+
+def _measure(
+    pipe: ReadinessPipeline, stages: list[Any], s: _Setting, mbs: tuple[Any, Any, Any], loss_fn: Any,
+    counts: tuple[int, int, int], activations: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """Run one setting for ``warmup + steps`` steps of ``n`` microbatches (``counts``); this rank's
+    meter, split check, step times and (``activations``: in the warm-up) forward bytes, with the merged
+    trace frame on the first rank."""
+    arg_mbs, target_mbs, kwarg_mbs = mbs
+    n, steps, warmup = counts
+    tmp = tempfile.mkdtemp(prefix="rrfp-profile-") if pipe.pp_rank == 0 else None
+    path = os.path.join(tmp, "trace.parquet") if tmp else "unused.parquet"
+    sched = ScheduleReadiness(stages, n, loss_fn, hint=s.hint, policy=s.policy, pipeline=pipe, trace_out=path,
+                              timeout=pipe.timeout)  # fmt: skip
+    walls, loops, act = [], [], {}
+    try:
+        for k in range(warmup + steps):
+            if k == warmup:  # measured steps only: the meter's sums start here
+                sched.runtime.meter = CostMeter()
+            counting = _ForwardBytes(stages) if activations and k == 0 else contextlib.nullcontext()
+            t0 = time.monotonic()
+            with counting:
+                sched.step_microbatches(
+                    arg_mbs, target_mbs, losses=[], kwarg_mbs=kwarg_mbs, return_outputs=False
+                )
+            walls.append(time.monotonic() - t0)
+            loops.append(sched.runtime.stats.loop)  # the dispatch loop's share of this step
+            if isinstance(counting, _ForwardBytes):
+                act = counting.mean()
+        mine = {"meter": sched.runtime.meter.plain(), "split": dict(sched.compute.split),
+                "notes": sched.split_notes, "walls": walls[warmup:], "act": act,
+                "outside": [w - x for w, x in zip(walls[warmup:], loops[warmup:], strict=True)]}  # fmt: skip
+    finally:
+        sched.close()  # collective: writes the trace on the first rank
+    gathered: list[Any] = [None] * pipe.pp
+    dist.all_gather_object(gathered, mine, group=pipe.ctrl)
+    if tmp is None:
+        return {"ranks": gathered}
+    from rrfp.traces.trace import read_trace
+
+    try:
+        frame = read_trace(path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+            os.rmdir(tmp)
+    return {"ranks": gathered, "frame": frame, "setting": s}
+
+
+class _ForwardBytes:
+    """Counts each forward's saved-tensor bytes per stage (a context around one step)."""
+
+    def __init__(self, stages: list[Any]) -> None:
+        self.stages = stages
+        self.found: dict[int, list[int]] = {}
+        self._hooks: list[Any] = []
+        self._open: list[Any] = []
+
+    def __enter__(self) -> _ForwardBytes:
+        for st in self.stages:
+            counter = SavedBytes(st.submod)
+
+            def pre(_m: Any, _a: Any, counter: SavedBytes = counter) -> None:
+                if torch.is_grad_enabled():
+                    ctx = counter.counting()
+                    ctx.__enter__()
+                    self._open.append(ctx)
+
+            def post(
+                _m: Any, _a: Any, _o: Any, counter: SavedBytes = counter, s: int = st.stage_index
+            ) -> None:
+                if self._open:
+                    self._open.pop().__exit__(None, None, None)
+                    self.found.setdefault(s, []).append(counter.total)
+
+            self._hooks += [st.submod.register_forward_pre_hook(pre), st.submod.register_forward_hook(post)]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._hooks:
+            h.remove()
+        while self._open:
+            self._open.pop().__exit__(None, None, None)
+
+    def mean(self) -> dict[int, float]:
+        return {s: float(np.mean(v)) for s, v in self.found.items() if v}
+
+
+# -- from measurements to a profile (the first rank) ----------------------------------------------------
+def _build(
+    found: dict[str, dict[str, Any]], pp: int, v: int, placement: str, tokens: list[int], warmup: int
+) -> Profile:
+    """The profile from every setting's gathered measurements (on the pipeline's first rank)."""
+    num_stages = pp * v
+    split_run = found["split"]
+    ops: dict[tuple[int, str], OpCost] = {}
+    for label, letters in (("fixed", ("F", "B")), ("split", ("I", "W"))):
+        if label not in found:
+            continue
+        comp = _compute_rows(found[label]["frame"], warmup)
+        for s in range(num_stages):
+            for op in letters:
+                ops[s, op] = _op_cost(comp, s, op, tokens)
+    if "fixed" not in found:  # v placement: F and B from the split run (B = I + W)
+        comp = _compute_rows(split_run["frame"], warmup)
+        for s in range(num_stages):
+            ops[s, "F"] = _op_cost(comp, s, "F", tokens)
+            i, w = ops[s, "I"], ops[s, "W"]
+            ops[s, "B"] = OpCost(i.n, i.mean + w.mean, max(i.cv, w.cv), i.intercept + w.intercept,
+                                 i.slope + w.slope, min(i.r2, w.r2))  # fmt: skip
+    split = {int(k): bool(x) for r in split_run["ranks"] for k, x in r["split"].items()}
+    notes = [n for r in split_run["ranks"] for n in r["notes"]]
+    plain = found.get("fixed", split_run)
+    latency, bandwidth, msg_info = _message_fit(plain["frame"], warmup)
+    act = {int(k): x for r in plain["ranks"] for k, x in r["act"].items()}
+    meta = {
+        "split_notes": notes, "message_fit": msg_info,
+        "step_s": {k: float(np.mean([max(w) for w in zip(*(r["walls"] for r in f["ranks"]), strict=True)]))
+                   for k, f in found.items()},
+        "settings": {k: f"{f['setting'].policy}/{f['setting'].hint}" for k, f in found.items()},
+        "loadavg": list(os.getloadavg()), "host": socket.gethostname(), "torch": torch.__version__,
+        "created_unix": time.time(),
+    }  # fmt: skip
+    return Profile(
+        pp=pp, v=v, placement=placement, microbatches=len(tokens), ops=ops, split=split, tokens=tokens,
+        overhead={"fixed": _overhead(plain), "clocked": _overhead(found["clocked"]), "step": _outside(plain)},
+        latency=latency,
+        bandwidth=bandwidth, msg_bytes=msg_info["mean_bytes"],
+        act_bytes=[act.get(s, 0.0) for s in range(num_stages)], meta=meta,
+    )  # fmt: skip
+
+
+def _overhead(setting: dict[str, Any]) -> float:
+    """Mean loop overhead per task over every rank's measured steps (s)."""
+    merged = CostMeter()
+    for r in setting["ranks"]:
+        merged.merge(CostMeter.from_plain(r["meter"]))
+    return merged.overhead
+
+
+def _outside(setting: dict[str, Any]) -> float:
+    """Seconds of a step outside the dispatch loop (sizes, the last sends, gradient scaling): the
+    slowest rank's, mean over the measured steps."""
+    per_step = zip(*(r["outside"] for r in setting["ranks"]), strict=True)
+    return float(np.mean([max(0.0, max(x)) for x in per_step]))
+
+
+def _compute_rows(frame: Any, warmup: int) -> Any:
+    rows = frame[(frame["kind"] == "compute") & (frame["iteration"] >= warmup)]
+    return rows.assign(seconds=rows["end"] - rows["start"])
+
+
+def _op_cost(comp: Any, stage: int, op: str, tokens: list[int]) -> OpCost:
+    """(stage, op)'s seconds per task, fitted against its microbatch's tokens when they vary."""
+    rows = comp[(comp["stage"] == stage) & (comp["op"] == op)]
+    if rows.empty:
+        raise StageLayoutError(f"profile: stage {stage} ran no {op} task (a hint that skips it?)")
+    y = rows["seconds"].to_numpy(dtype=np.float64)
+    x = np.array([tokens[m] for m in rows["microbatch"]], dtype=np.float64)
+    mean = float(y.mean())
+    cv = float(y.std(ddof=1) / mean) if y.size > 1 and mean > 0 else 0.0
+    slope, intercept, r2 = _linear(x, y)
+    return OpCost(int(y.size), mean, cv, intercept, slope, r2)
+
+
+def _linear(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+    """Least-squares (slope, intercept, R^2) of y on x; (0, mean, nan) when x does not vary."""
+    if x.size < 3 or np.ptp(x) == 0:
+        return 0.0, float(y.mean()), math.nan
+    slope, intercept = np.polyfit(x, y, 1)
+    resid = y - (slope * x + intercept)
+    total = float(np.sum((y - y.mean()) ** 2))
+    r2 = 1.0 - float(np.sum(resid**2)) / total if total > 0 else math.nan
+    return float(slope), float(intercept), r2
+
+
+def _message_fit(frame: Any, warmup: int) -> tuple[float, float, dict[str, Any]]:
+    """(latency s, bandwidth B/s, what was fitted) of the messages: posted on the sender to arrived on
+    the receiver, by bytes; one size only: the median at that size and an infinite bandwidth."""
+    rows = frame[frame["iteration"] >= warmup]
+    sends = rows[rows["kind"] == "send"].set_index("msg")["start"]
+    recvs = rows[rows["kind"] == "recv"].set_index("msg")
+    both = recvs.join(sends.rename("posted"), how="inner")
+    if both.empty:
+        return 0.0, math.inf, {"n": 0, "mean_bytes": 0.0, "r2": None, "sizes": 0}
+    cost = np.maximum((both["end"] - both["posted"]).to_numpy(dtype=np.float64), 0.0)
+    nbytes = both["bytes"].to_numpy(dtype=np.float64)
+    info: dict[str, Any] = {"n": int(cost.size), "mean_bytes": float(nbytes.mean()),
+                            "sizes": int(np.unique(nbytes).size), "r2": None}  # fmt: skip
+    slope, intercept, r2 = _linear(nbytes, cost)
+    info["r2"] = None if math.isnan(r2) else r2
+    if math.isnan(r2) or r2 < MIN_R2 or slope <= 0 or intercept < 0:  # bytes do not explain the times
+        return float(np.median(cost)), math.inf, info
+    return intercept, 1.0 / slope, info

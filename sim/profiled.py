@@ -1,0 +1,88 @@
+"""``--profile FILE``: rrfp-sim's runs, replays and advice on a measured cost model of one's own runtime.
+
+A profile (rrfp.traces.profile, written by ``rrfp.exec.profile``) replaces the workload options: each
+stage's F/B/I/W as measured (scaled by the microbatch's tokens where sizes varied), every task charged
+the runtime's overhead for its policy class (a clocked policy's own), every message the measured
+latency + bytes / bandwidth. A run at another pipeline depth than profiled (v = 2 from a v = 1 profile)
+derives per-layer costs by depth and says so in the header, as every run says where its costs came
+from.
+
+    rrfp-sim --profile my.profile.parquet --hint 1f1b,zb-h1 --policy fixed,rrfp
+    rrfp-sim advise --profile my.profile.parquet --stages 2 -m 8
+    rrfp-sim --replay run.parquet --profile my.profile.parquet --hint zb-h1   # I/W from the profile
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from rrfp.errors import UserError
+from rrfp.traces.profile import Profile, ProfiledWorkload, read_profile
+
+from .config import ExperimentConfig, from_options
+
+REPLACED = ("workload", "costs", "jitter", "cv", "seq_cv", "imbalance", "straggler_prob",
+            "straggler_slowdown", "comm_jitter", "comm_cv", "msg_bytes")  # fmt: skip
+"""Workload options a profile replaces (given with --profile: refused)."""
+
+
+class ProfileOptionError(UserError):
+    """--profile with an option it replaces, or in a mode it does not apply to (one line, exit 2)."""
+
+
+def _flags(names: Iterable[str]) -> str:
+    return ", ".join("--" + n.replace("_", "-") for n in names)
+
+
+def profiled_config(values: dict[str, Any], given: Collection[str], path: str) -> ExperimentConfig:
+    """The config of a run on the profile at ``path``: its workload, its message cost (latency and
+    bandwidth unless given), and its pipeline depth unless ``--stages`` is given."""
+    clash = [n for n in REPLACED if n in given]
+    if clash:
+        raise ProfileOptionError(
+            f"{_flags(clash)} cannot be combined with --profile: the profile replaces it"
+        )
+    prof = read_profile(path)
+    v = dict(values)
+    if "stages" not in given:
+        v["stages"] = prof.pp
+    if "comm_latency" not in given:
+        v["comm_latency"] = prof.latency
+    if "bandwidth" not in given:
+        v["bandwidth"] = prof.bandwidth
+    return from_options(v, workload=ProfiledWorkload.of(prof, path))
+
+
+def refuse_token_mode(values: dict[str, Any], profile: str | None) -> None:
+    """A profile prices the microbatches it measured; token mode draws its own sizes and costs."""
+    if profile is not None and (values.get("lengths") is not None or values.get("scenario") is not None):
+        raise ProfileOptionError("--profile does not apply in token mode (--lengths/--scenario) yet")
+
+
+def cost_lines(cfg: ExperimentConfig, vs: Iterable[int] = ()) -> list[str]:
+    """The header lines that say where a run's costs came from: the profile and its runtime costs, and
+    a depth other than profiled (each stage's cost divided by depth) -- or the analytic defaults."""
+    prof: Profile | None = getattr(cfg.workload, "profile", None)
+    if prof is None:
+        return [
+            "costs: analytic (no --profile): no per-task runtime overhead, messages cost --comm-latency + "
+            "bytes/--bandwidth, a split backward's I = W = B/2"
+        ]
+    lines = [f"costs: {prof.describe()} ({cfg.workload.source})"]
+    depths = sorted({cfg.study.pp * v for v in (vs or [cfg.study.virtual_stages or 1])})
+    for n in depths:
+        if n != prof.num_stages:
+            lines.append(
+                f"costs: derived per layer at {n} stages from the profile's {prof.num_stages} (pp={prof.pp} "
+                f"v={prof.v}): each stage's cost x {prof.num_stages / n:.3g}, by depth; its runtime "
+                f"overhead per task and message cost as measured"
+            )
+    unsplit = [s for s in range(prof.num_stages) if not prof.split.get(s, True)]
+    if unsplit:
+        why = prof.meta.get("split_notes") or []
+        lines.append(
+            f"costs: stage(s) {', '.join(map(str, unsplit))} cannot split the backward (I runs B, W nothing, "
+            f"as the runtime does){': ' + why[0] if why else ''}"
+        )
+    return lines

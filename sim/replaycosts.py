@@ -1,0 +1,86 @@
+"""The costs a replay's what-if needs that its trace does not hold, from a profile (``--profile``).
+
+A trace's tasks already carry their runtime overhead (rrfp.traces.replay's ``runtime`` timing charges
+the loop's time to the task before it). What a trace cannot say:
+
+* how an unsplit run's B divides into I and W -- a split what-if takes each stage's I share from the
+  profile's split run, and charges the second task its per-task overhead (B carried one, I and W carry
+  one each); without a profile it assumes I = W = B/2 and no extra overhead, and says so;
+* what another policy class costs per task -- a clocked what-if (backfill, guarded, auto) of a fixed run
+  is charged the profile's clocked-minus-fixed overhead on every task (and the other way round).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from rrfp.dispatch.policies import get_policy
+from rrfp.traces.profile import Profile
+from rrfp.traces.replay import Replay
+from rrfp.workload.model import IterationSample
+
+
+def _clocked(policy: str) -> bool:
+    return bool(get_policy(policy).needs_clock)
+
+
+def _overhead(profile: Profile, policy: str) -> float:
+    return profile.overhead["clocked" if _clocked(policy) else "fixed"]
+
+
+def _shares(rep: Replay, profile: Profile) -> np.ndarray:
+    """Per trace stage: the profile's I share of the stage at the same depth."""
+    n, p = rep.spec.num_stages, profile.num_stages
+    return np.array([profile.i_share(min(p - 1, (2 * s + 1) * p // (2 * n))) for s in range(n)])
+
+
+def profiled_samples(
+    rep: Replay, samples: list[list[list[IterationSample]]], split: bool, profile: Profile
+) -> list[list[list[IterationSample]]]:
+    """``samples`` of an unsplit trace on a split hint with I and W from the profile (module docstring);
+    any other samples unchanged."""
+    if rep.spec.split or not split:
+        return samples
+    share = _shares(rep, profile)[:, None]  # (stages, 1)
+    o = _overhead(profile, rep.policy)
+
+    def one(s: IterationSample) -> IterationSample:
+        b = s.I + s.W
+        work = np.maximum(b - o, 0.0)  # B's compute without its one overhead
+        return IterationSample(s.F, share * work + o, (1.0 - share) * work + o, s.comm)
+
+    return [[[one(s) for s in per_tp] for per_tp in per_dp] for per_dp in samples]
+
+
+def what_if_overhead(rep: Replay, policy: str, profile: Profile) -> float:
+    """Seconds per task a what-if of ``policy`` pays beyond what the trace's tasks carry."""
+    return _overhead(profile, policy) - _overhead(profile, rep.policy)
+
+
+def cost_notes(
+    rep: Replay, planned: Sequence[tuple[Any, Any, Any, str]], profile: Profile | None
+) -> list[str]:
+    """What the what-ifs assumed that the trace does not say (shown under the replay's header)."""
+    split = not rep.spec.split and any(p[1].spec.split for p in planned)
+    other = any(_clocked(p[0].policy) != _clocked(rep.policy) for p in planned)
+    notes = []
+    if split and profile is None:
+        notes.append(
+            "the trace has only B: split what-ifs assume I = W = B/2 and no runtime overhead for the extra "
+            "task (--profile FILE gives measured I/W and overhead)"
+        )
+    elif split:
+        notes.append(
+            "split what-ifs: each stage's I share of B from the profile, and the per-task overhead "
+            f"({1e3 * _overhead(profile, rep.policy):.3g} ms) on both I and W"
+        )
+    if other and profile is None:
+        notes.append("what-ifs of another policy class pay the trace's per-task overhead (no --profile)")
+    elif other:
+        assert profile is not None
+        delta = 1e3 * (profile.overhead["clocked"] - profile.overhead["fixed"])
+        notes.append(f"clocked and unclocked policies differ by {delta:+.3g} ms per task (the profile's)")
+    return notes
