@@ -12,6 +12,7 @@ import math
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -105,3 +106,51 @@ def test_the_rl_example_equals_one_process() -> None:
     assert [int(s) for s, _, _ in steps] == [0, 1] and all(math.isfinite(float(v)) for _, v, _ in steps)
     counts = [json.loads(c) for c in re.findall(r"microbatches' sequences (\[[\d, ]+\])", out)]
     assert counts and all(sum(c) == 12 for c in counts)  # every rollout in exactly one microbatch
+
+
+# -- benchmarks/library_vs_torch.py's packing and loss check --------------------------------------------
+
+
+def bench() -> Any:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import library_vs_torch
+
+    return library_vs_torch
+
+
+def test_the_benchmark_feeds_every_arm_the_same_documents() -> None:
+    lvt = bench()
+    a = lvt.parse().parse_args(["--microbatches", "4", "--rows", "2", "--row-len", "64", "--mean-len", "16"])
+    d = lvt.step_data(a, torch.Generator().manual_seed(5))
+    x, y, doc_lens = d["packed"]
+    assert x.shape == (8, 64) and int(doc_lens.sum()) == d["tokens"] == int((y != -100).sum())
+    unpadded, padded = d["unpadded"], d["padded"]
+    assert len(unpadded) == len(padded) == 4 and sorted(d["verl"]) == [0, 1, 2, 3]
+    assert (
+        sum(u[0].shape[1] for u in unpadded)
+        == d["tokens"]
+        == sum(int((py != -100).sum()) for _, py in padded)
+    )
+    # the same documents, in drawn order: the unpadded rows' tokens are the packs' documents
+    drawn = torch.cat([u[0][0] for u in unpadded])
+    packed_docs = {tuple(x[r, s:e].tolist()) for r, s, e in documents(doc_lens, 8, 64)}
+    at, found = 0, set()
+    for n in torch.cat([u[2][0] for u in unpadded]).tolist():
+        found.add(tuple(drawn[at : at + n].tolist()))
+        at += n
+    assert found == packed_docs
+
+
+def test_the_benchmark_stops_when_the_arms_losses_differ() -> None:
+    lvt = bench()
+    lvt.check_losses({"losses": {"a": [1.0, 2.0], "b": [1.0, 2.0000001]}})
+    with pytest.raises(SystemExit, match="round 1: the arms' losses differ"):
+        lvt.check_losses({"losses": {"a": [1.0, 2.0], "b": [1.0, 2.1]}})
+    with pytest.raises(SystemExit, match="round 0"):
+        lvt.check_losses({"losses": {"a": [math.nan], "b": [1.0]}})
+
+
+def test_the_contiguous_cut_keeps_order_and_every_microbatch() -> None:
+    lvt = bench()
+    assert lvt.contiguous_cut([10, 10, 10, 10], 2) == [[0, 1], [2, 3]]
+    assert lvt.contiguous_cut([100, 1, 1, 1], 3) == [[0], [1], [2, 3]]  # none empty, order kept
