@@ -105,7 +105,10 @@ _M32 = Param(32, "4 x pp, rrfp-sim's default ratio (1F1B's steady state dominate
 
 
 def _scenarios() -> dict[str, Scenario]:
-    return {s.name: s for s in (_pretrain(), _finetune(), _llava())}
+    return {
+        s.name: s
+        for s in (_pretrain(), _finetune(), _llava(), _pretrain_unpacked(), _rl(), _mixtral(), _deepseek())
+    }
 
 
 def _pretrain() -> Scenario:
@@ -259,6 +262,201 @@ def _llava() -> Scenario:
             "images_cv": (0.0, 0.5, 1.0),
             "freeze_encoder": (True, False),
         },
+    )
+
+
+# -- the practitioners' workloads: the unpacked twin, RL rollouts, mixtures of experts ---------------
+def _pretrain_unpacked() -> Scenario:
+    packed = _pretrain()
+    params = {
+        **packed.params,
+        "microbatch_size": Param(
+            4,
+            "the packed twin's tokens per microbatch: pack_tokens 4096 / the mean document (1024 tokens, "
+            "before the cut at 4096)",
+            "derived",
+        ),
+        "packing": Param("none", "the packed scenario's documents, one per row, unpacked", "choice"),
+    }
+    del params["pack_tokens"]
+    return Scenario(
+        "pretrain-unpacked",
+        "Unpacked twin of pretrain-packed: the same documents, four per microbatch, pp 16",
+        "pretrain-packed's model, documents and pipeline without packing: each microbatch holds four "
+        "documents, so its tokens vary with theirs; compare the two to see what packing buys under each "
+        "order and policy.",
+        params,
+        dict(packed.sensitivity),
+    )
+
+
+_VERL_BALANCE = (
+    "verl/utils/seqlen_balancing.py rearrange_micro_batches, use_dynamic_bsz_balance=True by default (verl "
+    "PR #2452): microbatches by sum(len^2), the lightest at both ends"
+)
+_DAPO = "DAPO (arXiv 2503.14476) trains Qwen2.5-32B"
+_QWEN32 = "Qwen2.5-32B (Qwen/Qwen2.5-32B config.json, as mirrored on the Hub)"
+_VERL_DAPO = (
+    "verl recipe/dapo scripts: max_prompt_length 2048, max_response_length 20480, use_dynamic_bsz=True, "
+    "actor_ppo_max_token_len = prompt + response"
+)
+
+
+_RL_SWEEP = ((4096, 0.5), (4096, 1.0), (4096, 1.5), (2048, 1.0), (8192, 1.0))
+
+
+def _rl() -> Scenario:
+    params = {
+        "stages": _PP8,
+        "microbatches": _M32,
+        "layers": Param(64, f"{_QWEN32}: 64 layers; {_DAPO}"),
+        "hidden": Param(5120, f"{_QWEN32}: hidden size 5120"),
+        "heads": Param(40, f"{_QWEN32}: 40 attention heads (8 KV heads do not change the FLOP model)"),
+        "seq_len": Param(22528, f"{_VERL_DAPO}: a sequence is at most 2048 + 20480 tokens", "derived"),
+        "microbatch_size": Param(1, "one token-budget microbatch = one packed row", "choice"),
+        "packing": Param(
+            "greedy",
+            "unpadded sequences cut into token-budget microbatches of a variable count of sequences (verl "
+            "use_dynamic_bsz); rrfp's first-fit packer where verl partitions by Karmarkar-Karp",
+            "choice",
+        ),
+        "pack_tokens": Param(22528, f"the token budget per microbatch: {_VERL_DAPO}", "cited"),
+        "mb_order": Param("verl", _VERL_BALANCE, "cited"),
+        "lengths": Param(
+            "lognormal:mean=4096,cv=1.0,max=22528",
+            "prompt + response per rollout, long-tailed: 'the long-tail response length distribution' "
+            "(DARTS, arXiv 2605.30859) with responses cut at max_response_length; the lognormal family, "
+            "its mean and CV are not measured there",
+            "assumption",
+        ),
+        **_COMMON,
+    }
+    return Scenario(
+        "rl-rollouts",
+        "RL policy update on long-tailed rollouts (DAPO-style, Qwen2.5-32B sizes), token budget, pp 8",
+        "Rollouts (prompt + response) packed into token-budget microbatches (verl's dynamic batch size): "
+        "tokens per microbatch are bounded, the count of sequences and the attention term vary; verl's "
+        "order puts the lightest microbatches at both ends.",
+        params,
+        {
+            "lengths": tuple(f"lognormal:mean={m},cv={cv},max=22528" for m, cv in _RL_SWEEP),
+            "mb_order": ("none", "verl"),
+        },
+    )
+
+
+_SWITCH = "Switch Transformer (arXiv 2101.03961 §2.2): expert capacity = tokens / experts x capacity factor"
+_MIXTRAL = "Mixtral 8x7B (arXiv 2401.04088 §2; mistralai/Mixtral-8x7B-v0.1 config.json)"
+_MIXTRAL_ROUTING = (
+    "Mixtral's routing analysis (arXiv 2401.04088 §5): expert assignment is similar across domains but "
+    "consecutive tokens often go to the same experts, so a microbatch's load is uneven"
+)
+_V3 = "DeepSeek-V3 (arXiv 2412.19437)"
+
+
+_DOCS = "lognormal:mean=1024,cv=1.5,max=4096"
+
+
+def _moe_common(router: Param, a2a: Param) -> dict[str, Param]:
+    """The MoE scenarios' shared values: packed 4096-token rows of long-tailed documents, dropless."""
+    return {
+        "microbatch_size": Param(1, "one packed 4096-token row per microbatch", "choice"),
+        "packing": Param("greedy", "packed pre-training, as pretrain-packed", "choice"),
+        "pack_tokens": Param(4096, "a row of 4096 tokens, as pretrain-packed", "choice"),
+        "lengths": Param(
+            "lognormal:mean=1024,cv=1.5,max=4096",
+            f"document lengths, long-tailed: {_LONG_TAIL}",
+            "assumption",
+        ),
+        "router_cv": router,
+        "a2a_share": a2a,
+        "a2a_cv": Param(
+            0.2,
+            "all-to-all jitter; cross-node network slowdowns exist (WORKLOAD_FACTS §15), their size per "
+            "collective is not measured there",
+            "assumption",
+        ),
+        **_COMMON,
+    }
+
+
+def _moe_sweeps(router: tuple[float, ...], a2a: tuple[float, ...]) -> dict[str, tuple[Any, ...]]:
+    return {
+        "router_cv": router,
+        "a2a_share": a2a,
+        "a2a_cv": (0.0, 0.2, 0.5),
+        "lengths": tuple(f"lognormal:mean=1024,cv={cv},max=4096" for cv in (0.5, 1.5)),
+        "capacity_factor": (0.0, 1.25),
+    }
+
+
+def _mixtral() -> Scenario:
+    params = {
+        "stages": _PP8,
+        "microbatches": _M32,
+        "layers": Param(32, f"{_MIXTRAL}: 32 layers"),
+        "hidden": Param(4096, f"{_MIXTRAL}: hidden size 4096"),
+        "heads": Param(32, f"{_MIXTRAL}: 32 attention heads"),
+        "seq_len": Param(
+            4096, "rows of 4096 tokens (Mixtral's context is 32k; the row is a choice)", "choice"
+        ),
+        "experts": Param(8, f"{_MIXTRAL}: 8 experts per layer"),
+        "top_k": Param(2, f"{_MIXTRAL}: 2 experts per token"),
+        "expert_hidden": Param(14336, f"{_MIXTRAL}: intermediate size 14336, SwiGLU experts"),
+        "expert_parallel": Param(8, "EP 8: one expert per rank", "choice"),
+        "capacity_factor": Param(
+            0.0, f"dropless (Megatron-core's default: no capacity factor); {_SWITCH}", "choice"
+        ),
+        **_moe_common(
+            Param(0.3, f"{_MIXTRAL_ROUTING}; the CV itself is not measured there", "assumption"),
+            Param(0.3, "all-to-all per layer forward over its compute at EP 8; not measured", "assumption"),
+        ),
+    }
+    return Scenario(
+        "moe-mixtral",
+        "Mixtral-8x7B-sized MoE pre-training, top-2 of 8 experts, EP 8, pp 8",
+        "Every decoder layer routes each token to 2 of 8 experts; the busiest EP rank and the all-to-all "
+        "set each task's time, so the same tokens cost more or less per microbatch and per stage.",
+        params,
+        _moe_sweeps((0.1, 0.3, 0.6), (0.1, 0.3, 0.6)),
+    )
+
+
+def _deepseek() -> Scenario:
+    params = {
+        "stages": Param(16, f"{_V3} §3.2: 16-way pipeline parallelism"),
+        "microbatches": Param(64, "4 x pp, rrfp-sim's default ratio", "choice"),
+        "layers": Param(61, f"{_V3} §4.2: 61 layers (the first 3 dense ones are modelled as MoE)"),
+        "hidden": Param(7168, f"{_V3} §4.2: hidden size 7168"),
+        "heads": Param(128, f"{_V3} §4.2: 128 heads (MLA modelled as plain attention)"),
+        "seq_len": Param(4096, f"{_V3} §4.2: pre-training sequence length 4K"),
+        "experts": Param(256, f"{_V3} §4.2: 256 routed experts (its 1 shared expert is not modelled)"),
+        "top_k": Param(8, f"{_V3} §4.2: 8 routed experts per token"),
+        "expert_hidden": Param(2048, f"{_V3} §4.2: expert intermediate size 2048"),
+        "expert_parallel": Param(64, f"{_V3} §3.2: 64-way expert parallelism over 8 nodes"),
+        "capacity_factor": Param(0.0, f"{_V3} §2.1.2: no token dropping"),
+        **_moe_common(
+            Param(
+                0.1,
+                f"{_V3} §2.1.2: auxiliary-loss-free balancing (Wang et al., arXiv 2408.15664) keeps the load "
+                "balanced per batch; the CV per microbatch and layer is not reported",
+                "assumption",
+            ),
+            Param(
+                1.0,
+                f"{_V3} §3.2.1: cross-node expert parallelism makes the computation-to-communication ratio "
+                "about 1:1",
+                "cited",
+            ),
+        ),
+    }
+    return Scenario(
+        "moe-deepseek",
+        "DeepSeek-V3-sized MoE pre-training, top-8 of 256 experts, EP 64, pp 16",
+        "Fine-grained experts balanced without an auxiliary loss, over 64 EP ranks, with an all-to-all as "
+        "long as the compute: routing imbalance is small, the all-to-all's time and jitter are not.",
+        params,
+        _moe_sweeps((0.05, 0.1, 0.3), (0.3, 1.0)),
     )
 
 
