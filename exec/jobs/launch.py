@@ -35,6 +35,7 @@ from rrfp.exec.comm.liveness import STORE_TIMEOUT_S
 from rrfp.exec.config import ExecConfigError, RunConfig
 from rrfp.exec.faults import FAULT_EXIT, SIGINT_EXIT, SIGTERM_EXIT
 from rrfp.exec.jobs.planner import DEFAULT_PORT, Plan
+from rrfp.exec.jobs.stores import host_store, keep_sockets_local
 from rrfp.exec.results import check_failed
 from rrfp.study.result import TrialResult
 
@@ -166,6 +167,10 @@ def launch_local(cfg: RunConfig, dump_dir: str) -> int:
     _log_torch_to(Path(dump_dir) / LAUNCHER_LOG)
     store = JobStore(f"rrfp/{run_id}/", cfg.world)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # workers set their own torch threads
+    # No store of torch's agent (it would listen on every interface): the workers' process group
+    # meets in the job store (rrfp.exec.jobs.worker.group_store), and gloo/NCCL listen on loopback.
+    os.environ[NO_AGENT_STORE] = "1"
+    keep_sockets_local()
     sizes = group_sizes(cfg.world, cfg.start_method or default_start_method())
     handlers = {sig: signal.signal(sig, store.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -198,7 +203,7 @@ def _launch_one(cfg: RunConfig, dump_dir: str, store: JobStore, run_id: str) -> 
 
     from rrfp.exec.jobs.worker import worker_main
 
-    config = _launch_config(cfg, run_id)
+    config = _launch_config(cfg, run_id, endpoint=f"{store.address[0]}:{store.address[1]}")
     if config.start_method == "forkserver":
         _preload_fork_server()
     return elastic_launch(config, worker_main)(cfg, dump_dir, store.address)
@@ -219,25 +224,31 @@ about a second: see rrfp.exec.faults; a hung one is killed at once by :class:`Jo
 
 
 def _launch_config(
-    cfg: RunConfig, run_id: str, nodes: int = 1, nproc: int | None = None, endpoint: str | None = None
+    cfg: RunConfig,
+    run_id: str,
+    nodes: int = 1,
+    nproc: int | None = None,
+    endpoint: str = "",
+    grouped: bool = False,
 ) -> Any:
-    """torch's LaunchConfig for ``cfg.world`` local workers (standalone: a rendezvous of its own). SIGINT
-    and SIGTERM are this launcher's (:meth:`JobStore.on_signal`): it tells the workers why before torch's
-    agent stops them. With ``endpoint``: one of ``nodes`` launch groups of ``nproc`` workers joining the
-    rendezvous in the launcher's store (which it only uses: ``is_host`` False), SIGINT/SIGTERM the agent's."""
+    """torch's LaunchConfig for ``cfg.world`` local workers, rendezvousing in the launcher's store at
+    ``endpoint`` (which the agent only uses, ``is_host`` False: a store of torch's own would listen on
+    every interface). SIGINT and SIGTERM are this launcher's (:meth:`JobStore.on_signal`): it tells the
+    workers why before torch's agent stops them. ``grouped``: one of ``nodes`` launch groups of ``nproc``
+    workers, SIGINT/SIGTERM the agent's."""
     from torch.distributed.launcher.api import LaunchConfig
 
-    grouped = endpoint is not None
     return LaunchConfig(
         min_nodes=nodes,
         max_nodes=nodes,
         nproc_per_node=cfg.world if nproc is None else nproc,
         run_id=run_id,
         rdzv_backend="c10d",
-        rdzv_endpoint=endpoint if grouped else "localhost:0",
+        rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": False, "join_timeout": max(cfg.timeout, GROUP_JOIN_MIN_S)}
         if grouped
-        else {},
+        else {"is_host": False},
+        local_addr=LOCALHOST,
         max_restarts=0,
         monitor_interval=0.1,
         start_method=cfg.start_method or default_start_method(),
@@ -458,7 +469,7 @@ def _group_main(
     _log_torch_to(Path(dump_dir) / f"launcher-group{group}.log")
     _preload_fork_server()
     host, port, _ = address
-    config = _launch_config(cfg, run_id, len(sizes), sizes[group], f"{host}:{port}")
+    config = _launch_config(cfg, run_id, len(sizes), sizes[group], f"{host}:{port}", grouped=True)
     try:
         out: tuple[str, Any] = ("ok", elastic_launch(config, worker_main)(cfg, dump_dir, address))
     except ChildFailedError as e:
@@ -562,8 +573,7 @@ class JobStore:
     def __init__(self, prefix: str, world: int) -> None:
         import torch.distributed as dist
 
-        wait = timedelta(seconds=STORE_TIMEOUT_S)
-        self._server = dist.TCPStore(LOCALHOST, 0, is_master=True, wait_for_workers=False, timeout=wait)
+        self._server = host_store(LOCALHOST, 0, STORE_TIMEOUT_S)  # on loopback only
         self.store = dist.PrefixStore(prefix, self._server)
         self.world = world
         self.address = (LOCALHOST, self._server.port, prefix)
@@ -682,6 +692,9 @@ def kill_rank(rank: int, where: str) -> bool:
 
 
 LOCALHOST = "127.0.0.1"
+NO_AGENT_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Set, torch's agent hosts no store of its own for its workers (torch.distributed.elastic's
+dynamic_rendezvous)."""
 HUNG_POLL_S = 0.25
 FAULT_GRACE_S = 3.0
 """After a rank's fault, how long the others get to leave on their own (a dump and one line: about a

@@ -34,6 +34,7 @@ from rrfp.exec.comm.topology import CTRL_MIN_TIMEOUT_S, Topology, build_groups, 
 from rrfp.exec.comm.topology import topology_from_env as _topology_from_env
 from rrfp.exec.comm.transport import Transport
 from rrfp.exec.config import RunConfig, clocked_policy, switch_interval
+from rrfp.exec.jobs import stores
 from rrfp.exec.jobs.trials import RrfpTrial, TrialContext, TrialOutcome
 from rrfp.exec.loop.decision_log import write_decision_log
 from rrfp.exec.loop.runtime import RankContext
@@ -86,7 +87,12 @@ class Worker:
         if store is not None:  # the launcher's store is up before any worker: beat from the start
             self.live = self._liveness(store)
         with liveness.waiting("every rank to join the job", setup=True):
-            dist.init_process_group(self.backend, timeout=wait, device_id=device_id)
+            pg_store = group_store(store, self.topo.rank, cfg.timeout, wait.total_seconds())
+            if pg_store is None:  # torchrun's agent hosts the store: torch's env:// finds it
+                dist.init_process_group(self.backend, timeout=wait, device_id=device_id)
+            else:
+                dist.init_process_group(self.backend, timeout=wait, device_id=device_id, store=pg_store,
+                                        rank=self.topo.rank, world_size=self.topo.world)  # fmt: skip
         if store is None:  # torchrun's store: there for sure once the group is
             self.live = self._liveness(_torchrun_store())
         with liveness.waiting("every rank to set up its process groups", setup=True):
@@ -265,6 +271,35 @@ JobStore = tuple[str, int, str]
 """(host, port, key prefix) of the store heartbeats and fault records go to (rrfp.exec.comm.liveness)."""
 Gathered = tuple[TrialId, list[float], list[float], list[TrialOutcome]]
 """One trial on rank 0: (trial, slowest rank's time per iteration, loss per iteration, every outcome)."""
+
+
+def group_store(store: JobStore | None, rank: int, timeout_s: float, setup_s: float) -> Any:
+    """The store the default process group meets in (None: torch's env:// finds torchrun's agent's).
+
+    Started by rrfp-run on one host (``store`` given): the launcher's job store, which listens on
+    loopback only. Under srun (no torchrun agent): rank 0 hosts it at MASTER_ADDR:MASTER_PORT --
+    listening on that loopback address when MASTER_ADDR is one, else on every interface as torch
+    does (a job across hosts) -- and the others join it with a bounded handshake
+    (rrfp.exec.jobs.stores: a port held by another program is one line, not a silent wait)."""
+    if store is not None:
+        host, port, prefix = store
+        return dist.PrefixStore(f"{prefix}pg/", dist.TCPStore(host, port, is_master=False,
+                                wait_for_workers=False, timeout=timedelta(seconds=setup_s)))  # fmt: skip
+    if "TORCHELASTIC_USE_AGENT_STORE" in os.environ:  # torchrun: its agent (or its rank 0) hosts it
+        return None
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    if rank == 0:
+        if stores.is_loopback(host):
+            server = stores.host_store(host, port, setup_s)
+        else:
+            server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                                   timeout=timedelta(seconds=setup_s))  # fmt: skip
+        server.set(stores.JOB_KEY, job)
+    else:
+        handshake = min(timeout_s, stores.HANDSHAKE_S)
+        server = stores.join_store(host, port, setup_s, setup_s, job, handshake)
+    return dist.PrefixStore("default_pg", server)
 
 
 def _torchrun_store() -> JobStore:
