@@ -27,9 +27,10 @@ megatron``:
 (rrfp or backfill on 1f1b, bf or bfw, under the drawn or verl's order) against the best practitioners'
 baseline -- the fastest fixed order (1f1b, zb-h1 or zb-h2) under the drawn order (packed, where the
 scenario packs) or under verl's order (``--mb-order verl``: by the sum of squared lengths, the lightest
-at both ends) -- all at one 80 GiB device (equal memory: a fixed order counts only if its byte peak fits the device on every
-rank), eager sends, paired per seed (both runs draw the same samples; verl only renumbers them). The
-readiness trial is the best of twelve, so its interval is optimistic; the baseline is the best of six.
+at both ends) -- all at one 80 GiB device (equal memory: a fixed order counts only if its byte peak
+fits the device on every rank), eager sends, paired per seed (both runs draw the same samples; verl
+only renumbers them). The readiness trial is the best of twelve, so its interval is optimistic; the
+baseline is the best of six.
 
     .venv/bin/python benchmarks/claims_study.py --practice --seeds 10
 
