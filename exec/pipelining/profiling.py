@@ -11,8 +11,9 @@ train (a collective, like a training step)::
 It runs the library's own runtime (:class:`~rrfp.exec.pipelining.schedule.ScheduleReadiness`, public
 keywords only) for a few steps under three settings -- a fixed unsplit order (1f1b; interleaved-1f1b at
 v > 1), a fixed split order (zb-h1; torch's InterleavedZeroBubble at v > 1 in loop placement; zbv in v
-placement, where B is measured as I + W) and a clocked policy (backfill on the unsplit order) -- each
-step's first ``warmup`` dropped (the split check and backfill's calibration run there), and records from
+placement, where B is measured as I + W) and a clocked policy (backfill on the unsplit order) -- their
+steps interleaved round by round on the same stages (so each setting sees the same machine load), the
+first ``warmup`` rounds dropped (the split check and backfill's calibration run there), and records from
 the schedules' traces and cost meters:
 
 * per stage F and B, I and W where the split works (else that it cannot, and why: the schedule's split
@@ -105,16 +106,10 @@ def profile(
         placement = _placement(stage_list, pipe.pp)
         v = stage_list[0].num_stages // pipe.pp
         mbs = (arg_mbs, target_mbs, kwarg_mbs)
-        found: dict[str, dict[str, Any]] = {}
         with _kept_grads(stage_list):
             todo = settings(v, placement)
-            for k, s in enumerate(todo):
-                if progress and pipe.pp_rank == 0:
-                    print(f"\rrrfp.exec.profile: {s.policy}/{s.hint} ({k + 1}/{len(todo)}) ...", end="",
-                          file=sys.stderr, flush=True)  # fmt: skip
-                found[s.label] = _measure(
-                    pipe, stage_list, s, mbs, loss_fn, (len(tokens), steps, warmup), k == 0
-                )
+            show = progress and pipe.pp_rank == 0
+            found = _measure(pipe, stage_list, todo, mbs, loss_fn, (len(tokens), steps, warmup), show)
         prof = None
         if pipe.pp_rank == 0:
             prof = _build(found, pipe.pp, v, placement, tokens, warmup)
@@ -160,51 +155,75 @@ def _kept_grads(stages: list[Any]) -> Iterator[None]:
 
 
 def _measure(
-    pipe: ReadinessPipeline, stages: list[Any], s: _Setting, mbs: tuple[Any, Any, Any], loss_fn: Any,
-    counts: tuple[int, int, int], activations: bool,
-) -> dict[str, Any]:  # fmt: skip
-    """Run one setting for ``warmup + steps`` steps of ``n`` microbatches (``counts``); this rank's
-    meter, split check, step times and (``activations``: in the warm-up) forward bytes, with the merged
-    trace frame on the first rank."""
-    arg_mbs, target_mbs, kwarg_mbs = mbs
+    pipe: ReadinessPipeline, stages: list[Any], todo: list[_Setting], mbs: tuple[Any, Any, Any],
+    loss_fn: Any, counts: tuple[int, int, int], progress: bool,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """Every setting's schedule on the same stages, their steps interleaved round by round (so each
+    sees the same load): ``warmup + steps`` rounds of ``n`` microbatches (``counts``). Per setting,
+    every rank's meter, split check, step times and (the first setting, first round) forward bytes,
+    with the merged trace frame on the first rank."""
     n, steps, warmup = counts
     tmp = tempfile.mkdtemp(prefix="rrfp-profile-") if pipe.pp_rank == 0 else None
-    path = os.path.join(tmp, "trace.parquet") if tmp else "unused.parquet"
-    sched = ScheduleReadiness(stages, n, loss_fn, hint=s.hint, policy=s.policy, pipeline=pipe, trace_out=path,
-                              timeout=pipe.timeout)  # fmt: skip
-    walls, loops, act = [], [], {}
+    paths = [os.path.join(tmp, f"{s.label}.parquet") if tmp else "unused.parquet" for s in todo]
+    scheds: list[ScheduleReadiness] = []
+    runs = [_Steps() for _ in todo]
     try:
+        for s, path in zip(todo, paths, strict=True):
+            scheds.append(ScheduleReadiness(stages, n, loss_fn, hint=s.hint, policy=s.policy, pipeline=pipe,
+                                            trace_out=path, timeout=pipe.timeout))  # fmt: skip
+        names = ", ".join(f"{s.policy}/{s.hint}" for s in todo)
         for k in range(warmup + steps):
-            if k == warmup:  # measured steps only: the meter's sums start here
-                sched.runtime.meter = CostMeter()
-            counting = _ForwardBytes(stages) if activations and k == 0 else contextlib.nullcontext()
-            t0 = time.monotonic()
-            with counting:
-                sched.step_microbatches(
-                    arg_mbs, target_mbs, losses=[], kwarg_mbs=kwarg_mbs, return_outputs=False
-                )
-            walls.append(time.monotonic() - t0)
-            loops.append(sched.runtime.stats.loop)  # the dispatch loop's share of this step
-            if isinstance(counting, _ForwardBytes):
-                act = counting.mean()
-        mine = {"meter": sched.runtime.meter.plain(), "split": dict(sched.compute.split),
-                "notes": sched.split_notes, "walls": walls[warmup:], "act": act,
-                "outside": [w - x for w, x in zip(walls[warmup:], loops[warmup:], strict=True)]}  # fmt: skip
+            if progress:
+                print(f"\rrrfp.exec.profile: round {k + 1}/{warmup + steps} of {names} ...", end="",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            for j, sched in enumerate(scheds):
+                runs[j].step(sched, mbs, k, warmup, stages if j == 0 and k == 0 else None)
+        mine = [r.found(sched, warmup) for r, sched in zip(runs, scheds, strict=True)]
     finally:
-        sched.close()  # collective: writes the trace on the first rank
+        for sched in scheds:  # collective, in the same order on every rank: each writes its trace
+            sched.close()
     gathered: list[Any] = [None] * pipe.pp
     dist.all_gather_object(gathered, mine, group=pipe.ctrl)
-    if tmp is None:
-        return {"ranks": gathered}
-    from rrfp.traces.trace import read_trace
+    out = {s.label: {"ranks": [g[j] for g in gathered], "setting": s} for j, s in enumerate(todo)}
+    if tmp is not None:
+        from rrfp.traces.trace import read_trace
 
-    try:
-        frame = read_trace(path)
-    finally:
-        with contextlib.suppress(OSError):
+        for s, path in zip(todo, paths, strict=True):
+            out[s.label]["frame"] = read_trace(path)
             os.unlink(path)
-            os.rmdir(tmp)
-    return {"ranks": gathered, "frame": frame, "setting": s}
+        os.rmdir(tmp)
+    return out
+
+
+class _Steps:
+    """One setting's step times on this rank: the step's wall time and its dispatch loop's share."""
+
+    def __init__(self) -> None:
+        self.walls: list[float] = []
+        self.loops: list[float] = []
+        self.act: dict[int, float] = {}
+
+    def step(self, sched: ScheduleReadiness, mbs: tuple[Any, Any, Any], k: int, warmup: int,
+             count_bytes: list[Any] | None) -> None:  # fmt: skip
+        """Step ``k``; the meter's sums start at the first measured step; ``count_bytes``: the stages
+        whose forwards' saved bytes to count (a warm-up step: the hooks cost time)."""
+        arg_mbs, target_mbs, kwarg_mbs = mbs
+        if k == warmup:
+            sched.runtime.meter = CostMeter()
+        counting = _ForwardBytes(count_bytes) if count_bytes else contextlib.nullcontext()
+        t0 = time.monotonic()
+        with counting:
+            sched.step_microbatches(arg_mbs, target_mbs, losses=[], kwarg_mbs=kwarg_mbs, return_outputs=False)
+        self.walls.append(time.monotonic() - t0)
+        self.loops.append(sched.runtime.stats.loop)
+        if isinstance(counting, _ForwardBytes):
+            self.act = counting.mean()
+
+    def found(self, sched: ScheduleReadiness, warmup: int) -> dict[str, Any]:
+        walls, loops = self.walls[warmup:], self.loops[warmup:]
+        return {"meter": sched.runtime.meter.plain(), "split": dict(sched.compute.split),
+                "notes": sched.split_notes, "walls": walls, "act": self.act,
+                "outside": [w - x for w, x in zip(walls, loops, strict=True)]}  # fmt: skip
 
 
 class _ForwardBytes:

@@ -1,0 +1,227 @@
+"""Does advise's ranking hold on this machine? Profile, advise on the profile, run what it advises.
+
+    .venv/bin/python benchmarks/advise_fidelity.py                       # 2 gloo ranks, about a minute
+    .venv/bin/python benchmarks/advise_fidelity.py --rounds 8 --width 512 --out results/advise_fidelity
+
+One launch of 2 gloo ranks (torch.multiprocessing, 127.0.0.1) on examples/train_mlp.py's residual MLP
+blocks (``--blocks`` in all, split into 2 stages at v = 1 or 4 at v = 2):
+
+1. ``rrfp.exec.profile`` on the v = 1 stages with the microbatches it will train -> ``OUT/profile.parquet``;
+2. rank 0 runs ``rrfp-sim advise --profile OUT/profile.parquet -m M`` in process, and the same on the
+   profile's stage costs alone (``OUT/costs-only.parquet``: no runtime overhead, free messages, I = W =
+   B/2 -- what advise assumed before profiles), and takes the profile's top ``--top`` candidates, the
+   fixed order it answers with if any, the costs-only advice's top one and fixed/1f1b, each predicted
+   by ``rrfp-sim --profile`` on both files (its ``--seeds``);
+3. every rank builds each trial's ``ScheduleReadiness`` (its v's stages over the same blocks) and trains
+   ``--rounds`` rounds, every trial one step a round (interleaved, so each sees the same load), timing
+   each step on every rank (the slowest rank's, the first round dropped).
+
+Prints, per trial, the predicted step time on the profile and on its costs alone against the measured
+one (ratio = predicted / measured), the measured order, what advise says to run, and the load average
+before and after (quote it: the timings are this machine's, under whatever else runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(ROOT / "results" / "advise_fidelity"))
+    p.add_argument("--microbatches", "-m", type=int, default=8)
+    p.add_argument("--batch", type=int, default=128, help="rows per step (split into the microbatches)")
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--blocks", type=int, default=4, help="MLP blocks in the whole model (a multiple of 4)")
+    p.add_argument("--rounds", type=int, default=6)
+    p.add_argument("--top", type=int, default=3)
+    p.add_argument("--seeds", type=int, default=3, help="advise's --seeds")
+    return p.parse_args()
+
+
+def stages_for(blocks: list[Any], v: int, placement: str, rank: int) -> list[Any]:
+    """This rank's PipelineStages over ``blocks`` at ``v`` (2 ranks): loop (r, r + 2) or V (r, 3 - r)."""
+    import torch
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage
+
+    n = 2 * v
+    per = len(blocks) // n
+    idx = [rank] if v == 1 else ([rank, 3 - rank] if placement == "v" else [rank, rank + 2])
+    return [
+        PipelineStage(nn.Sequential(*blocks[i * per : (i + 1) * per]), i, n, torch.device("cpu")) for i in idx
+    ]
+
+
+def _cli(args: list[str]) -> dict[str, Any]:
+    """rrfp-sim's JSON for ``args``, run in this process."""
+    import contextlib
+    import io
+
+    from rrfp.sim.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+        main(args)
+    return json.loads(buf.getvalue())
+
+
+def advise_rows(profile: str, a: argparse.Namespace) -> dict[str, Any]:
+    """rrfp-sim advise's JSON on ``profile``."""
+    return _cli(
+        ["advise", "--profile", profile, "-m", str(a.microbatches), "--seeds", str(a.seeds), "--json"]
+    )
+
+
+def predict(profile: str, trial: dict[str, Any], a: argparse.Namespace) -> float:
+    """The simulator's mean step time (s) of one trial on ``profile`` (rrfp-sim run, its seeds)."""
+    args = trial["args"]
+    doc = _cli(["--profile", profile, "-m", str(a.microbatches), "--seeds", str(a.seeds), "-v", str(trial["v"]),
+                "--hint", args["hint"], "--policy", args["policy"], "--memory-budget", args["memory_budget"],
+                "--json"])  # fmt: skip
+    label = trial["trial"].split("@")[0]
+    row = next(r for r in doc["results"] if r["trial"] == label or r["trial"].startswith(label + "@"))
+    return row["iteration_time"]["mean"]
+
+
+def costs_only(out: Path) -> str:
+    """The profile's stage costs alone -- no runtime overhead, free messages, I = W = B/2: what advise
+    assumed before profiles (``--workload fit:`` of a trace) -- as a profile file beside it."""
+    import dataclasses
+    import math
+
+    from rrfp.traces.profile import read_profile, write_profile
+
+    prof = read_profile(out / "profile.parquet")
+    ops = {k: c for k, c in prof.ops.items() if k[1] in ("F", "B")}
+    bare = dataclasses.replace(prof, ops=ops, overhead=dict.fromkeys(prof.overhead, 0.0), latency=0.0,
+                               bandwidth=math.inf)  # fmt: skip
+    write_profile(bare, out / "costs-only.parquet")
+    return str(out / "costs-only.parquet")
+
+
+def plan_trials(a: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    """Rank 0: advise on the profile and on its costs alone; the trials to run -- the profile's top
+    ``--top``, its fixed answer if any, the costs-only advice's top one, fixed/1f1b -- each predicted on
+    both."""
+    profile, bare = str(out / "profile.parquet"), costs_only(out)
+    with_p, old = advise_rows(profile, a), advise_rows(bare, a)
+    picked = [*with_p["candidates"][: a.top], old["candidates"][0]]
+    if with_p["fixed_answer"] is not None:
+        ans = with_p["fixed_answer"]
+        picked.insert(0, {"trial": ans["trial"], "virtual_stages": 1, "schedule_readiness": ans["schedule_readiness"],
+                          "stages": "one PipelineStage a rank"})  # fmt: skip
+    fixed = {"hint": "1f1b", "policy": "fixed", "memory_budget": "1x"}
+    picked.append({"trial": "fixed/1f1b", "virtual_stages": 1, "schedule_readiness": fixed, "stages": "one"})
+    trials: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in picked:
+        t = {
+            "trial": r["trial"],
+            "v": r["virtual_stages"],
+            "args": r["schedule_readiness"],
+            "stages": r["stages"],
+        }
+        trials.setdefault((t["trial"], t["v"]), t)
+    for t in trials.values():
+        t.update(
+            predicted=predict(profile, t, a), old=predict(bare, t, a), fixed_answer=with_p["fixed_answer"]
+        )
+    return list(trials.values())
+
+
+def rank_main(rank: int, port: int, a: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from train_mlp import make_blocks
+
+    from rrfp.exec import ScheduleReadiness, profile
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    out = Path(a.out)
+    blocks = make_blocks(a.width, a.blocks, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    rows = a.batch // a.microbatches
+    xs = [torch.randn(rows, a.width, generator=gen) for _ in range(a.microbatches)]
+    ys = [torch.randn(rows, a.width, generator=gen) for _ in range(a.microbatches)]
+    loss = nn.MSELoss()
+    first, last = rank == 0, rank == 1
+    profile(stages_for(blocks, 1, "loop", rank), xs if first else None, ys if last else None, loss_fn=loss,
+            out=str(out / "profile.parquet"))  # fmt: skip
+    box: list[Any] = [plan_trials(a, out) if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    trials = box[0]
+    scheds = []
+    for t in trials:
+        placement = "v" if "V placement" in t["stages"] else "loop"
+        st = stages_for(blocks, t["v"], placement, rank)
+        first_r = any(s.is_first for s in st)
+        last_r = any(s.is_last for s in st)
+        scheds.append((ScheduleReadiness(st, a.microbatches, loss, **t["args"]), first_r, last_r))
+    times: list[list[float]] = [[] for _ in trials]
+    for _ in range(a.rounds):
+        for k, (sched, f, lst) in enumerate(scheds):
+            dist.barrier()
+            t0 = time.monotonic()
+            sched.step_microbatches(xs if f else None, ys if lst else None, losses=[], return_outputs=False)
+            times[k].append(time.monotonic() - t0)
+    for sched, _, _ in scheds:
+        sched.close()
+    gathered: list[Any] = [None, None]
+    dist.all_gather_object(gathered, times)
+    if rank == 0:
+        for k, t in enumerate(trials):
+            per_step = [max(a_, b_) for a_, b_ in zip(gathered[0][k], gathered[1][k], strict=True)][1:]
+            t["measured"] = statistics.mean(per_step)
+        (out / "trials.json").write_text(json.dumps(trials, indent=1))
+    dist.barrier()
+    os._exit(0)  # as the test workers: no teardown of groups that closed pipelines' threads may block
+
+
+def report(out: Path, load: tuple[float, ...]) -> None:
+    trials = json.loads((out / "trials.json").read_text())
+    print(f"{'trial':<22} {'v':>2} {'measured ms':>12} {'profile ms':>11} {'ratio':>6} {'costs-only ms':>14} "
+          f"{'ratio':>6}")  # fmt: skip
+    for t in trials:
+        old = f"{1e3 * t['old']:>14.2f} {t['old'] / t['measured']:>6.2f}"
+        print(f"{t['trial']:<22} {t['v']:>2} {1e3 * t['measured']:>12.2f} {1e3 * t['predicted']:>11.2f} "
+              f"{t['predicted'] / t['measured']:>6.2f} {old}")  # fmt: skip
+    name = [t["trial"] + f" v={t['v']}" for t in trials]
+    by_pred = [name[i] for i in sorted(range(len(trials)), key=lambda i: trials[i]["predicted"])]
+    by_meas = [name[i] for i in sorted(range(len(trials)), key=lambda i: trials[i]["measured"])]
+    print(f"fastest predicted (profile): {by_pred[0]}; fastest measured: {by_meas[0]}")
+    print(f"measured order: {', '.join(by_meas)}")
+    ans = trials[0]["fixed_answer"]
+    print(f"advise on the profile says: {'run ' + ans['trial'] if ans else 'run ' + name[0]}")
+    print(f"load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f} (1 min)")
+
+
+def main() -> None:
+    import torch.multiprocessing as mp
+
+    a = parse()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(rank_main, args=(port, a), nprocs=2, start_method="spawn")
+    report(out, load)
+
+
+if __name__ == "__main__":
+    main()
