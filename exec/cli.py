@@ -26,10 +26,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import signal
 import sys
 from collections.abc import Collection
 from typing import Any
+
+if os.path.basename(sys.argv[0]) == "rrfp-run":  # the console script: one line on a stop signal from
+    from rrfp.exec.faults import stop_at_start  # its first import on (torch's take seconds)
+
+    stop_at_start()
 
 import click
 from click.core import ParameterSource
@@ -43,6 +49,7 @@ from rrfp.exec.config import (
     check_options_used,
     parse_trial,
 )
+from rrfp.exec.faults import made_for_run
 from rrfp.exec.jobs.launch import (
     adopt_slurm,
     env_world_size,
@@ -51,11 +58,13 @@ from rrfp.exec.jobs.launch import (
     launch_local,
     too_many_ranks,
 )
+from rrfp.exec.jobs.plan_search import Layout, Simulate, Simulated, TaskCosts, TrialTime
 from rrfp.exec.jobs.planner import (
     DEFAULT_DEVICE_TFLOPS,
     DEFAULT_MAX_LOCAL_RANKS,
     DRY_RUN_SCHEMA,
     Plan,
+    apply_preset,
     check_plan_options,
     default_gpus_per_node,
     dry_run_text,
@@ -64,7 +73,9 @@ from rrfp.exec.jobs.planner import (
     estimate_warning,
     local_devices,
     plan_run,
+    search_estimate,
 )
+from rrfp.exec.jobs.presets import DEFAULT_INTER_NODE_GBS, DEFAULT_INTRA_NODE_GBS, PRESETS
 from rrfp.exec.models.tokens import DEFAULT_SEQ_LEN, longest_microbatch, run_lengths, run_workload
 from rrfp.exec.preflight import check_outputs, preflight
 from rrfp.study.options import (
@@ -165,7 +176,38 @@ def _plan(o: dict[str, Any], world: int, tokens: TokenWorkload | None, given: Co
     elif per_node is None:
         cap = world if o["synthetic"] else o.get("max_local_ranks", DEFAULT_MAX_LOCAL_RANKS)
         per_node = default_gpus_per_node(world, local_devices(o["backend"]), cap)
-    return plan_run(o, given, world, tokens, per_node)
+    simulate = None if in_launcher_env() else _simulator(o)  # joined: the launch line pinned the layout
+    return plan_run(o, given, world, tokens, per_node, simulate)
+
+
+def _simulator(o: dict[str, Any]) -> Simulate:
+    """rrfp-sim as the layout search's simulator (loaded lazily: the one place rrfp-run may, docs/design.md
+    §2): the run's Study at a layout, one iteration, on the layout's uniform task costs in seconds, with
+    rrfp-sim's jitter options (their defaults here: a real run without --inject-ms has none of its own)."""
+    base, jitter = Study.from_options(o), o["jitter"]
+
+    def simulate(lay: Layout, c: TaskCosts, seeds: int) -> Simulated:
+        from rrfp.sim.config import ClusterConfig, ExperimentConfig
+        from rrfp.sim.experiment import run_experiment
+        from rrfp.workload.model import WorkloadConfig
+
+        study = dataclasses.replace(base, pp=lay.pp, microbatches=lay.m, iterations=1, warmup=0)
+        workload = WorkloadConfig(costs={"F": c.forward, "B": c.backward}, jitter=jitter,
+                                  cv=o["cv"] if jitter != "none" else 0.0, imbalance=c.imbalance,
+                                  act_bytes=c.act_bytes, msg_bytes=c.msg_bytes)  # fmt: skip
+        # one simulated bandwidth (the pipeline's): the gradient bytes are scaled so that the DP ring
+        # takes what they take over their own link
+        cluster = ClusterConfig(tp=lay.tp, dp=lay.dp, comm_latency=c.latency, bandwidth=c.p2p_bw,
+                                grad_bytes=c.grad_bytes * c.p2p_bw / c.dp_bw)  # fmt: skip
+        exp = ExperimentConfig(study=study, seeds=seeds, workload=workload, cluster=cluster)
+        result = run_experiment(exp, progress=False)
+        trials = tuple(TrialTime(label=s.key.label, seconds=tuple(float(t) for t in s.iteration_time),
+                                 bubble=float(sum(b.mean() for b in s.bubble) / len(s.bubble)))
+                       for s in result.stats)  # fmt: skip
+        return Simulated(trials=trials, speedups=tuple((p.key.label, p.baseline.label, float(p.mean))
+                                                       for p in result.speedups))  # fmt: skip
+
+    return simulate
 
 
 def _backend(o: dict[str, Any], world: int) -> str:
@@ -241,12 +283,32 @@ _O = click.option
     type=float,
     default=DEFAULT_DEVICE_TFLOPS,
     show_default=True,
-    help="--dry-run: dense TFLOP/s per device for the estimate (400: an H100-class bf16 figure).",
+    help="Achievable dense bf16 TFLOP/s per device, for --dry-run's estimate and the layout search across "
+    "nodes (400: an H100 SXM at ~40% of its 989 peak; an A100's is ~150 of 312).",
+)
+@_O(
+    "--intra-node-bw",
+    type=float,
+    default=DEFAULT_INTRA_NODE_GBS,
+    show_default=True,
+    help="GB/s one device sends within its node, for the layout search (H100 NVLink 4).",
+)
+@_O(
+    "--inter-node-bw",
+    type=float,
+    default=DEFAULT_INTER_NODE_GBS,
+    show_default=True,
+    help="GB/s one device sends across nodes, for the layout search (one 400 Gb/s NIC per GPU).",
 )
 @with_options(click_options(PROG, SHARED_NAMES))
 @_O("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
 @_O("--dp", type=int, default=1, show_default=True, help="Data-parallel degree.")
-@_O("--model", default="gpt", show_default=True, help="gpt or multimodal.")
+@_O(
+    "--model",
+    default="gpt",
+    show_default=True,
+    help=f"gpt, multimodal, or a preset's sizes: {', '.join(PRESETS)} (Llama 3; docs/usage.md).",
+)
 @_O("--vocab", type=int, default=128, show_default=True, help="Vocabulary size.")
 @_O("--max-images", type=int, default=4, show_default=True, help="multimodal: most images per microbatch.")
 @_O("--trials", default=None, help="Comma list of exact trials, e.g. fixed/1f1b,rrfp/1f1b@2x,torch:1F1B.")
@@ -299,18 +361,24 @@ def main(**options: Any) -> None:
     """
     ctx = click.get_current_context()
     given = _given(ctx, options)
+    if options["dry_run"] and options.get("progress") is False:
+        given.discard("progress")  # --no-progress asks for no bar, and a dry run shows none: no conflict
     options["command"] = command_line(ctx, PROG)
     try:
         adopt_slurm()  # under srun: SLURM's variables become torch's, and this task joins
         # (exec/jobs/launch.py)
         check_plan_options(options, given, joined=in_launcher_env())
+        options = apply_preset(options, given)  # --model llama3-70b: its sizes, where not given
         cfg, plan = plan_config(options, given)
         preflight(cfg)
+        argv = ctx.meta.get(ARGV_KEY, sys.argv[1:])
         if options["dry_run"]:  # no worker, no process group, no CUDA: the plan and an estimate
-            sys.exit(_dry_run(cfg, plan, options["device_tflops"]))
+            sys.exit(_dry_run(cfg, plan, options["device_tflops"], argv))
         if not in_launcher_env():
-            _fits_this_host(cfg, plan, ctx.meta.get(ARGV_KEY, sys.argv[1:]), options["max_local_ranks"])
+            _fits_this_host(cfg, plan, argv, options["max_local_ranks"])
         dump_dir = check_outputs(cfg, joined=in_launcher_env())
+        if cfg.dump_dir is None and not in_launcher_env():
+            made_for_run(dump_dir)
     except UserError as e:  # anything else is a bug: click shows its traceback, exit 1
         raise _Fail(str(e)) from e
     except KeyboardInterrupt:  # Ctrl-C while checking a large pipeline: one line, like later on
@@ -331,13 +399,44 @@ def _fits_this_host(cfg: RunConfig, plan: Plan, argv: list[str], max_local_ranks
         raise ExecConfigError(too_many_ranks(plan, argv, here))
 
 
-def _dry_run(cfg: RunConfig, plan: Plan, tflops: float) -> int:
-    """Print the plan and an estimate of the iteration time of each rrfp trial (rrfp-sim, loaded here
-    only: the one place rrfp-run may import the simulator, docs/design.md §2), simulated on the run's
-    own Study (its rrfp trials' hints and budgets, fixed for the speedups, one iteration); returns the
-    exit code."""
+def _dry_run(cfg: RunConfig, plan: Plan, tflops: float, argv: list[str]) -> int:
+    """Print the plan, an estimate of the iteration time of each rrfp trial and, for a job of several
+    nodes, the launch lines the run without --dry-run prints; returns the exit code. A searched plan's
+    estimate is the search's simulation of its layout; else :func:`_estimate` simulates one."""
     import json
 
+    searched = plan.search if plan.search is not None and plan.search.chosen.sim is not None else None
+    report = {
+        "dry_run_schema": DRY_RUN_SCHEMA, "config": config_head(cfg.command), "plan": plan.as_dict(),
+        "schedule": {"hints": list(cfg.study.hints), "policies": list(cfg.study.policies),
+                     "trials": [t.label for t in cfg.trials], "virtual_stages": cfg.study.virtual_stages,
+                     "microbatches": cfg.study.microbatches},
+        "estimate": search_estimate(searched) if searched is not None else _estimate(cfg, tflops),
+    }  # fmt: skip
+    if plan.nodes > 1 and (launch := _launch_lines(plan, argv)) is not None:
+        report["launch"] = launch
+    click.echo(json.dumps(report, indent=1) if cfg.json else dry_run_text(report, searched))
+    jitter = "lognormal" if searched is not None else cfg.jitter  # the search samples rrfp-sim's jitter
+    if (warning := estimate_warning(report, jitter)) is not None:  # "1.00x fixed" for every trial
+        click.echo(warning, err=True)
+    return 0
+
+
+_LAUNCH = re.compile(r"with: (torchrun .*) \(HOST: the first node's address\); or under SLURM: (srun .*)$")
+
+
+def _launch_lines(plan: Plan, argv: list[str]) -> dict[str, str] | None:
+    """The torchrun and srun lines of :func:`too_many_ranks` -- the one line rrfp-run without --dry-run
+    prints for a job this host cannot start -- taken from it, so that both print the same commands;
+    None when the ranks are not whole nodes (that line then says so instead)."""
+    found = _LAUNCH.search(too_many_ranks(plan, argv, "this host"))
+    return None if found is None else {"torchrun": found.group(1), "srun": found.group(2)}
+
+
+def _estimate(cfg: RunConfig, tflops: float) -> dict[str, Any]:
+    """The estimate of the iteration time of each rrfp trial (rrfp-sim, loaded here only: the one place
+    rrfp-run may import the simulator, docs/design.md §2), simulated on the run's own Study (its rrfp
+    trials' hints and budgets, fixed for the speedups, one iteration)."""
     from rrfp.sim.config import ClusterConfig, ExperimentConfig
     from rrfp.sim.experiment import run_experiment
 
@@ -349,24 +448,14 @@ def _dry_run(cfg: RunConfig, plan: Plan, tflops: float) -> int:
     exp = ExperimentConfig(study=study, seeds=1, workload=workload, cluster=cluster)
     result = run_experiment(exp, progress=False)
     rows = [s for s in result.stats if s.key.label in wanted or s.key.policy == "fixed"]
-    report = {
-        "dry_run_schema": DRY_RUN_SCHEMA, "config": config_head(cfg.command), "plan": plan.as_dict(),
-        "schedule": {"hints": list(cfg.study.hints), "policies": list(cfg.study.policies),
-                     "trials": [t.label for t in cfg.trials], "virtual_stages": cfg.study.virtual_stages,
-                     "microbatches": cfg.study.microbatches},
-        "estimate": {
-            "kind": "estimate", "basis": basis, "device_tflops": None if cfg.synthetic else float(tflops),
-            "seconds_per_unit": float(unit), "iterations": 1,
-            "results": [{"trial": s.key.label, "iteration_seconds": float(s.iteration_time[0] * unit)}
-                        for s in rows],
-            "speedups": [{"trial": p.key.label, "baseline": p.baseline.label, "speedup": float(p.mean)}
-                         for p in result.speedups if p.key.label in wanted],
-        },
+    return {
+        "kind": "estimate", "basis": basis, "device_tflops": None if cfg.synthetic else float(tflops),
+        "seconds_per_unit": float(unit), "iterations": 1,
+        "results": [{"trial": s.key.label, "iteration_seconds": float(s.iteration_time[0] * unit)}
+                    for s in rows],
+        "speedups": [{"trial": p.key.label, "baseline": p.baseline.label, "speedup": float(p.mean)}
+                     for p in result.speedups if p.key.label in wanted],
     }  # fmt: skip
-    click.echo(json.dumps(report, indent=1) if cfg.json else dry_run_text(report))
-    if (warning := estimate_warning(report, cfg.jitter)) is not None:  # "1.00x fixed" for every trial
-        click.echo(warning, err=True)
-    return 0
 
 
 def _given(ctx: click.Context, options: dict[str, Any]) -> set[str]:

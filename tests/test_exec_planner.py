@@ -123,8 +123,12 @@ def test_cli_plans_what_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     opts = dict(main.make_context("rrfp-run", []).params)
     cfg, p = plan_config({**opts, "gpus": 16, "backend": "gloo"})
     assert (cfg.study.pp, cfg.model.layers, cfg.study.microbatches, p.layers_raised) == (16, 16, 64, True)
+    # across nodes the layout is searched (tests/test_cluster_planner.py), not the largest pp
     cfg, p = plan_config({**opts, "gpus": 64, "gpus_per_node": 8, "layers": 16}, given={"layers"})
-    assert (cfg.study.pp, cfg.tp, cfg.dp, cfg.model.layers, p.nodes) == (16, 1, 4, 16, 8)
+    assert p.search is not None and p.search.chosen.sim is not None
+    chosen = p.search.chosen.layout
+    assert (cfg.study.pp, cfg.tp, cfg.dp) == (chosen.pp, chosen.tp, chosen.dp)
+    assert (cfg.study.pp * cfg.tp * cfg.dp, cfg.model.layers, p.nodes, p.layers_raised) == (64, 16, 8, False)
 
 
 def _dry(args: list[str]) -> tuple[int, str]:
@@ -141,8 +145,10 @@ def test_dry_run_json_schema(monkeypatch: pytest.MonkeyPatch) -> None:
     obj = json.loads(out)
     validate_dry_run(obj)
     p = obj["plan"]
-    assert (p["pp"], p["tp"], p["dp"], p["nodes"], p["layers_raised"]) == (4, 1, 2, 2, False)
-    assert len(p["memory"]["total"]) == 4 and p["memory"]["max_total"] == max(p["memory"]["total"])
+    chosen = p["search"]["ranked"][0]  # across nodes: the searched layout (not the largest pp, 4)
+    assert (p["pp"], p["tp"], p["dp"]) == (chosen["pp"], chosen["tp"], chosen["dp"]) and chosen["simulated"]
+    assert (p["pp"] * p["tp"] * p["dp"], p["nodes"], p["layers_raised"]) == (8, 2, False)
+    assert len(p["memory"]["total"]) == p["pp"] and p["memory"]["max_total"] == max(p["memory"]["total"])
     est = obj["estimate"]
     assert est["kind"] == "estimate" and est["device_tflops"] == 400.0
     assert [r["trial"] for r in est["results"]] == ["fixed/1f1b", "rrfp/1f1b"]
@@ -215,14 +221,16 @@ def test_too_many_ranks_prints_one_line_with_torchrun_and_srun(monkeypatch: pyte
     result = CliRunner().invoke(main, ["--gpus", "128", "--gpus-per-node", "8", "--hint", "1f1b"])
     assert result.exit_code == 2
     (line,) = result.output.strip().splitlines()
-    assert "plan: pp 128 x tp 1 x dp 1 = 128 ranks on 16 nodes x 8, 128 layers" in line
+    # the searched layout (it was the largest pp, 128, with --layers raised to 128): 8 layers kept
+    pp = int(line.split("plan: pp ", 1)[1].split(" ")[0])
+    assert f"plan: pp {pp} x tp 1 x dp {128 // pp} = 128 ranks on 16 nodes x 8, 8 layers" in line
     torchrun = line.split("with: ", 1)[1].split(" (HOST")[0]
     argv = shlex.split(torchrun)
     assert argv[:9] == ["torchrun", "--nnodes", "16", "--nproc-per-node", "8", "--rdzv-backend", "c10d",
                         "--rdzv-endpoint", "HOST:29500"]  # fmt: skip
     rest = argv[argv.index("rrfp.exec") + 1 :]
     assert "--gpus-per-node" not in rest  # the launcher lays the nodes out; the layout is pinned instead
-    assert rest[rest.index("--pp") + 1] == "128" and rest[rest.index("--layers") + 1] == "128"
+    assert rest[rest.index("--pp") + 1] == str(pp) and "--layers" not in rest
     srun = shlex.split(line.split("under SLURM: ", 1)[1])
     assert srun[:6] == ["srun", "--nodes", "16", "--ntasks-per-node", "8", "rrfp-run"] and srun[6:] == rest
 

@@ -6,11 +6,16 @@ missing, for ``N`` ranks on nodes of ``G`` ranks (``--gpus-per-node``):
 
 * tp is 1 unless a stage does not fit one device (``--gpu-memory``): then the least power of two
   dividing G (and the heads) with which some layout fits.
-* pp is the largest that fits: every stage holds >= 1 layer (``--layers``, when given) and every rank's
-  bytes fit ``--gpu-memory`` (when given). ``--layers`` not given is raised to pp, and the plan says so.
-* dp is what pp and tp leave -- with ``--pp`` given, or across nodes. On one node (N <= G) without
-  ``--pp`` the pipeline spans every rank (dp 1 unless ``--dp``): ``--gpus 4`` is one pipeline of 4 ranks,
-  as before, and ``--gpus 4 --layers 3`` is an error, not a silent DP of 2.
+* Across nodes (N > G) with a model, the layout is SEARCHED: every pp x tp x dp = N within
+  ``--gpu-memory`` is bounded, and the best survivors simulated (exec/jobs/plan_search.py, its costs and
+  bytes in exec/jobs/presets.py; ``--model llama3-70b`` names a preset); the best predicted tokens/s
+  wins. ``--layers`` is never raised there: pp divides it.
+* On one node (N <= G), or without a model (--synthetic, --lengths, multimodal), pp is the largest
+  that fits: every stage holds >= 1 layer (``--layers``, when given) and every rank's bytes fit
+  ``--gpu-memory`` (when given); ``--layers`` not given is raised to pp, and the plan says so. dp is what
+  pp and tp leave -- with ``--pp`` given, or across nodes. On one node without ``--pp`` the pipeline spans
+  every rank (dp 1 unless ``--dp``): ``--gpus 4`` is one pipeline of 4 ranks, and ``--gpus 4 --layers 3``
+  is an error, not a silent DP of 2.
 
 **Memory per rank** (bytes; rrfp.workload.memory's model, bf16 activations, Adam's 18 bytes/param): the
 static bytes of the rank's stage (weights, gradients, optimizer state; / tp) plus its 1F1B activation
@@ -24,14 +29,25 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rrfp.errors import UserError
 from rrfp.exec.config import ExecConfigError, ModelConfig, RunConfig
+from rrfp.exec.jobs.plan_search import SearchResult, Simulate, Space, search, search_dict, search_lines
+from rrfp.exec.jobs.presets import (
+    DEFAULT_INTER_NODE_GBS,
+    DEFAULT_INTRA_NODE_GBS,
+    PRESETS,
+    Device,
+    ModelSpec,
+    gpt_spec,
+)
 from rrfp.exec.models.tokens import DEFAULT_SEQ_LEN
 from rrfp.plan.budget import format_bytes, parse_bytes
+from rrfp.plan.sources import task_count
 from rrfp.plan.spec import MAX_DEGREE
+from rrfp.study.study import Study
 from rrfp.workload.lengths import LengthsTable
 from rrfp.workload.memory import MemoryModel, activation_bytes, rank_static_bytes, static_bytes
 from rrfp.workload.model import WorkloadConfig
@@ -81,6 +97,8 @@ class Plan:
     static: tuple[int, ...] = ()
     activation: tuple[int, ...] = ()
     notes: tuple[str, ...] = ()
+    search: SearchResult | None = field(default=None, compare=False)
+    """Across nodes: the simulated search that chose this layout (exec/jobs/plan_search.py)."""
 
     @property
     def nodes(self) -> int:
@@ -119,6 +137,7 @@ class Plan:
             "memory": None if not self.total else {
                 "static": list(self.static), "activation": list(self.activation), "total": list(self.total),
                 "max_total": max(self.total)},
+            **({"search": search_dict(self.search)} if self.search is not None else {}),
         }  # fmt: skip
 
 
@@ -284,10 +303,21 @@ PLAN_OPTIONS = ("gpus_per_node", "max_local_ranks", "gpu_memory")
 
 def plan_run(
     o: Mapping[str, Any], given: Collection[str], world: int, tokens: TokenWorkload | None,
-    gpus_per_node: int,
+    gpus_per_node: int, simulate: Simulate | None = None,
 ) -> Plan:  # fmt: skip
     """The plan of rrfp-run's parsed options ``o`` for ``world`` ranks on nodes of ``gpus_per_node``;
-    ``given``: the options set on the command line (a --tp or --dp other than 1 counts as given too)."""
+    ``given``: the options set on the command line (a --tp or --dp other than 1 counts as given too).
+    Across nodes with a model the layout is searched (module docstring), simulated by ``simulate``
+    (None: ranked by the search's bound alone -- a joined worker, whose layout the launch line pins)."""
+    searched = world > gpus_per_node and not o.get("synthetic") and tokens is None and o["model"] == "gpt"
+    if not searched and not o.get("dry_run"):
+        for name in DEVICE_OPTIONS:
+            if name in given:
+                flag = f"--{name.replace('_', '-')}"
+                raise ExecConfigError(f"{flag} only applies with --dry-run or across nodes (--gpus above "
+                                      "--gpus-per-node): drop it")  # fmt: skip
+    if searched:
+        return searched_plan(o, given, world, gpus_per_node, simulate)
     model = ModelConfig(
         kind=o["model"], layers=o["layers"], hidden=o["hidden"], heads=o["heads"],
         seq_len=o["seq_len"] if o.get("seq_len") is not None else DEFAULT_SEQ_LEN, vocab=o["vocab"],
@@ -306,7 +336,74 @@ def plan_run(
     return plan(req, memory_fn(model_workload(model, tokens), model.vocab))
 
 
+DEVICE_OPTIONS = ("device_tflops", "intra_node_bw", "inter_node_bw")
+"""What the search costs a device with (exec/jobs/presets.py)."""
+
+
+def model_spec(o: Mapping[str, Any], given: Collection[str]) -> ModelSpec:
+    """The searched model: ``--model PRESET``'s sizes (:func:`apply_preset` put them in ``o``, where a
+    given --layers/--hidden/--heads/--vocab/--seq-len overrides them), else rrfp-run's GPT at ``o``'s."""
+    seq_len = o["seq_len"] if o.get("seq_len") is not None else DEFAULT_SEQ_LEN
+    preset = PRESETS.get(o.get("preset") or "")
+    if preset is None:
+        return gpt_spec(o["layers"], o["hidden"], o["heads"], o["vocab"], seq_len)
+    changed = [n for n in PRESET_SIZES if n in given]
+    name = preset.name + (
+        f" ({', '.join('--' + n.replace('_', '-') for n in changed)} given)" if changed else ""
+    )
+    return dataclasses.replace(preset, name=name, layers=o["layers"], hidden=o["hidden"], heads=o["heads"],
+                               vocab=o["vocab"], seq_len=seq_len)  # fmt: skip
+
+
+PRESET_SIZES = ("layers", "hidden", "heads", "vocab", "seq_len")
+"""The options a preset fills (a given one wins)."""
+
+
+def apply_preset(o: dict[str, Any], given: Collection[str]) -> dict[str, Any]:
+    """``o`` with ``--model PRESET`` read: the preset's sizes where the option was not given, the
+    executor's model kind ``gpt``, and ``preset`` its name (None without one). The run trains rrfp-run's
+    GPT at these sizes; the preset's kv heads and SwiGLU width shape the plan's costs only."""
+    preset = PRESETS.get(o.get("model") or "")
+    if preset is None:
+        return {**o, "preset": None}
+    sizes = {n: getattr(preset, n) for n in PRESET_SIZES if n not in given}
+    return {**o, **sizes, "model": "gpt", "preset": preset.name}
+
+
+def searched_plan(
+    o: Mapping[str, Any], given: Collection[str], world: int, gpus_per_node: int, simulate: Simulate | None
+) -> Plan:
+    """The searched layout of ``o`` (exec/jobs/plan_search.py) as a :class:`Plan`."""
+    tp, dp = _given_int(o, given, "tp"), _given_int(o, given, "dp")
+    _check_degrees(Request(gpus=world, gpus_per_node=gpus_per_node, pp=o["stages"], tp=tp, dp=dp))
+    spec = model_spec(o, given)
+    device = Device(tflops=float(o.get("device_tflops", DEFAULT_DEVICE_TFLOPS)),
+                    gpu_memory=gpu_memory_bytes(o.get("gpu_memory")),
+                    intra_bw=float(o.get("intra_node_bw", DEFAULT_INTRA_NODE_GBS)) * 1e9,
+                    inter_bw=float(o.get("inter_node_bw", DEFAULT_INTER_NODE_GBS)) * 1e9)  # fmt: skip
+    space = Space(gpus=world, gpus_per_node=gpus_per_node, pp=o["stages"], tp=tp, dp=dp,
+                  microbatches=o["microbatches"], samples=o["microbatch_size"],
+                  v=hints_v(o), cv=float(o["cv"]) if o.get("jitter", "none") != "none" else 0.0)  # fmt: skip
+    result = search(spec, device, space, simulate)
+    c = result.chosen
+    return Plan(gpus=world, gpus_per_node=gpus_per_node, pp=c.layout.pp, tp=c.layout.tp, dp=c.layout.dp,
+                layers=spec.layers, microbatches=c.layout.m, gpu_memory=device.gpu_memory, static=c.static,
+                activation=c.activation, search=result)  # fmt: skip
+
+
+def _given_int(o: Mapping[str, Any], given: Collection[str], name: str) -> int | None:
+    return o[name] if name in given or o[name] != 1 else None
+
+
+def hints_v(o: Mapping[str, Any]) -> int:
+    """The most virtual stages per rank any of the run's hints uses (-v, else each hint's own)."""
+    given = o.get("virtual_stages")
+    hints = Study.from_options(o).hints
+    return max(task_count(h, 1, 1, given).tasks // task_count(h, 1, 1, 1).tasks for h in hints)
+
+
 MAX_TFLOPS = 1e6
+MAX_GBS = 1e6
 DRY_RUN_UNUSED = ("trace_out", "decision_log", "dump_dir", "start_method", "threads", "progress", "timeout")
 """Options a --dry-run has no use for: they shape workers, and none starts."""
 
@@ -325,8 +422,10 @@ def check_plan_options(o: Mapping[str, Any], given: Collection[str], joined: boo
     tflops = o.get("device_tflops", DEFAULT_DEVICE_TFLOPS)
     if not (isinstance(tflops, int | float) and math.isfinite(tflops) and 0 < tflops <= MAX_TFLOPS):
         raise ExecConfigError(f"--device-tflops must be a finite number in (0, {MAX_TFLOPS:g}], got {tflops}")
-    if "device_tflops" in given and not o.get("dry_run"):
-        refuse("device_tflops", "only applies with --dry-run")
+    for name in DEVICE_OPTIONS[1:]:
+        value = o.get(name, 1.0)
+        if not (isinstance(value, int | float) and math.isfinite(value) and 0 < value <= MAX_GBS):
+            raise ExecConfigError(f"--{name.replace('_', '-')} must be GB/s in (0, {MAX_GBS:g}], got {value}")
     for name in DRY_RUN_UNUSED if o.get("dry_run") else ():
         if name in given:
             refuse(name, "does nothing with --dry-run (no worker starts)")
@@ -440,14 +539,16 @@ def _memory_lines(mem: Mapping[str, Any], limit: int | None) -> list[str]:
     ]
 
 
-def dry_run_text(report: Mapping[str, Any]) -> str:
-    """The dry-run report (:data:`DRY_RUN_SCHEMA`'s object) as the console shows it."""
+def dry_run_text(report: Mapping[str, Any], searched: SearchResult | None = None) -> str:
+    """The dry-run report (:data:`DRY_RUN_SCHEMA`'s object) as the console shows it; ``searched``: the
+    search that chose the layout (its pick, its runners-up), with the launch lines of ``report``."""
     p, s, e = report["plan"], report["schedule"], report["estimate"]
     mem = p["memory"]
     lines = [
         "rrfp-run --dry-run: the plan (no worker started)",
         f"  layout    pp {p['pp']} x tp {p['tp']} x dp {p['dp']} = {p['gpus']} ranks on {p['nodes']} "
         f"node{'s' if p['nodes'] > 1 else ''} x {p['gpus_per_node']}, {p['layers']} layers",
+        *(search_lines(searched) if searched is not None else []),
         *(f"  note      {n}" for n in p["notes"]),
         *(
             _memory_lines(mem, p["gpu_memory"])
@@ -463,6 +564,11 @@ def dry_run_text(report: Mapping[str, Any]) -> str:
         head = "  estimate  " if i == 0 else " " * 12
         lines.append(f"{head}{row['trial']:<{width}}  {row['iteration_seconds']:.4g} s/iteration{ratio}")
     lines.append(f"            (an ESTIMATE, not a measurement: {e['basis']})")
+    launch = report.get("launch")
+    if launch:  # the lines rrfp-run without --dry-run prints for a job this host cannot start
+        lines += [f"  launch    {launch['torchrun']}",
+                  "            (HOST: the first node's address); or under SLURM:",
+                  f"            {launch['srun']}"]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -521,3 +627,24 @@ def estimate_grid(cfg: RunConfig) -> tuple[tuple[str, ...], tuple[str, ...], tup
     policies = tuple(dict.fromkeys(["fixed", *(t.policy for t in trials)]))
     memory_budget = tuple(dict.fromkeys(t.budget or "1x" for t in trials))
     return hints, policies, memory_budget, {t.label for t in trials}
+
+
+def search_estimate(result: SearchResult) -> dict[str, Any]:
+    """The dry run's ``estimate`` object from the search's simulation of the chosen layout (every trial
+    of the run, :data:`~rrfp.exec.jobs.plan_search.SEEDS` seeds, seconds as simulated)."""
+    sim, d = result.chosen.sim, result.device
+    assert sim is not None, "the chosen layout was simulated"
+    basis = (
+        f"rrfp-sim of the chosen layout, {result.seeds} seeds x 1 iteration: the model's FLOPs at "
+        f"{d.tflops:g} TFLOP/s per device (--device-tflops), TP all-reduces at {d.intra_bw / 1e9:g} GB/s, "
+        f"pipeline hops and the DP all-reduce at {d.intra_bw / 1e9:g} GB/s within a node, "
+        f"{d.inter_bw / 1e9:g} GB/s across (--intra-node-bw, --inter-node-bw), rrfp-sim's default compute "
+        "jitter; no kernel overheads"
+    )
+    return {
+        "kind": "estimate", "basis": basis, "device_tflops": float(d.tflops), "seconds_per_unit": 1.0,
+        "iterations": 1,
+        "results": [{"trial": t.label, "iteration_seconds": float(sum(t.seconds) / len(t.seconds))}
+                    for t in sim.trials],
+        "speedups": [{"trial": a, "baseline": b, "speedup": float(x)} for a, b, x in sim.speedups],
+    }  # fmt: skip
