@@ -297,8 +297,8 @@ _VERL_BALANCE = (
 _DAPO = "DAPO (arXiv 2503.14476) trains Qwen2.5-32B"
 _QWEN32 = "Qwen2.5-32B (Qwen/Qwen2.5-32B config.json, as mirrored on the Hub)"
 _VERL_DAPO = (
-    "verl recipe/dapo scripts: max_prompt_length 2048, max_response_length 20480, use_dynamic_bsz=True, "
-    "actor_ppo_max_token_len = prompt + response"
+    "verl recipe/dapo/run_dapo_qwen2.5_32b.sh: max_prompt_length 2048, max_response_length 20480, "
+    "use_dynamic_bsz=True, actor_ppo_max_token_len = prompt + response (it runs FSDP with sp 8; pp is ours)"
 )
 
 
