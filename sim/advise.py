@@ -7,7 +7,7 @@ fit:TRACE``, ``--stages``, ``-m`` ...) and searches
   only; ``-v``: that v only; a hint that cannot run at a v is left out there);
 * policies: every registered one (``--policy``: those, and ``fixed`` always -- the baselines);
 * budgets: 1x and 2x, and ``device`` with ``--gpu-memory`` (``--memory-budget``: those);
-* token mode: each ``--mb-order`` (none, size-asc, size-desc; ``--mb-order``: that one).
+* token mode: each ``--mb-order`` (none, size-asc, size-desc, verl; ``--mb-order``: that one).
 
 ``fixed`` runs once per order (at 1x: its schedule is the same at any budget) -- fixed 1F1B at v = 1 on the
 microbatches as drawn always, whatever narrows the space -- and every fixed order runs in every round, so
