@@ -2,7 +2,8 @@
 
 train_mlp.py runs both ways -- rrfp's ScheduleReadiness and torch's Schedule1F1B on the same stages --
 and must print the same losses (the drop-in claim); train_hf_llama.py needs the optional `transformers`
-(``pip install -e '.[examples]'``, which CI installs). train_gpt_varlen.py is run by tests/test_pipelining.py.
+(``pip install -e '.[examples]'``, which CI installs). train_gpt_varlen.py is run by tests/test_pipelining.py;
+train_moe.py, train_rl.py and train_gpt_varlen.py's --check by tests/test_examples_moe_rl.py.
 """
 
 from __future__ import annotations
