@@ -16,9 +16,11 @@ blocks (``--blocks`` in all, split into 2 stages at v = 1 or 4 at v = 2):
    ``--rounds`` rounds, every trial one step a round (interleaved, so each sees the same load), timing
    each step on every rank (the slowest rank's, the first round dropped).
 
-Prints, per trial, the predicted step time on the profile and on its costs alone against the measured
-one (ratio = predicted / measured), the measured order, what advise says to run, and the load average
-before and after (quote it: the timings are this machine's, under whatever else runs).
+Prints the profile's own settings' measured steps (interleaved while profiling) against the prediction
+on the profile; then, per trial, the predicted step time on the profile and on its costs alone against
+the measured one (ratio = predicted / measured), the measured order, what advise says to run, and the
+load average before and after (quote it: the timings are this machine's, under whatever else runs; a
+load that changes between the profile and the trials moves every ratio of the second table alike).
 """
 
 from __future__ import annotations
@@ -87,9 +89,9 @@ def advise_rows(profile: str, a: argparse.Namespace) -> dict[str, Any]:
 def predict(profile: str, trial: dict[str, Any], a: argparse.Namespace) -> float:
     """The simulator's mean step time (s) of one trial on ``profile`` (rrfp-sim run, its seeds)."""
     args = trial["args"]
-    doc = _cli(["--profile", profile, "-m", str(a.microbatches), "--seeds", str(a.seeds), "-v", str(trial["v"]),
-                "--hint", args["hint"], "--policy", args["policy"], "--memory-budget", args["memory_budget"],
-                "--json"])  # fmt: skip
+    doc = _cli(["--profile", profile, "-m", str(a.microbatches), "--seeds", str(a.seeds),
+                "-v", str(trial["v"]), "--hint", args["hint"], "--policy", args["policy"],
+                "--memory-budget", args["memory_budget"], "--json"])  # fmt: skip
     label = trial["trial"].split("@")[0]
     row = next(r for r in doc["results"] if r["trial"] == label or r["trial"].startswith(label + "@"))
     return row["iteration_time"]["mean"]
@@ -120,8 +122,8 @@ def plan_trials(a: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     picked = [*with_p["candidates"][: a.top], old["candidates"][0]]
     if with_p["fixed_answer"] is not None:
         ans = with_p["fixed_answer"]
-        picked.insert(0, {"trial": ans["trial"], "virtual_stages": 1, "schedule_readiness": ans["schedule_readiness"],
-                          "stages": "one PipelineStage a rank"})  # fmt: skip
+        picked.insert(0, {"trial": ans["trial"], "virtual_stages": 1, "stages": "one PipelineStage a rank",
+                          "schedule_readiness": ans["schedule_readiness"]})  # fmt: skip
     fixed = {"hint": "1f1b", "policy": "fixed", "memory_budget": "1x"}
     picked.append({"trial": "fixed/1f1b", "virtual_stages": 1, "schedule_readiness": fixed, "stages": "one"})
     trials: dict[tuple[str, int], dict[str, Any]] = {}
@@ -190,8 +192,25 @@ def rank_main(rank: int, port: int, a: argparse.Namespace) -> None:
     os._exit(0)  # as the test workers: no teardown of groups that closed pipelines' threads may block
 
 
-def report(out: Path, load: tuple[float, ...]) -> None:
+def self_fidelity(out: Path, a: argparse.Namespace) -> None:
+    """The profile's own settings: their steps, measured while profiling (interleaved, so under one
+    load), against the simulator's prediction on the profile."""
+    from rrfp.traces.profile import read_profile
+
+    prof = read_profile(out / "profile.parquet")
+    print("the profile's own settings (measured while profiling):")
+    for label, name in prof.meta["settings"].items():
+        policy, hint = name.split("/", 1)
+        t = {"trial": name, "v": prof.v, "args": {"hint": hint, "policy": policy, "memory_budget": "1x"}}
+        pred, meas = predict(str(out / "profile.parquet"), t, a), prof.meta["step_s"][label]
+        ms = f"measured {1e3 * meas:8.2f} ms  predicted {1e3 * pred:8.2f} ms"
+        print(f"  {name:<20} {ms}  ratio {pred / meas:.2f}")
+
+
+def report(out: Path, load: tuple[float, ...], a: argparse.Namespace) -> None:
+    self_fidelity(out, a)
     trials = json.loads((out / "trials.json").read_text())
+    print("advise's picks, run after the profile:")
     print(f"{'trial':<22} {'v':>2} {'measured ms':>12} {'profile ms':>11} {'ratio':>6} {'costs-only ms':>14} "
           f"{'ratio':>6}")  # fmt: skip
     for t in trials:
@@ -220,7 +239,7 @@ def main() -> None:
         port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.start_processes(rank_main, args=(port, a), nprocs=2, start_method="spawn")
-    report(out, load)
+    report(out, load, a)
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ from rrfp.plan.task import Op, Task
 from rrfp.study import metrics
 from rrfp.study.compare import Footprint, best_fixed, fixed_baselines
 from rrfp.study.execution import resolve_workers, run_jobs
-from rrfp.study.metrics import lower_bound, paired_speedup, t_interval
+from rrfp.study.metrics import lower_bound, paired_speedup, positive_interval
 from rrfp.study.result import TrialResult
 from rrfp.study.trial import TrialId
 from rrfp.traces.trace import TraceRecorder
@@ -285,7 +285,7 @@ def charge_runtime(model: Any, workload: Workload) -> None:
     if runtime is None:
         return
     for m in getattr(model, "models", [model]):
-        m.task_overhead = runtime.per_task(m.clocked)
+        m.task_overhead = runtime.per_task(m.clocked, m.hint.spec.split)
         m.allreduce_cost = m.allreduce_cost + runtime.per_step  # at every flush
 
 
@@ -717,5 +717,6 @@ def _progress(
 
 
 def interval(values: list[float]) -> tuple[float, float, float]:
-    """(mean, low, high) of a 95% t-interval; (x, nan, nan) for one value."""
-    return t_interval(values) if len(values) else (math.nan, math.nan, math.nan)
+    """(mean, low, high) of a 95% interval of iteration times, on the log scale (bounds > 0:
+    rrfp.study.metrics.positive_interval); (x, nan, nan) for one value."""
+    return positive_interval(values) if len(values) else (math.nan, math.nan, math.nan)

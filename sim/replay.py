@@ -35,7 +35,7 @@ from rrfp.dispatch.policies import get_policy
 from rrfp.plan.budget import hint_peaks, resolve_budget
 from rrfp.plan.task import Op
 from rrfp.study.compare import Comparison, verdict
-from rrfp.study.metrics import paired_speedup, t_interval
+from rrfp.study.metrics import paired_speedup, positive_interval
 from rrfp.study.report import ci, format_report, json_document, peak_range
 from rrfp.study.result import TrialResult
 from rrfp.study.schema import interval, number, trial_fields
@@ -205,7 +205,7 @@ def replay_job(
     model = ClusterModel(hint, policy, cluster, budget, msg_bytes=rep.msg_bytes)
     _calibrate(model, rep)
     if profile is not None:
-        model.task_overhead = what_if_overhead(rep, key.policy, profile)
+        model.task_overhead = what_if_overhead(rep, key.policy, hint.spec.split, profile)
     recorder = _recorder(rep, key, budget, model) if trace else None
     out = model.run(samples, recorder)
     cfg = _config(rep, key, label, cluster)
@@ -277,7 +277,7 @@ def replay_dict(result: ReplayResult, command: str | None = None) -> dict[str, A
     results = []
     for r in result.runs:
         bubble = np.mean(r.stats.bubble, axis=0)
-        _, low, high = t_interval(_used(r.times))
+        _, low, high = positive_interval(_used(r.times))  # a time: bounds > 0
         row: dict[str, Any] = {
             **trial_fields(trial_of(rep, r)),
             "budget": [int(r.stats.budget[k]) for k in sorted(r.stats.budget)],

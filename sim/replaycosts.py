@@ -7,7 +7,8 @@ the loop's time to the task before it). What a trace cannot say:
   profile's split run, and charges the second task its per-task overhead (B carried one, I and W carry
   one each); without a profile it assumes I = W = B/2 and no extra overhead, and says so;
 * what another policy class costs per task -- a clocked what-if (backfill, guarded, auto) of a fixed run
-  is charged the profile's clocked-minus-fixed overhead on every task (and the other way round).
+  is charged the profile's clocked-minus-fixed overhead on every task (and the other way round; a split
+  order's overhead for a split hint).
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ def _clocked(policy: str) -> bool:
     return bool(get_policy(policy).needs_clock)
 
 
-def _overhead(profile: Profile, policy: str) -> float:
-    return profile.overhead["clocked" if _clocked(policy) else "fixed"]
+def _overhead(profile: Profile, policy: str, split: bool = False) -> float:
+    return profile.overhead["clocked" if _clocked(policy) else "split" if split else "fixed"]
 
 
 def _shares(rep: Replay, profile: Profile) -> np.ndarray:
@@ -55,9 +56,10 @@ def profiled_samples(
     return [[[one(s) for s in per_tp] for per_tp in per_dp] for per_dp in samples]
 
 
-def what_if_overhead(rep: Replay, policy: str, profile: Profile) -> float:
-    """Seconds per task a what-if of ``policy`` pays beyond what the trace's tasks carry."""
-    return _overhead(profile, policy) - _overhead(profile, rep.policy)
+def what_if_overhead(rep: Replay, policy: str, split: bool, profile: Profile) -> float:
+    """Seconds per task a what-if of ``policy`` on a ``split`` hint pays beyond what the trace's tasks
+    carry (the profile's overhead of its class less that of the trace's)."""
+    return _overhead(profile, policy, split) - _overhead(profile, rep.policy, rep.spec.split)
 
 
 def cost_notes(

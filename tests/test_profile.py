@@ -57,7 +57,7 @@ def test_varying_sizes_get_a_fit_on_tokens(launched: tuple[Path, list[dict[str, 
 
 def test_runtime_costs_are_measured(launched: tuple[Path, list[dict[str, Any]]]) -> None:
     prof = _profile(launched, "slow_w")
-    assert 0 < prof.overhead["fixed"] < 0.05 and 0 < prof.overhead["clocked"] < 0.05
+    assert all(0 < prof.overhead[k] < 0.05 for k in ("fixed", "split", "clocked"))
     assert prof.overhead["step"] >= 0
     assert 0 < prof.latency < 1.0 and prof.msg_bytes > 0
     assert prof.meta["message_fit"]["n"] > 0 and prof.meta["message_fit"]["sizes"] == 4

@@ -40,7 +40,8 @@ def make_profile(
             ops[s, op] = OpCost(8, mean, cv, mean, 0.0, math.nan)
     prof = Profile(
         pp=pp, v=1, placement="loop", microbatches=4, ops=ops, split=dict.fromkeys(range(pp), split),
-        tokens=[64] * 4, overhead={"fixed": overhead, "clocked": overhead, "step": step}, latency=latency,
+        tokens=[64] * 4, overhead={**dict.fromkeys(("fixed", "split", "clocked"), overhead), "step": step},
+        latency=latency,
         bandwidth=math.inf, msg_bytes=256.0, act_bytes=[1024.0] * pp, meta={"split_notes": []},
     )  # fmt: skip
     write_profile(prof, path)

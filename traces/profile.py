@@ -38,6 +38,8 @@ from rrfp.workload.model import IterationSample
 SCHEMA_VERSION = 1
 META_KEY = b"rrfp.profile"
 OPS = ("F", "B", "I", "W")
+OVERHEADS = ("fixed", "split", "clocked", "step")
+"""The runtime overheads a profile holds (seconds; :attr:`Profile.overhead`)."""
 ROW_COLUMNS = ("stage", "op", "n", "mean_s", "cv", "intercept_s", "slope_s_per_token", "r2")
 
 
@@ -79,9 +81,10 @@ class Profile:
     tokens: list[int]
     """Tokens of each profiled microbatch."""
     overhead: dict[str, float]
-    """Seconds of runtime overhead per task: ``fixed`` (a fixed order) and ``clocked`` (a policy that
-    ticks a clock and hears producer starts, after calibration); ``step``: seconds per step outside the
-    dispatch loop (the slowest rank's)."""
+    """Seconds of runtime overhead per task: ``fixed`` (a fixed unsplit order), ``split`` (a fixed split
+    order: its W tasks send nothing) and ``clocked`` (a policy that ticks a clock and hears producer
+    starts, after calibration); ``step``: seconds per step outside the dispatch loop (the slowest
+    rank's)."""
     latency: float
     """Seconds a message takes at zero bytes (posted to usable on the receiver)."""
     bandwidth: float
@@ -118,7 +121,8 @@ class Profile:
         bw = "inf" if math.isinf(self.bandwidth) else f"{self.bandwidth / 1e9:.3g} GB/s"
         return (
             f"profile pp={self.pp} v={self.v} {self.placement} m={self.microbatches}: per-task overhead "
-            f"{1e3 * o['fixed']:.3g} ms (clocked {1e3 * o['clocked']:.3g} ms) + {1e3 * o['step']:.3g} ms a "
+            f"{1e3 * o['fixed']:.3g} ms (split {1e3 * o['split']:.3g}, clocked {1e3 * o['clocked']:.3g}) + "
+            f"{1e3 * o['step']:.3g} ms a "
             f"step, messages "
             f"{1e3 * self.latency:.3g} ms + bytes/{bw} ({self.msg_bytes:.0f} B)"
         )
@@ -196,7 +200,7 @@ def _profile(meta: dict[str, Any], cols: dict[str, list[Any]]) -> Profile:
     if missing:
         raise ValueError(f"no cost for {', '.join(missing)}")
     given = meta.pop("overhead_s")
-    overhead = {k: float(given[k]) for k in ("fixed", "clocked", "step")}
+    overhead = {k: float(given[k]) for k in OVERHEADS}
     bw = meta.pop("bandwidth_Bps")
     numbers = [*overhead.values(), float(meta["latency_s"]), float(meta["msg_bytes"])]
     if not all(math.isfinite(x) and x >= 0 for x in numbers):
@@ -222,10 +226,12 @@ class RuntimeCosts:
     clocked: float = 0.0
     per_step: float = 0.0
     """Seconds every iteration spends outside the dispatch loop, charged at its flush."""
+    split: float = 0.0
 
-    def per_task(self, clocked: bool) -> float:
-        """Overhead seconds per task of a policy that ticks a clock (``clocked``) or not."""
-        return self.clocked if clocked else self.fixed
+    def per_task(self, clocked: bool, split: bool = False) -> float:
+        """Overhead seconds per task of a policy that ticks a clock (``clocked``) or not, on a split
+        hint (``split``: measured under a fixed split order) or not."""
+        return self.clocked if clocked else self.split if split else self.fixed
 
 
 @dataclass(frozen=True)
@@ -248,7 +254,8 @@ class ProfiledWorkload(FittedWorkload):
             fits[s, "F"] = _fit(prof.ops[s, "F"])
             fits[s, "I"] = _fit(dataclasses.replace(b, mean=b.mean * share))
             fits[s, "W"] = _fit(dataclasses.replace(b, mean=b.mean * (1.0 - share)))
-        runtime = RuntimeCosts(prof.overhead["fixed"], prof.overhead["clocked"], prof.overhead["step"])
+        o = prof.overhead
+        runtime = RuntimeCosts(o["fixed"], o["clocked"], o["step"], o["split"])
         return cls(source, "profile", prof.num_stages, prof.pp, True, fits, None, prof.msg_bytes,
                    profile=prof, runtime=runtime)  # fmt: skip
 

@@ -19,7 +19,7 @@ the schedules' traces and cost meters:
 * per stage F and B, I and W where the split works (else that it cannot, and why: the schedule's split
   check), each as seconds = intercept + slope x tokens when the microbatches' sizes vary (R^2 kept);
 * the runtime's own overhead per task: the dispatch loop's time that is neither compute nor waiting, per
-  task (rrfp.exec.loop.runtime.LoopStats), under the fixed order and under the clocked policy; and per
+  task (rrfp.exec.loop.runtime.LoopStats), under each setting (a split order's W sends nothing); and per
   step, the time a step spends outside the loop (the slowest rank's);
 * the message cost by bytes on the real transport: from posted (sender) to arrived (receiver) per
   message, fitted as latency + bytes / bandwidth when sizes vary (else the latency at that size);
@@ -302,7 +302,8 @@ def _build(
     }  # fmt: skip
     return Profile(
         pp=pp, v=v, placement=placement, microbatches=len(tokens), ops=ops, split=split, tokens=tokens,
-        overhead={"fixed": _overhead(plain), "clocked": _overhead(found["clocked"]), "step": _outside(plain)},
+        overhead={"fixed": _overhead(plain), "split": _overhead(split_run),
+                  "clocked": _overhead(found["clocked"]), "step": _outside(plain)},
         latency=latency,
         bandwidth=bandwidth, msg_bytes=msg_info["mean_bytes"],
         act_bytes=[act.get(s, 0.0) for s in range(num_stages)], meta=meta,
@@ -354,20 +355,39 @@ def _linear(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
 
 
 def _message_fit(frame: Any, warmup: int) -> tuple[float, float, dict[str, Any]]:
-    """(latency s, bandwidth B/s, what was fitted) of the messages: posted on the sender to arrived on
-    the receiver, by bytes; one size only: the median at that size and an infinite bandwidth."""
+    """(latency s, bandwidth B/s, what was fitted) of the messages: from posted on the sender to usable
+    on the receiver, by bytes; one size only: the median at that size and an infinite bandwidth. Usable
+    is when the receiver's wait that the message ended ended -- the wake-up of its loop is part of what
+    a message costs the consumer -- for the messages that woke a waiting receiver when there are at
+    least 5 (the ones on the critical path; as rrfp.traces.fit fits them), else arrived, for all."""
     rows = frame[frame["iteration"] >= warmup]
     sends = rows[rows["kind"] == "send"].set_index("msg")["start"]
     recvs = rows[rows["kind"] == "recv"].set_index("msg")
     both = recvs.join(sends.rename("posted"), how="inner")
     if both.empty:
-        return 0.0, math.inf, {"n": 0, "mean_bytes": 0.0, "r2": None, "sizes": 0}
-    cost = np.maximum((both["end"] - both["posted"]).to_numpy(dtype=np.float64), 0.0)
-    nbytes = both["bytes"].to_numpy(dtype=np.float64)
-    info: dict[str, Any] = {"n": int(cost.size), "mean_bytes": float(nbytes.mean()),
-                            "sizes": int(np.unique(nbytes).size), "r2": None}  # fmt: skip
+        return 0.0, math.inf, {"n": 0, "mean_bytes": 0.0, "r2": None, "sizes": 0, "woke": 0}
+    usable, woke = _usable(both, rows[rows["kind"] == "wait"])
+    pick = woke if int(woke.sum()) >= 5 else np.ones_like(woke)
+    cost = np.maximum((np.where(woke, usable, both["end"]) - both["posted"].to_numpy())[pick], 0.0)
+    nbytes = both["bytes"].to_numpy(dtype=np.float64)[pick]
+    info: dict[str, Any] = {"n": int(cost.size), "mean_bytes": float(both["bytes"].mean()), "r2": None,
+                            "sizes": int(np.unique(nbytes).size), "woke": int(woke.sum())}  # fmt: skip
     slope, intercept, r2 = _linear(nbytes, cost)
     info["r2"] = None if math.isnan(r2) else r2
     if math.isnan(r2) or r2 < MIN_R2 or slope <= 0 or intercept < 0:  # bytes do not explain the times
         return float(np.median(cost)), math.inf, info
     return intercept, 1.0 / slope, info
+
+
+def _usable(recvs: Any, waits: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Per received message: the end of the receiver's wait it arrived in, and whether there was one."""
+    usable = np.full(len(recvs), np.nan)
+    for rank, w in waits.groupby("rank"):
+        starts, ends = w["start"].to_numpy(), w["end"].to_numpy()
+        mine = (recvs["rank"] == rank).to_numpy()
+        arrived = recvs["end"].to_numpy()[mine]
+        k = np.searchsorted(starts, arrived, side="right") - 1  # the last wait begun before the arrival
+        inside = (k >= 0) & (arrived <= ends[np.maximum(k, 0)])
+        usable[np.flatnonzero(mine)[inside]] = ends[k[inside]]
+    woke = ~np.isnan(usable)
+    return usable, woke
