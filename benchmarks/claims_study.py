@@ -166,6 +166,8 @@ def practice_row(name: str, scenario: str, extra: list[str], seeds: int, workers
         bases += [
             (s, order) for s in stats_of([*run, "--hint", BASELINE_HINTS, "--policy", "fixed"], workers)
         ]
+    if not trials:
+        return f"| {name} | no readiness trial fits the device | - | - |"
     allowed = list(trials[0][0].allowed_bytes)  # the device's bytes per rank (every readiness trial's)
     bases = [b for b in bases if fits(b[0], allowed)]
     if not bases:

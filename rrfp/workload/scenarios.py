@@ -296,8 +296,9 @@ _VERL_BALANCE = (
 )
 _DAPO = "DAPO (arXiv 2503.14476) trains Qwen2.5-32B"
 _QWEN32 = "Qwen2.5-32B (Qwen/Qwen2.5-32B config.json, as mirrored on the Hub)"
+_DAPO_SH = "verl recipe/dapo/run_dapo_qwen2.5_32b.sh"
 _VERL_DAPO = (
-    "verl recipe/dapo/run_dapo_qwen2.5_32b.sh: max_prompt_length 2048, max_response_length 20480, "
+    f"{_DAPO_SH}: max_prompt_length 2048, max_response_length 20480, "
     "use_dynamic_bsz=True, actor_ppo_max_token_len = prompt + response (it runs FSDP with sp 8; pp is ours)"
 )
 
@@ -322,6 +323,13 @@ def _rl() -> Scenario:
         ),
         "pack_tokens": Param(22528, f"the token budget per microbatch: {_VERL_DAPO}", "cited"),
         "mb_order": Param("verl", _VERL_BALANCE, "cited"),
+        "recompute": Param("full", f"{_DAPO_SH}: enable_gradient_checkpointing=True"),
+        "bytes_per_param": Param(
+            6.75,
+            "ZeRO-1 over the 16 data-parallel replicas of that script's 128 GPUs at pp 8: 6 + 12/16 bytes a "
+            "parameter (the script itself offloads the optimizer: offload=True)",
+            "derived",
+        ),
         "lengths": Param(
             "lognormal:mean=4096,cv=1.0,max=22528",
             "prompt + response per rollout, long-tailed: 'the long-tail response length distribution' "
@@ -404,6 +412,7 @@ def _mixtral() -> Scenario:
         "top_k": Param(2, f"{_MIXTRAL}: 2 experts per token"),
         "expert_hidden": Param(14336, f"{_MIXTRAL}: intermediate size 14336, SwiGLU experts"),
         "expert_parallel": Param(8, "EP 8: one expert per rank", "choice"),
+        "recompute": Param("selective", "Megatron's selective recomputation (attention scores)", "choice"),
         "capacity_factor": Param(
             0.0, f"dropless (Megatron-core's default: no capacity factor); {_SWITCH}", "choice"
         ),
@@ -435,6 +444,17 @@ def _deepseek() -> Scenario:
         "expert_hidden": Param(2048, f"{_V3} §4.2: expert intermediate size 2048"),
         "expert_parallel": Param(64, f"{_V3} §3.2: 64-way expert parallelism over 8 nodes"),
         "capacity_factor": Param(0.0, f"{_V3} §2.1.2: no token dropping"),
+        "recompute": Param(
+            "selective",
+            f"{_V3} §3.2.3 recomputes RMSNorm and the MLA up-projections in the backward; selective is the "
+            "nearest mode here",
+            "choice",
+        ),
+        "bytes_per_param": Param(
+            6.1,
+            f"{_V3} §3.2: ZeRO-1 data parallelism, 2048 GPUs / pp 16 = 128 replicas: 6 + 12/128",
+            "derived",
+        ),
         **_moe_common(
             Param(
                 0.1,
