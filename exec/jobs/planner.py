@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rrfp.errors import UserError
-from rrfp.exec.config import ExecConfigError, ModelConfig, RunConfig
+from rrfp.exec.config import MODELS, ExecConfigError, ModelConfig, RunConfig
 from rrfp.exec.jobs.plan_search import SearchResult, Simulate, Space, search, search_dict, search_lines
 from rrfp.exec.jobs.presets import (
     DEFAULT_INTER_NODE_GBS,
@@ -364,6 +364,9 @@ def apply_preset(o: dict[str, Any], given: Collection[str]) -> dict[str, Any]:
     executor's model kind ``gpt``, and ``preset`` its name (None without one). The run trains rrfp-run's
     GPT at these sizes; the preset's kv heads and SwiGLU width shape the plan's costs only."""
     preset = PRESETS.get(o.get("model") or "")
+    if preset is None and o.get("model") not in MODELS:
+        names = ", ".join([*MODELS, *PRESETS])
+        raise ExecConfigError(f"--model {o.get('model')!r} is unknown: choose one of {names}")
     if preset is None:
         return {**o, "preset": None}
     sizes = {n: getattr(preset, n) for n in PRESET_SIZES if n not in given}
