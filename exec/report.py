@@ -53,7 +53,7 @@ from rrfp.study.compare import (
     summary,
     torch_pairs,
 )
-from rrfp.study.metrics import paired_speedup, t_interval, unpaired_speedup
+from rrfp.study.metrics import paired_speedup, positive_interval, unpaired_speedup
 from rrfp.study.options import costs_text
 from rrfp.study.report import (
     best_cell,
@@ -165,7 +165,7 @@ def result_row(result: TrialResult) -> dict[str, Any]:
     return {
         **trial_fields(result.trial),
         "iteration_time": {
-            **interval(*t_interval(times)),
+            **interval(*positive_interval(times)),
             "median": median_time(result),
             "values": list(times),
         },
@@ -295,7 +295,8 @@ def table(cfg: RunConfig, results: list[TrialResult]) -> str:
         m = measures(r)
         us = m.loop_overhead_us
         rows.append([
-            r.trial.label, ci(*t_interval(r.iteration_times)), f"{statistics.median(r.iteration_times):.4f}",
+            r.trial.label, ci(*positive_interval(r.iteration_times)),
+            f"{statistics.median(r.iteration_times):.4f}",
             speedup_cell(vs_fixed.get(r.trial)),
             best_cell(best.get(r.trial), c.baseline if (c := vs_fixed.get(r.trial)) else None),
             *(speedup_cell(vs_torch.get((r.trial, b)), against=False) for b in torch),

@@ -38,7 +38,7 @@ from rrfp.dispatch.policies import policy_names
 from rrfp.errors import UserError
 from rrfp.study.compare import FIXED, best_fixed
 from rrfp.study.execution import resolve_workers, run_jobs
-from rrfp.study.metrics import paired_speedup, t_interval
+from rrfp.study.metrics import paired_speedup, positive_interval
 from rrfp.study.schema import interval
 from rrfp.workload.tokens import MB_ORDERS, TokenWorkload
 
@@ -288,7 +288,7 @@ def advise(search: Search, ranked: list[Candidate], top: int) -> list[Advice]:
         f = prints[id(c)]
         best = best_fixed(f, [prints[id(x)] for x in fixed])
         owner = next((x for x in fixed if best is not None and prints[id(x)] is best), None)
-        out.append(Advice(c, t_interval(c.stats.iteration_time), f.peaks, f.unit,
+        out.append(Advice(c, positive_interval(c.stats.iteration_time), f.peaks, f.unit,
                           _vs(base, c), None if owner is None or owner is c else _vs(owner, c)))  # fmt: skip
     return out
 
@@ -310,7 +310,7 @@ def fixed_answer(search: Search, ranked: list[Candidate], advice: list[Advice]) 
     assert best.stats is not None
     f = footprint(best.stats, search.byte_mode)
     base = next((c for c in ranked if is_reference(c)), None)
-    return Advice(best, t_interval(best.stats.iteration_time), f.peaks, f.unit, _vs(base, best), None)
+    return Advice(best, positive_interval(best.stats.iteration_time), f.peaks, f.unit, _vs(base, best), None)
 
 
 def _vs(base: Candidate | None, c: Candidate) -> tuple[Candidate, tuple[float, float, float]] | None:

@@ -36,7 +36,7 @@ from rrfp.exec.config import ExecConfigError
 from rrfp.exec.jobs.presets import ACT_BYTES, BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM, Device, ModelSpec
 from rrfp.plan.budget import format_bytes
 from rrfp.plan.spec import MAX_DEGREE
-from rrfp.study.metrics import t_interval
+from rrfp.study.metrics import positive_interval
 
 SEEDS = 3
 """Replications per simulated layout (its step time's confidence interval)."""
@@ -147,7 +147,7 @@ class Scored:
         best = self.best
         if best is None or len(best.seconds) < 2:
             return math.nan, math.nan
-        _, low, high = t_interval(best.seconds)
+        _, low, high = positive_interval(best.seconds)  # a time: bounds > 0
         return low, high
 
 

@@ -9,6 +9,8 @@
   Student-t interval of the mean log-ratio, exponentiated (:func:`paired_speedup`); for trials that ran
   one after the other, the difference of mean log times with Welch's interval, exponentiated
   (:func:`unpaired_speedup`). On the log scale a ratio's interval never goes below 0.
+* an iteration time or a rate (tokens/s) is > 0 too: its interval is the mean's t-interval carried on
+  the log scale (:func:`positive_interval`), so it never goes below 0 either.
 
 Only numpy at import time; scipy.special is imported inside :func:`t_interval`.
 
@@ -216,6 +218,25 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float
 
     half = float(special.stdtrit(x.size - 1, 0.5 + confidence / 2)) * float(x.std(ddof=1)) / math.sqrt(x.size)
     return mean, mean - half, mean + half
+
+
+def positive_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high) for a quantity that is > 0 (an iteration time, tokens/s): the mean, and its
+    Student-t interval carried on the log scale, as the speedups' are -- log(mean) +- t * SE / mean
+    (the delta method), exponentiated. Bounds are > 0 and the mean lies between them; for a tight
+    interval this is the plain t-interval to first order, and a wide one is skewed upward, never
+    below 0 (the t-interval ``8.351 [-16.63, 33.33]`` of a few noisy iterations becomes
+    ``8.351 [0.4195, 166.3]``: just as vague, but never a negative time).
+    With a single value: (value, nan, nan)."""
+    x = np.asarray(values, dtype=np.float64).ravel()
+    mean, low, high = t_interval(x, confidence)
+    if x.min() <= 0:
+        raise MetricsError(f"positive_interval needs values > 0, got {x.min()!r}")
+    if math.isnan(low):
+        return mean, low, high
+    rel = (mean - low) / mean  # the half-width relative to the mean: the log scale's half-width
+    _, lo, hi = _exp((0.0, -rel, rel))
+    return mean, mean * lo, mean * hi
 
 
 def _exp(interval: tuple[float, float, float]) -> tuple[float, float, float]:
