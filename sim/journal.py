@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from rrfp.errors import UserError
+from rrfp.iofiles import create_temp, read_bytes
 from rrfp.study.options import version
 
 SUFFIX = ".partial"
@@ -61,19 +62,25 @@ class Journal:
         if self.path.exists():
             self.done = self._read()
         header = {"rrfp_sweep_journal": _FORMAT, "rrfp": version(), "fingerprint": self.fingerprint}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:  # header + the blocks that checked out, torn ones dropped
-            f.write(json.dumps(header) + "\n")
-            for index, rows in sorted(self.done.items()):
-                f.write(self._block(index, rows))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        # A unique temp file created exclusively: a link planted at a predictable name is never followed.
+        fd, tmp = create_temp(self.path)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:  # header + the blocks that checked out
+                f.write(json.dumps(header) + "\n")
+                for index, rows in sorted(self.done.items()):
+                    f.write(self._block(index, rows))
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         self._file = open(self.path, "a", encoding="utf-8")
         return dict(self.done)
 
     def _read(self) -> dict[int, list[dict[str, Any]]]:
-        lines = self.path.read_text(encoding="utf-8", errors="replace").split("\n")
+        data = read_bytes(self.path, "sweep journal", error=JournalError)  # a FIFO or device: refused
+        lines = data.decode("utf-8", errors="replace").split("\n")
         try:
             header = json.loads(lines[0])
             theirs = header["fingerprint"]

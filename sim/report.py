@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from rrfp.dispatch.auto import Auto
+from rrfp.iofiles import create_temp
 from rrfp.study import schema
 from rrfp.study.compare import Comparison, budget_note, summary
 from rrfp.study.metrics import paired_speedup
@@ -319,10 +320,14 @@ def format_table(result: ExperimentResult, header: list[str] | None = None) -> s
 
 
 def atomic_write(path: str | Path, write: Callable[[Path], Any]) -> None:
-    """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it into place."""
+    """Call ``write(tmp)`` on a temporary file next to ``path``, then rename it into place. The temp
+    file is created first, under a unique name and exclusively (rrfp.iofiles.create_temp), so ``write``
+    -- which opens it by name -- writes the file this process made, never a link planted at a
+    predictable name."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp{path.suffix}")
+    fd, tmp = create_temp(path)
+    os.close(fd)
     try:
         write(tmp)
         os.replace(tmp, path)

@@ -152,11 +152,11 @@ def test_every_bad_file_is_one_line_user_error_naming_file_and_place(tmp_path: P
 def test_an_unreadable_file_is_a_user_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = write(tmp_path / "l.txt", TOKENS)
 
-    def denied(self: Path) -> bytes:
+    def denied(*args: object) -> int:
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr(Path, "read_bytes", denied)  # as root, chmod 0 would not bite
-    with pytest.raises(LengthsError, match=r"l\.txt: cannot read \(Permission denied\)"):
+    monkeypatch.setattr("rrfp.iofiles.os.open", denied)  # as root, chmod 0 would not bite
+    with pytest.raises(LengthsError, match=r"l\.txt: cannot read the lengths file \(Permission denied\)"):
         read_lengths(path)
 
 

@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rrfp.iofiles import input_file
 from rrfp.plan.budget import BudgetError, resolve_budget
 from rrfp.plan.hints import Hint, HintError
 from rrfp.plan.sources import make_hint
@@ -217,10 +218,23 @@ def _make_hint(name: str, spec: PipelineSpec, source: str) -> Hint:
     kwargs: dict[str, Any] = {}
     if name in CLASS_HINTS:
         kwargs = {"placement": spec.placement, "split": spec.split}
+    where = f"{source}: field 'hint'"
+    if name.lower().endswith(".csv"):  # a path the trace names: the one input check, before any open
+        try:
+            input_file(name, "schedule CSV", error=ReplayError)
+        except ReplayError as e:
+            raise ReplayError(f"{where}: {e}") from None
     try:
         hint = make_hint(name, spec.pp, spec.microbatches, spec.virtual_stages, **kwargs)
     except (HintError, SpecError) as e:
-        raise ReplayError(f"{source}: field 'hint': cannot rebuild the run's hint {name!r}: {e}") from e
+        if name.lower().endswith(".csv"):
+            # The file is one the trace names, not the user: its parse error would quote its cells, so
+            # an untrusted trace could make any local .csv show up in the error. Say only that it failed.
+            raise ReplayError(
+                f"{where}: the schedule CSV {name!r} it names does not rebuild the run's pipeline "
+                f"(--hint {name} says why)"
+            ) from None
+        raise ReplayError(f"{where}: cannot rebuild the run's hint {name!r}: {e}") from e
     if hint.spec != spec:
         raise ReplayError(
             f"{source}: field 'hint': hint {name!r} implies {_describe(hint.spec)}, "
@@ -333,6 +347,7 @@ class _Loader:
         self._check_order(computes)
         occupancy = self._occupancy(computes)
         durations = self._durations(spec, occupancy)
+        self._check_time(iters, durations)
         latency, link, waited = self._latencies(spec, occupancy)
         budget, how = self._budget()
         self._note_messages(spec, latency)
@@ -589,6 +604,14 @@ class _Loader:
         for it, start in zip(self.col["iteration"].tolist(), self.col["start"].tolist(), strict=True):
             out[it] = min(out.get(it, math.inf), start)
         return out
+
+    def _check_time(self, iters: list[int], durations: np.ndarray) -> None:
+        """Each iteration must record compute time: one whose tasks all last 0 s would simulate to a
+        0 s iteration, which no time, throughput or speedup can be computed from."""
+        for k, it in enumerate(iters):
+            if not np.nansum(durations[k]) > 0:
+                self.fail(None, None, f"iteration {it}: every compute task lasts 0 s (start == end): "
+                          "a replay needs recorded durations > 0")  # fmt: skip
 
     def _durations(
         self, spec: PipelineSpec, occ: dict[tuple[int, int, Task], tuple[float, float]]

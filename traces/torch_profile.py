@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import bisect
 import gzip
+import io
 import json
 import math
 import re
@@ -59,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from rrfp.iofiles import MAX_READ_BYTES, read_bytes
 from rrfp.plan.task import Op, Task
 from rrfp.traces.trace import TraceError, TraceRecorder
 
@@ -121,11 +123,9 @@ class RankTrace:
 # --------------------------------------------------------------------------------------------------
 def load_kineto(path: Path) -> dict[str, Any]:
     """The JSON object of a Kineto trace (``.json`` or ``.json.gz``); TraceError naming the problem."""
-    if not path.is_file():
-        raise TraceError(f"{path}: {'not a file' if path.exists() else 'no such trace file'}")
+    raw = read_bytes(path, "trace file", error=TraceError)
     try:
-        raw = path.read_bytes()
-        text = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+        text = _gunzip(raw) if raw[:2] == b"\x1f\x8b" else raw
         data = json.loads(text)
     except (OSError, EOFError, UnicodeDecodeError) as e:
         raise TraceError(f"{path}: cannot read the file ({_one_line(e)})") from e
@@ -134,6 +134,15 @@ def load_kineto(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise TraceError(f"{path}: not a Kineto trace (no 'traceEvents' list)")
     return data
+
+
+def _gunzip(raw: bytes) -> bytes:
+    """``raw`` decompressed, at most MAX_READ_BYTES: a small .gz must not inflate without bound."""
+    with gzip.GzipFile(fileobj=io.BytesIO(raw)) as f:
+        text = f.read(MAX_READ_BYTES + 1)
+    if len(text) > MAX_READ_BYTES:
+        raise OSError(f"decompresses to more than {MAX_READ_BYTES >> 20} MiB")
+    return text
 
 
 def _one_line(e: BaseException) -> str:

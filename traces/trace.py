@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rrfp.errors import UserError
+from rrfp.iofiles import MAX_READ_BYTES, input_file
 from rrfp.plan.task import OPS, Task
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -468,8 +469,10 @@ def read_trace(path: str | Path) -> pd.DataFrame:
         raise TraceError(
             f"{path}: cannot read a {path.suffix or 'suffix-less'} trace (expected .parquet or .csv)"
         )
-    if not path.is_file():
-        raise TraceError(f"{path}: {'not a file' if path.exists() else 'no such trace file'}")
+    # the one input check (rrfp.iofiles): a FIFO or a device never reaches the reader, which would block
+    # or read on forever; a CSV is read whole, so its size is capped
+    cap = MAX_READ_BYTES if reader is _read_csv else None
+    input_file(path, "trace file", error=TraceError, max_bytes=cap)
     return reader(path)
 
 

@@ -17,12 +17,13 @@ split ones has each B lowered to I then W (see :mod:`rrfp.plan.torch_schedules`)
 from __future__ import annotations
 
 import csv
+import io
 import os
 import re
-import secrets
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from rrfp.iofiles import create_temp, read_bytes
 from rrfp.plan.hints import HintError, validate_orders
 from rrfp.plan.spec import PipelineSpec, SpecError
 from rrfp.plan.task import Op, Task
@@ -33,6 +34,8 @@ Orders = dict[int, list[Task]]
 _COMPUTE = re.compile(r"^(\d+)([FBIW])(\d+)$")
 _OTHER = re.compile(r"^\d+(UNSHARD|RESHARD|REDUCE_GRAD|(SEND|RECV)_[FB]\d+)$")
 _OVERLAP = re.compile(r"^\((.*)\)OVERLAP_F_B$")
+MAX_CSV_BYTES = 64 << 20
+"""The largest schedule CSV read: MAX_TASKS (rrfp.plan.spec) actions of a few bytes each fit well below."""
 
 
 def save_orders_csv(path: str | os.PathLike[str], orders: Mapping[int, Sequence[Task]]) -> None:
@@ -42,7 +45,7 @@ def save_orders_csv(path: str | os.PathLike[str], orders: Mapping[int, Sequence[
     if ranks != list(range(len(ranks))):
         raise HintError(f"orders must cover ranks 0..{len(ranks) - 1} exactly, got ranks {ranks}")
     target = Path(path)
-    fd, tmp = _create_temp(target)
+    fd, tmp = create_temp(target)  # exclusive: a link planted at the temp name is never followed
     try:
         with os.fdopen(fd, "w", newline="") as f:
             writer = csv.writer(f)
@@ -56,19 +59,6 @@ def save_orders_csv(path: str | os.PathLike[str], orders: Mapping[int, Sequence[
         raise
 
 
-def _create_temp(target: Path) -> tuple[int, Path]:
-    """A new, unique file next to ``target``, open for writing, created with mode 0666 so the umask
-    decides its mode (``tempfile.mkstemp`` makes 0600 files: a saved hint would not be group-readable)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-    for _ in range(100):
-        tmp = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
-        try:
-            return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:
-            continue
-    raise FileExistsError(f"no unused temporary name next to {target}")
-
-
 def load_orders_csv(
     path: str | os.PathLike[str], microbatches: int | None = None
 ) -> tuple[PipelineSpec, Orders]:
@@ -77,12 +67,10 @@ def load_orders_csv(
     ``microbatches``, when given, must match the file's. Anything malformed raises HintError with
     one line naming the row (= rank) and column (both 1-based, as a spreadsheet shows them).
     """
+    data = read_bytes(path, "schedule CSV", error=HintError, max_bytes=MAX_CSV_BYTES)
     try:
         # utf-8 explicitly: the locale's encoding must not decide what a schedule file means
-        with open(path, newline="", encoding="utf-8") as f:
-            rows = list(csv.reader(f))
-    except OSError as e:
-        raise HintError(f"{path}: cannot read schedule CSV ({e.strerror or e})") from e
+        rows = list(csv.reader(io.StringIO(data.decode("utf-8"), newline="")))
     except UnicodeDecodeError as e:  # binary data, or text in another encoding
         raise HintError(f"{path}: not UTF-8 text (byte {e.start}), not a schedule CSV") from e
     except csv.Error as e:

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from rrfp.errors import UserError
+from rrfp.iofiles import MAX_READ_BYTES, input_file, read_bytes
 from rrfp.workload.jitter import JitterError, make_distribution
 
 LENGTH_FAMILIES = ("none", "normal", "lognormal", "gamma", "pareto")
@@ -221,8 +222,7 @@ def lengths_table(text: str | Path) -> LengthsTable:
 def read_lengths(path: str | Path) -> LengthsTable:
     """Read a lengths file by suffix (see the module docstring); :class:`LengthsError` if unusable."""
     path = Path(path)
-    if not path.is_file():
-        raise LengthsError(f"{path}: {'not a file' if path.exists() else 'no such lengths file'}")
+    input_file(path, "lengths file", error=LengthsError, max_bytes=MAX_READ_BYTES)
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         return _read_parquet(path)
@@ -233,10 +233,7 @@ def read_lengths(path: str | Path) -> LengthsTable:
 
 
 def _read_bytes(path: Path) -> bytes:
-    try:
-        return path.read_bytes()
-    except OSError as e:
-        raise LengthsError(f"{path}: cannot read ({e.strerror or type(e).__name__})") from e
+    return read_bytes(path, "lengths file", error=LengthsError)
 
 
 def _text(path: Path, data: bytes) -> str:
