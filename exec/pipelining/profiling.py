@@ -56,7 +56,7 @@ from rrfp.traces.profile import OpCost, Profile, write_profile
 
 MIN_R2 = 0.3
 """Below this R^2 the bytes do not explain the message times (noise dominates small messages): the
-message cost is their median, with no bandwidth term."""
+message cost is their mean, with no bandwidth term."""
 
 
 @dataclass(frozen=True)
@@ -356,7 +356,8 @@ def _linear(x: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
 
 def _message_fit(frame: Any, warmup: int) -> tuple[float, float, dict[str, Any]]:
     """(latency s, bandwidth B/s, what was fitted) of the messages: from posted on the sender to usable
-    on the receiver, by bytes; one size only: the median at that size and an infinite bandwidth. Usable
+    on the receiver, by bytes; one size only (or bytes that do not explain the times): the mean -- a
+    wake-up's long tail included, as a step pays it -- and an infinite bandwidth. Usable
     is when the receiver's wait that the message ended ended -- the wake-up of its loop is part of what
     a message costs the consumer -- for the messages that woke a waiting receiver when there are at
     least 5 (the ones on the critical path; as rrfp.traces.fit fits them), else arrived, for all."""
@@ -375,7 +376,7 @@ def _message_fit(frame: Any, warmup: int) -> tuple[float, float, dict[str, Any]]
     slope, intercept, r2 = _linear(nbytes, cost)
     info["r2"] = None if math.isnan(r2) else r2
     if math.isnan(r2) or r2 < MIN_R2 or slope <= 0 or intercept < 0:  # bytes do not explain the times
-        return float(np.median(cost)), math.inf, info
+        return float(np.mean(cost)), math.inf, info
     return intercept, 1.0 / slope, info
 
 
