@@ -16,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from rrfp.study.execution import JobFailed, parse_workers, resolve_workers, run_jobs, without_execution_args
+from rrfp.study.execution import (
+    JobFailed,
+    available_cores,
+    parse_workers,
+    resolve_workers,
+    run_jobs,
+    without_execution_args,
+)
 
 SMALL = ["--stages", "4", "-m", "8", "--seeds", "3"]
 GRID = ["--grid", "cv=0.1,1.0", "--grid", "memory-budget=1x,2x"]
@@ -152,7 +159,7 @@ def test_workers_values() -> None:
             parse_workers(bad)
     assert resolve_workers("auto", 4) == 1  # few jobs: in this process
     assert resolve_workers("auto", 100, seconds=1.0) == 1  # quick: in this process
-    assert resolve_workers(8, 3) == 3  # never more processes than jobs
+    assert resolve_workers(8, 3) == min(3, available_cores())  # never more processes than jobs or cores
     argv = ["--seeds", "3", "--workers", "2", "--resume", "--workers=4"]
     assert without_execution_args(argv) == ["--seeds", "3"]
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import sys
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import CancelledError, Executor, Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -71,19 +72,29 @@ def available_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def resolve_workers(workers: int | str, jobs: int, seconds: float | None = None) -> int:
+def resolve_workers(
+    workers: int | str, jobs: int, seconds: float | None = None, *, prog: str = "rrfp-sim"
+) -> int:
     """How many processes ``workers`` means for ``jobs`` independent jobs estimated at ``seconds``
-    (None: unknown, counted as large): never more than the jobs. Inside :func:`execution` with a Dask
-    cluster: the cluster's worker threads, and never 1 -- 1 means this process, and ``--dask`` sends
-    every study to the cluster (only a traced run, which callers pin to 1, stays here)."""
+    (None: unknown, counted as large): never more than the jobs, nor than the cores this process may
+    run on -- CPU-bound jobs gain nothing from more, and each process costs memory and a start-up
+    (``--workers 1000`` would start one per job); a one-line note on stderr says when the cores cap a
+    request. Inside :func:`execution` with a Dask cluster: the cluster's worker threads, and never 1 --
+    1 means this process, and ``--dask`` sends every study to the cluster (only a traced run, which
+    callers pin to 1, stays here)."""
     cluster = _CLUSTER.get()
     if cluster is not None:
         return max(2, min(cluster.threads(), jobs))
     n = parse_workers(workers)
+    cores = available_cores()
     if n == AUTO:
         small = jobs < AUTO_MIN_JOBS or (seconds is not None and seconds < AUTO_MIN_SECONDS)
-        n = 1 if small else available_cores()
-    return max(1, min(int(n), jobs))
+        n = 1 if small else cores
+    wanted = max(1, min(int(n), jobs))
+    if wanted > cores:
+        print(f"{prog}: note: --workers {n}: running {cores} processes, the cores this process may use",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return min(wanted, cores)
 
 
 class InlineExecutor(Executor):

@@ -15,6 +15,9 @@ This module is plain data at import time; click is imported inside the functions
 
 from __future__ import annotations
 
+import errno
+import io
+import os
 import re
 import shlex
 import sys
@@ -330,7 +333,44 @@ def deprecated(prog: str, message: str) -> None:
     print(f"{prog}: deprecated: {' '.join(message.split())}", file=sys.stderr, flush=True)
 
 
-_OUTPUT_ERRNOS = frozenset({28, 32, 27, 30, 122})  # ENOSPC, EPIPE, EFBIG, EROFS, EDQUOT
+_OUTPUT_ERRNOS = frozenset({28, 32, 27, 30, 122, errno.EBADF})  # ENOSPC, EPIPE, EFBIG, EROFS, EDQUOT
+
+
+class _ClosedStdout(io.TextIOBase):
+    """Stands in for a stdout the command was started without (``>&-``, where Python makes sys.stdout
+    None and print() drops everything): writing the result raises, so the CLI says in one line that
+    the output was lost instead of exiting 0 with nothing written."""
+
+    encoding = "utf-8"
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if text:  # click probes a stream with an empty write
+            raise OSError(errno.EBADF, "stdout is closed, so the result has nowhere to go")
+        return 0
+
+
+def guard_closed_stdout() -> None:
+    """If this process started with file descriptor 1 closed: park /dev/null on it (else the next file
+    opened would get descriptor 1, and anything writing to "stdout" would write into that file) and
+    make sys.stdout raise on the first write (:class:`_ClosedStdout`)."""
+    try:
+        os.fstat(1)
+        closed = sys.stdout is None
+    except OSError:
+        closed = True
+    if not closed:
+        return
+    try:
+        fd = os.open(os.devnull, os.O_WRONLY)
+        if fd != 1:
+            os.dup2(fd, 1)
+            os.close(fd)
+    except OSError:
+        pass  # no /dev/null: descriptor 1 stays free, and sys.stdout still refuses every write
+    sys.stdout = _ClosedStdout()
 
 
 def os_error_line(e: OSError) -> str:
@@ -374,6 +414,7 @@ def one_line_errors(base: type, prog: str, sigterm: bool = False) -> type:
                 return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
             if sigterm:
                 _stop_on_sigterm()
+            guard_closed_stdout()
             try:
                 rv = super().main(args, prog_name or prog, complete_var, standalone_mode=False, **extra)
             except click.ClickException as e:  # usage errors, bad values: the user's
