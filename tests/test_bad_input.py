@@ -108,10 +108,11 @@ RUN_NUMERIC: list[tuple[str, str, list[str], bool]] = [
     ("--cv", "nonneg", [*RUN, "--synthetic"], True), ("--time-unit-ms", "pos", [*RUN, "--synthetic"], True),
     ("--tolerance", "pos", [*RUN, "--check"], True), ("--device-tflops", "pos", RUN, False),
     ("--timeout", "pos", RUN, False), ("--threads", "int_pos", RUN, False),
-    ("--max-local-ranks", "int_pos", RUN, False),
+    ("--max-local-ranks", "int_pos", RUN, False), ("--intra-node-bw", "pos", RUN, False),
+    ("--inter-node-bw", "pos", RUN, False),
 ]  # fmt: skip
 RUN_ONLY_WITHOUT_DRY = {"--timeout", "--threads", "--max-local-ranks"}
-RUN_ONLY_WITH_DRY = {"--device-tflops"}
+RUN_ONLY_WITH_DRY = {"--device-tflops", "--intra-node-bw", "--inter-node-bw"}  # on one node (RUN)
 
 # Known, not fixed here.
 NUMERIC_XFAIL: dict[tuple[str, str, str], str] = {}
