@@ -49,3 +49,23 @@ def starts(sched: Any, announced: int) -> dict[str, Any]:
     except Exception as e:
         row["after_close"] = f"{type(e).__name__}: {e}"
     return row
+
+
+def readiness(stages: Any, n: int, loss_fn: Any = None, **kw: Any) -> Any:
+    """A ScheduleReadiness with the test case's options: ``announce=``/``sized=`` (a driver's wiring)
+    go through ``with_options``, the rest to the constructor."""
+    from rrfp.exec import ScheduleReadiness
+    from rrfp.exec.pipelining.engine import ScheduleOptions
+
+    wiring = {k: kw.pop(k) for k in ("announce", "sized") if k in kw}
+    if not wiring:
+        return ScheduleReadiness(stages, n, loss_fn, **kw)
+    return ScheduleReadiness.with_options(stages, n, loss_fn, options=ScheduleOptions(**wiring), **kw)
+
+
+def kind_of(e: BaseException) -> str:
+    """What a case row records of an error: rrfp's own by type name (StageFailed on the ranks that did
+    not raise), anything else as the user's (the rank whose code raised gets its own error back)."""
+    from rrfp.errors import RrfpError
+
+    return type(e).__name__ if isinstance(e, RrfpError) else f"user's {type(e).__name__}"

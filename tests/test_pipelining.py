@@ -89,9 +89,11 @@ def test_matrix_equals_reference_and_torch(two: list[dict[str, Any]], model: str
 
 def test_four_ranks(four: list[dict[str, Any]]) -> None:
     assert_equal_to_reference([r for r in four if r["case"].get("kind") != "error"])
-    failed = rows(four, kind="error")
-    assert {r["raised"] for r in failed} == {"StageFailed"}, failed
-    assert all("rank 3 raised RuntimeError: boom" in r["text"] for r in failed), failed
+    failed = {r["rank"]: r for r in rows(four, kind="error")}
+    assert failed[3]["raised"] == "user's RuntimeError" and "boom" in failed[3]["text"], failed
+    others = [failed[r] for r in (0, 1, 2)]
+    assert {r["raised"] for r in others} == {"StageFailed"}, failed
+    assert all("rank 3 raised RuntimeError: boom" in r["text"] for r in others), failed
 
 
 def test_the_example_trains(launches: dict[str, Launch]) -> None:
@@ -242,7 +244,7 @@ def test_announce_resolution() -> None:
         assert "\n" not in str(e.value)
 
 
-ERRORS = {
+ERRORS = {  # set-up errors: every rank raises the same one
     "budget": ("BudgetError", "below the peak"),
     "order": ("StageLayoutError", "puts stages [0] on pipeline rank 0, but it holds [1]"),
     "count": ("StageLayoutError", "3 stages on 2 ranks"),
@@ -250,24 +252,20 @@ ERRORS = {
     "loss_one_rank": ("LossError", "ranks disagree on loss_fn"),
     "announce": ("StageLayoutError", "announce='sometimes': choose one of auto, board, all, backward, none"),
     "announce_one_rank": ("StageLayoutError", "ranks disagree on announce: rank 0: 'none', rank 1: 'all'"),
-    "rows": ("StageFailed", "rank 0 raised MicrobatchError"),
-    "mbs": ("StageFailed", "rank 0 raised MicrobatchError: arg_mbs has 3 microbatches"),
-    "no_target": ("StageFailed", "rank 1 raised LossError: a training step needs target="),
-    "raises": ("StageFailed", "rank 1 raised RuntimeError: boom in the user's module"),
-    "stacked": (
-        "StageFailed",
-        "rank 0 raised MicrobatchError: arg_mbs must be a list of microbatches, not Tensor",
-    ),
-    "losses_tuple": ("StageFailed", "rank 1 raised LossError: losses must be a list (cleared, then filled)"),
-    "nonscalar": (
-        "StageFailed",
-        "stage backward: RuntimeError: grad can be implicitly created only for scalar",
-    ),
+}
+STEP_ERRORS = {  # a step's error: (the rank that raised, its type, its message); the others StageFailed
+    "rows": (0, "MicrobatchError", "cannot split the batch into 4 microbatches"),
+    "mbs": (0, "MicrobatchError", "arg_mbs has 3 microbatches"),
+    "no_target": (1, "LossError", "a training step needs target="),
+    "raises": (1, "user's RuntimeError", "boom in the user's module"),
+    "stacked": (0, "MicrobatchError", "arg_mbs must be a list of microbatches, not Tensor"),
+    "losses_tuple": (1, "LossError", "losses must be a list (cleared, then filled)"),
+    "nonscalar": (1, "user's RuntimeError", "grad can be implicitly created only for scalar"),
 }
 
 
 @pytest.mark.parametrize("error", list(ERRORS))
-def test_errors_on_every_rank(two: list[dict[str, Any]], error: str) -> None:
+def test_setup_errors_on_every_rank(two: list[dict[str, Any]], error: str) -> None:
     found = rows(two, kind="error", error=error)
     kind, text = ERRORS[error]
     assert len(found) == 2
@@ -275,6 +273,21 @@ def test_errors_on_every_rank(two: list[dict[str, Any]], error: str) -> None:
         assert r["raised"] == kind and text in r["text"], r
         assert "\n" not in r["text"]
         assert r.get("seconds", 0.0) < 10.0  # the peers did not sit out their timeout
+
+
+@pytest.mark.parametrize("error", list(STEP_ERRORS))
+def test_step_error_keeps_its_type_where_raised(two: list[dict[str, Any]], error: str) -> None:
+    """The rank whose code raised gets its own exception back (a user's RuntimeError stays one); every
+    other rank raises StageFailed, a RuntimeError naming that rank and the type."""
+    found = {r["rank"]: r for r in rows(two, kind="error", error=error)}
+    origin, kind, text = STEP_ERRORS[error]
+    assert sorted(found) == [0, 1]
+    assert found[origin]["raised"] == kind and text in found[origin]["text"], found[origin]
+    other = found[1 - origin]
+    assert other["raised"] == "StageFailed", other
+    assert f"rank {origin} raised {kind.removeprefix(\"user's \")}: " in other["text"], other
+    assert text in other["text"] and "\n" not in other["text"], other
+    assert all(r.get("seconds", 0.0) < 10.0 for r in found.values())  # nobody sat out a timeout
 
 
 # -- in one process -----------------------------------------------------------------------------

@@ -258,10 +258,45 @@ class Transport:
     def close(self, timeout: float) -> None:
         """Tell every peer this rank sends nothing more, and wait for the receiver threads to finish."""
         self.flush(timeout)
-        close = [KIND_CLOSE] + [0] * (HEADER_LEN - 1)  # a header-only message fits any buffer
-        for _, group, group_peer in self._out.values():
-            group.send([torch.tensor(close, dtype=torch.int64, device=self.device)], group_peer, 0).wait()
         deadline = time.monotonic() + timeout
+        for work in self._post_close(strict=True):
+            work.wait()
+        self._join(deadline)
+
+    def shutdown(self, timeout: float) -> bool:
+        """End this rank's side without a collective and without raising (a process that ends without
+        ``close()``): flush, tell every peer that is still there that this rank sends nothing more, and
+        wait up to ``timeout`` s in all for the receiver threads, which end on each peer's own close (or
+        its connection's end). Returns whether every thread ended: a thread left blocked inside gloo
+        when the process groups are destroyed aborts the process."""
+        deadline = time.monotonic() + timeout
+        try:
+            self.flush(timeout)
+        except Exception:  # a peer is gone or stuck: its channel ends with it
+            pass
+        for work in self._post_close(strict=False):
+            try:
+                work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
+            except Exception:  # gone, or not reading
+                continue
+        return self._join(deadline)
+
+    def _post_close(self, strict: bool) -> list[Any]:
+        """Post a close header to every peer (header only: it fits any buffer); ``strict``: a failed
+        post raises, else that peer is skipped (it is gone)."""
+        close = [KIND_CLOSE] + [0] * (HEADER_LEN - 1)
+        works = []
+        for _, group, group_peer in self._out.values():
+            head = torch.tensor(close, dtype=torch.int64, device=self.device)
+            try:
+                works.append(group.send([head], group_peer, 0))
+            except Exception:
+                if strict:
+                    raise
+        return works
+
+    def _join(self, deadline: float) -> bool:
+        """Stop the sender thread and wait for the receivers (until ``deadline``); all ended?"""
         if self._outbox is not None and self._sender is not None:
             self._outbox.put(None)
             self._sender.join(max(0.0, deadline - time.monotonic()))
@@ -269,6 +304,7 @@ class Transport:
             t.join(max(0.0, deadline - time.monotonic()))
         if self._polled is not None:  # the peers' close messages, taken by polling as the threads would
             self._polled.wait_closed(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
 
     # -- receiver threads -------------------------------------------------------------------
     def _receive(self, peer: int, group: Any, group_peer: int) -> None:

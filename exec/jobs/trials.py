@@ -44,7 +44,7 @@ from rrfp.exec.models.model import Stage, build_stage
 from rrfp.exec.models.stage import StageRunner
 from rrfp.exec.models.synthetic import Injector, SyntheticRunner
 from rrfp.exec.pipelining.channels import ReadinessPipeline
-from rrfp.exec.pipelining.engine import DriverHooks, RuntimeFactory, driver_stages
+from rrfp.exec.pipelining.engine import DriverHooks, RuntimeFactory, ScheduleOptions, driver_stages
 from rrfp.exec.pipelining.schedule import ScheduleReadiness
 from rrfp.plan.budget import ByteBudget, parse_byte_item, resolve_budget
 from rrfp.plan.sources import make_hint
@@ -139,12 +139,12 @@ class RrfpTrial:
             runtime=self._megatron(), recorder=self.recorder, announce=ctx.announce, costs=ctx.groups.ctrl,
         )  # fmt: skip
         spec = hint.spec
-        return ScheduleReadiness(
+        return ScheduleReadiness.with_options(
             driver_stages(ctx.pipeline, spec.stages_of(ctx.topo.pp_rank), spec.num_stages),
             cfg.study.microbatches, hint=trial.hint, policy=trial.policy,
             memory_budget="1x" if self.bytes is not None or trial.budget is None else trial.budget,
             byte_budget=None if self.bytes is None else trial.budget or "1x",
-            pipeline=ctx.pipeline, timeout=cfg.timeout, driver=driver,
+            pipeline=ctx.pipeline, timeout=cfg.timeout, options=ScheduleOptions(driver=driver),
         )  # fmt: skip
 
     def _megatron(self) -> RuntimeFactory | None:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from rrfp.exec.comm.topology import CHANNEL_TIMEOUT, ring_channels
 from rrfp.exec.comm.transport import Transport
+from rrfp.exec.pipelining import endings
 from rrfp.exec.pipelining.errors import ClosedError, StageLayoutError
 
 
@@ -107,6 +108,8 @@ class ReadinessPipeline:
         self.closed = False
         self.broken: str | None = None
         """Why the channels carry nothing more (a step failed), or None."""
+        if owned and self.transport is not None:
+            endings.track(self)  # ended at destroy_process_group or exit if never closed
 
     @classmethod
     def over(
@@ -190,12 +193,24 @@ class ReadinessPipeline:
         if self.closed:
             return
         self.closed = True
+        endings.untrack(self)
         if self.transport is not None and self.broken is None and self._owned:
             self.transport.close(self.timeout)
             dist.barrier(group=self.ctrl)  # every peer's threads took our close before the groups go
             for g in self._groups:
                 dist.destroy_process_group(g)
         self._groups = []
+
+    def release(self) -> None:
+        """End this rank's channels without a collective and without raising, waiting up to the
+        pipeline's timeout for its peers' ends (rrfp.exec.pipelining.endings: a script that never calls
+        :meth:`close`). The groups are left to ``destroy_process_group``; the pipeline is closed."""
+        if self.closed:
+            return
+        self.closed = True
+        endings.untrack(self)
+        if self.transport is not None and self._owned:
+            self.transport.shutdown(self.timeout)
 
 
 def _replicas(tps: list[tuple[int, ...]], pipelines: list[tuple[int, ...]]) -> list[tuple[int, ...]]:

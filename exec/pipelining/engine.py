@@ -8,8 +8,9 @@ A torch user hands the schedule ``PipelineStage`` objects and it computes them i
 
     pipe = ReadinessPipeline.over(transport, ranks, ctrl, device, timeout, early)   # once, every rank
     stages = driver_stages(pipe, spec.stages_of(pp_rank), spec.num_stages)
-    schedule = ScheduleReadiness(stages, m, hint=..., policy=..., memory_budget=..., pipeline=pipe,
-                                 driver=DriverHooks(compute=runner, loop=ctx, number=index, ...))
+    hooks = DriverHooks(compute=runner, loop=ctx, number=index, ...)
+    schedule = ScheduleReadiness.with_options(stages, m, hint=..., policy=..., memory_budget=...,
+                                              pipeline=pipe, options=ScheduleOptions(driver=hooks))
     for it in range(n):
         runner.begin(...)                      # the driver's own data for this iteration
         stats = schedule.run_iteration(it, sizes=..., act_bytes=...)
@@ -53,8 +54,25 @@ RuntimeFactory = Callable[[RankContext, SchedulerProtocol, Runner, int, "Injecto
 
 
 @dataclass(frozen=True)
+class ScheduleOptions:
+    """Wiring beyond :class:`ScheduleReadiness`'s public arguments, given through
+    ``ScheduleReadiness.with_options(..., options=...)``: what rrfp-run's trials and experiments set."""
+
+    driver: DriverHooks | None = None
+    """A compute of the caller's own and its loop's surroundings instead of the stages' modules."""
+    announce: str = "auto"
+    """How a clocked policy's loop hears producer starts once calibrated: ``auto`` (the start board when
+    every rank of the pipeline is on one host, else messages), ``board``, or messages for ``all``,
+    ``backward`` or ``none`` of the ops (rrfp.exec.pipelining.starts); a driven schedule takes
+    ``driver.announce`` instead."""
+    sized: bool = False
+    """backfill/guarded: price each task at its microbatch's tokens, fitted on the calibrating step
+    (rrfp.exec.pipelining.sizing)."""
+
+
+@dataclass(frozen=True)
 class DriverHooks:
-    """What a driver with its own compute plugs into ``ScheduleReadiness(..., driver=)``."""
+    """What a driver with its own compute plugs into a schedule (``ScheduleOptions(driver=...)``)."""
 
     compute: Runner
     """Runs each task the scheduler starts (the runtime's ``Runner`` protocol); the driver begins it on

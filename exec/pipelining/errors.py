@@ -1,9 +1,11 @@
-"""The one-line errors of rrfp.exec.pipelining: all :class:`rrfp.errors.UserError` subclasses, raised on
-every rank of the pipeline where the cause is on one rank only (rrfp.exec.pipelining.schedule)."""
+"""The one-line errors of rrfp.exec.pipelining: bad arguments are :class:`rrfp.errors.UserError`
+subclasses (``ValueError``), raised on every rank of the pipeline alike where the set-up agreement finds
+them; a step that fails raises the error itself on the rank that raised it and :class:`StageFailed`
+(``RuntimeError``) on the others (rrfp.exec.pipelining.schedule)."""
 
 from __future__ import annotations
 
-from rrfp.errors import UserError
+from rrfp.errors import RunFailure, UserError
 
 
 class PipeliningError(UserError):
@@ -26,8 +28,18 @@ class StageIOError(PipeliningError):
     """A stage passed something other than tensors (or None) to the next stage."""
 
 
-class StageFailed(PipeliningError):
-    """A rank raised during a step: every rank raises this, naming that rank and its error."""
+class StageFailed(RunFailure):
+    """Another rank raised during a step (or a peer was lost): this rank stops too, naming that rank and
+    the type of its error. A ``RuntimeError`` (as torch's errors for a lost peer are); the rank whose own
+    code raised re-raises that exception itself, its type kept. ``rank``: the global rank that raised
+    first (None: unknown); ``error_type``: the name of its exception's type."""
+
+    def __init__(self, message: str, rank: int | None = None, error_type: str = "") -> None:
+        super().__init__(message)
+        self.rank, self.error_type = rank, error_type
+
+    def __reduce__(self) -> tuple[object, ...]:  # pickles with its fields (multiprocessing, rpc)
+        return (type(self), (str(self), self.rank, self.error_type))
 
 
 class ClosedError(PipeliningError):

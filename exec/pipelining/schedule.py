@@ -115,7 +115,7 @@ from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
 from rrfp.exec.loop.switch import AutoRecord, AutoSwitch, TaskMeter
 from rrfp.exec.pipelining.channels import ReadinessPipeline
 from rrfp.exec.pipelining.compute import StageCompute
-from rrfp.exec.pipelining.engine import DriverHooks, DriverSteps
+from rrfp.exec.pipelining.engine import DriverSteps, ScheduleOptions
 from rrfp.exec.pipelining.errors import (
     ClosedError,
     LossError,
@@ -140,21 +140,27 @@ _TARGET_SPEC = TensorChunkSpec(0)
 class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
     """A readiness-driven pipeline schedule over torch ``PipelineStage`` objects.
 
-    ``stages``: this rank's ``PipelineStage`` (or a list of them: interleaved ``loop`` placement, stage
-    ``chunk * pp + rank``, or the ``v`` placement of zbv, stages ``r`` and ``2 pp - 1 - r``; they must be
-    where the hint puts them). ``hint``/``policy``/``memory_budget``: the reference order, the dispatch
-    policy, the activation budget (module docstring). ``pipeline``: a :class:`ReadinessPipeline` to share
-    (default: one of its own, closed by :meth:`close`). ``seed``: the dropout streams' seed.
-    ``fork_rng=False`` skips the per-forward RNG fork (a little faster; dropout then depends on the
-    order). ``timeout``: the most seconds a rank waits for an input (default: the pipeline's, 120 s for one
-    made here); after a failure the others are waited for up to twice the pipeline's timeout.
-    The chunk and merge specs are torch's. ``mb_order``, ``sized``, ``tp_group``: the module docstring.
-    ``driver``: a compute of the caller's own and its loop's surroundings instead of the stages' modules
-    (rrfp.exec.pipelining.engine; rrfp-run's trials). ``announce``: how a clocked policy's loop tells
-    consumers of producer starts once calibrated -- ``auto`` (the start board when every rank of the
-    pipeline is on one host, else messages), ``board``, or messages for ``all``, ``backward`` or ``none``
-    of the ops (rrfp-run's ``--announce``; rrfp.exec.pipelining.starts); a driven schedule takes
-    ``driver.announce`` instead.
+    torch's arguments first, in torch's order (``stages, n_microbatches, loss_fn, args_chunk_spec,
+    kwargs_chunk_spec, output_merge_spec, scale_grads, backward_requires_autograd``), so a call written
+    for ``PipelineScheduleMulti`` (torchtitan's) binds unchanged. ``stages``: this rank's
+    ``PipelineStage`` (or a list of them: interleaved ``loop`` placement, stage ``chunk * pp + rank``, or
+    the ``v`` placement of zbv, stages ``r`` and ``2 pp - 1 - r``; they must be where the hint puts
+    them). ``backward_requires_autograd``: accepted for torch's signature; a step under ``torch.no_grad``
+    runs forward only here (torch raises).
+
+    Then rrfp's, keyword-only. ``hint``/``policy``: the reference order and the dispatch policy.
+    ``memory_budget``: activation slots per rank (``"1x"`` the hint's own peak, ``"2x"``, or a count);
+    ``byte_budget``: bytes instead (``"1.5x"`` of the hint order's byte peak, or ``"64MiB"``), fitted on
+    the first training step. Two arguments, not one, because ``"2x"`` means a different peak in each
+    unit and a reader should not have to know which the syntax picked; give one of them.
+    ``seed``: the dropout streams' seed; ``fork_rng=False`` skips the per-forward RNG fork (a little
+    faster; dropout then depends on the order). ``timeout``: the most seconds a rank waits for an input
+    (default: the pipeline's, 120 s for one made here). ``trace_out``: a trace of the training steps,
+    written by :meth:`close`. ``mb_order``, ``tp_group``: the module docstring. ``pipeline``: a
+    :class:`ReadinessPipeline` to share (default: one of its own, ended by :meth:`close`, by
+    ``dist.destroy_process_group()`` or at exit -- rrfp.exec.pipelining.endings).
+    A driver's own wiring (its compute, the announce medium, per-microbatch pricing) goes through
+    :meth:`with_options`.
     """
 
     def __init__(
@@ -162,26 +168,29 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         stages: Any,
         n_microbatches: int,
         loss_fn: Any = None,
+        args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
+        kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
+        output_merge_spec: Any = None,
+        scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
         *,
         hint: str = "1f1b",
         policy: str | Policy = DEFAULT_POLICY,
         memory_budget: str | int = "1x",
         byte_budget: str | None = None,
-        scale_grads: bool = True,
-        pipeline: ReadinessPipeline | None = None,
         seed: int = 0,
         fork_rng: bool = True,
         timeout: float | None = None,
         trace_out: str | None = None,
-        args_chunk_spec: tuple[TensorChunkSpec, ...] | None = None,
-        kwargs_chunk_spec: dict[str, TensorChunkSpec] | None = None,
-        output_merge_spec: Any = None,
         mb_order: str = "none",
-        sized: bool = False,
         tp_group: Any = None,
-        driver: DriverHooks | None = None,
-        announce: str = "auto",
+        pipeline: ReadinessPipeline | None = None,
     ) -> None:
+        options: ScheduleOptions = self.__dict__.pop("_options", None) or ScheduleOptions()
+        driver, announce = options.driver, options.announce
+        # torch raises in step() under no_grad when this is True; this schedule runs such a step forward
+        # only (as eval() does), so the flag is kept for torch's signature (torchtitan passes it).
+        self.backward_requires_autograd = bool(backward_requires_autograd)
         stages = _stage_list(stages)
         self._driver = driver
         if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
@@ -203,20 +212,32 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         self.timeout = pipe.timeout if timeout is None else float(timeout)
         if driver is not None and trace_out is not None:
             raise StageLayoutError("a driven schedule's trace goes to driver.recorder, not trace_out")
-        self.mb_order, self.sized = mb_order, bool(sized)
+        self.mb_order, self.sized = mb_order, bool(options.sized)
         self._user_sized = getattr(policy, "sized", None) is not None  # a policy object's own sized model
         sizing = (mb_order, self.sized, self._user_sized)
         self.board: StartBoard | None = None
         """This schedule's start board (announce mode ``board``; unmapped by :meth:`close`), or None."""
         self._closed = False
-        self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget, *sizing), announce)
-        try:  # every rank checked the same arguments: what fails now fails on every rank alike
+        try:  # every rank checks the same arguments: what fails now fails on every rank alike
+            self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget, *sizing), announce)
             self._build(stages, policy, memory_budget, byte_budget, fork_rng, trace_out, announce)
-        except Exception:
+        except BaseException:
             self._free_board()
-            if self._owns_pipeline:  # collective, as every rank is here
-                self.pipeline.close()
+            if self._owns_pipeline:  # the user has no object to close: end the channels built here
+                self.pipeline.release()
             raise
+
+    @classmethod
+    def with_options(
+        cls, stages: Any, n_microbatches: int, loss_fn: Any = None, *, options: ScheduleOptions, **kwargs: Any
+    ) -> ScheduleReadiness:
+        """A schedule with the wiring a driver needs beyond the public arguments (``options``: a
+        :class:`~rrfp.exec.pipelining.engine.ScheduleOptions`: rrfp-run's compute, its announce medium,
+        per-microbatch pricing); ``kwargs`` are the constructor's."""
+        self = cls.__new__(cls)
+        self._options = options  # read (and dropped) by __init__
+        self.__init__(stages, n_microbatches, loss_fn, **kwargs)  # type: ignore[misc]
+        return self
 
     def _build(
         self, stages: list[Any], policy: str | Policy, memory_budget: Any, byte_budget: str | None,
@@ -420,11 +441,21 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
     # -- steps -------------------------------------------------------------------------------------
     def step(
         self, *args: Any, target: Any = None, losses: list | None = None, return_outputs: bool = True,
-        loss_kwargs: dict[str, Any] | None = None, **kwargs: Any,
+        loss_kwargs: dict[str, Any] | None = None, arg_mbs: Sequence[Any] | None = None,
+        kwarg_mbs: Sequence[dict[str, Any]] | None = None, target_mbs: Sequence[Any] | None = None,
+        **kwargs: Any,
     ) -> Any:  # fmt: skip
         """One step on a whole batch (torch's contract): ``args`` (first stage's rank) and ``target``
         (last stage's rank) are split into ``n_microbatches`` along dim 0; returns the merged output on
-        the last stage's rank (None elsewhere or with ``return_outputs=False``)."""
+        the last stage's rank (None elsewhere or with ``return_outputs=False``). Or, as torch's later
+        releases and torchtitan call it, on microbatches already split: ``arg_mbs=`` (first stage's
+        rank), ``kwarg_mbs=`` (every rank), ``target_mbs=`` (last stage's rank) -- then as
+        :meth:`step_microbatches`. ``torch``'s ``eval()`` calls this with either form."""
+        if arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None:
+            mixed = bool(args or kwargs) or target is not None
+            return self._step_split(
+                arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs, mixed
+            )
         has_first = any(s.is_first for s in self._stages)
         has_last = any(s.is_last for s in self._stages)
 
@@ -454,23 +485,42 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         return self._merge_outputs(outputs)
 
     def step_microbatches(
-        self, arg_mbs: Sequence[Any] | None = None, target_mbs: Sequence[Any] | None = None,
-        losses: list | None = None, kwarg_mbs: Sequence[dict[str, Any]] | None = None,
-        return_outputs: bool = True, loss_kwargs: dict[str, Any] | None = None,
+        self, arg_mbs: Sequence[Any] | None = None, kwarg_mbs: Sequence[dict[str, Any]] | None = None,
+        target_mbs: Sequence[Any] | None = None, losses: list | None = None, return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
     ) -> Any:  # fmt: skip
         """One step on microbatches the caller split -- of any shapes (variable sequence lengths), with
-        no padding: ``arg_mbs`` (first stage's rank; each a tensor or a tuple of tensors) and
-        ``target_mbs`` (last stage's rank), ``n_microbatches`` of each; ``kwarg_mbs``: per-microbatch
-        keyword arguments for this rank's stages. Returns, on the last stage's rank, the outputs merged
-        along dim 0 when their shapes allow it, else the list of per-microbatch outputs."""
+        no padding; torch's names in torch's order. ``arg_mbs`` (first stage's rank; each a tensor or a
+        tuple of tensors), ``kwarg_mbs`` (per-microbatch keyword arguments for this rank's stages, a
+        list of dicts: each rank passes its own, e.g. positions or document lengths on every rank),
+        ``target_mbs`` (last stage's rank), ``n_microbatches`` of each. Returns, on the last stage's
+        rank, the outputs merged along dim 0 when their shapes allow it, else the list of
+        per-microbatch outputs."""
+        return self._step_split(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs, False)
+
+    def _step_split(
+        self, arg_mbs: Any, kwarg_mbs: Any, target_mbs: Any, losses: list | None, return_outputs: bool,
+        loss_kwargs: dict[str, Any] | None, mixed: bool,
+    ) -> Any:  # fmt: skip
         n = self._n_microbatches
 
         def prepared() -> tuple[list[Any], list[Any], list[Any] | None]:
+            if mixed:
+                raise MicrobatchError(
+                    "give step() the whole batch (positional inputs, target=) or microbatches (arg_mbs=, "
+                    "kwarg_mbs=, target_mbs=), not both"
+                )
             for what, mbs in (("arg_mbs", arg_mbs), ("target_mbs", target_mbs), ("kwarg_mbs", kwarg_mbs)):
                 if mbs is not None and not isinstance(mbs, (list, tuple)):  # a stacked tensor, say
                     raise MicrobatchError(f"{what} must be a list of microbatches, not {type(mbs).__name__}")
                 if mbs is not None and len(mbs) != n:
                     raise MicrobatchError(f"{what} has {len(mbs)} microbatches, not n_microbatches={n}")
+            if kwarg_mbs is not None and not all(isinstance(k, dict) for k in kwarg_mbs):
+                kind = next(type(k).__name__ for k in kwarg_mbs if not isinstance(k, dict))
+                raise MicrobatchError(
+                    f"kwarg_mbs holds a dict per microbatch, not {kind} (torch's order: arg_mbs, kwarg_mbs, "
+                    "target_mbs, losses; pass targets as target_mbs=)"
+                )
             if any(s.is_first for s in self._stages) and arg_mbs is None:
                 raise MicrobatchError("the first stage's rank must pass arg_mbs")
             args = [tuple(a) if isinstance(a, (tuple, list)) else (a,) for a in (arg_mbs or [()] * n)]
@@ -648,21 +698,32 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         return None if self.auto is None else self.auto.record
 
     def _fail(self, e: Exception) -> None:
-        """Stop this step on every rank: tell the neighbours, learn who raised first, raise StageFailed."""
+        """Stop this step on every rank: tell the neighbours, learn who raised first; the rank whose own
+        code raised re-raises its exception (type kept, a note naming the rank), the others raise
+        StageFailed naming that rank and the type."""
         pipe = self.pipeline
         pipe.abort(one_line(e))
         follower = isinstance(e, (LostPeerError, WaitTimeoutError))
-        me = (pipe.rank, not follower, f"{type(e).__name__}: {one_line(e)}")
+        me = (pipe.rank, not follower, type(e).__name__, one_line(e))
         views: list[Any] = [None] * pipe.pp
+        silent = None  # why the others did not answer, if they did not
         try:
             dist.all_gather_object(views, me, group=pipe.ctrl)
         except Exception as ge:
-            raise StageFailed(
-                f"this rank stopped ({me[2]}); the other ranks did not answer: {one_line(ge)}"
-            ) from e
-        origins = [v for v in views if v[1]] or views
-        rank, _, what = origins[0]
-        raise StageFailed(f"rank {rank} raised {what}") from e
+            silent = one_line(ge)
+        if not follower:
+            others = (
+                "the other ranks raised StageFailed"
+                if silent is None
+                else f"the others did not answer: {silent}"
+            )
+            e.add_note(f"rrfp: raised on rank {pipe.rank} during a ScheduleReadiness step; {others}")
+            raise e
+        if silent is not None:
+            what = f"this rank stopped ({me[2]}: {me[3]}); the other ranks did not answer: {silent}"
+            raise StageFailed(what, pipe.rank, me[2]) from e
+        rank, _, kind, what = ([v for v in views if v[1]] or views)[0]
+        raise StageFailed(f"rank {rank} raised {kind}: {what}", rank, kind) from e
 
     def close(self) -> None:
         """Write the trace (``trace_out``), unmap the start board, then free the channels if this schedule
