@@ -177,7 +177,9 @@ def rank_main(rank: int, port: int, a: argparse.Namespace) -> None:
         for k, (sched, f, lst) in enumerate(scheds):
             dist.barrier()
             t0 = time.monotonic()
-            sched.step_microbatches(xs if f else None, ys if lst else None, losses=[], return_outputs=False)
+            sched.step_microbatches(
+                arg_mbs=xs if f else None, target_mbs=ys if lst else None, return_outputs=False
+            )
             times[k].append(time.monotonic() - t0)
     for sched, _, _ in scheds:
         sched.close()

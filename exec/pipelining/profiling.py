@@ -48,7 +48,6 @@ import torch.distributed as dist
 
 from rrfp.exec.loop.calibrate import CostMeter
 from rrfp.exec.models.memory import SavedBytes
-from rrfp.exec.pipelining.channels import ReadinessPipeline
 from rrfp.exec.pipelining.errors import MicrobatchError, StageLayoutError
 from rrfp.exec.pipelining.schedule import ScheduleReadiness
 from rrfp.exec.pipelining.sizing import measure
@@ -100,29 +99,49 @@ def profile(
     stage_list = list(stages) if isinstance(stages, (list, tuple)) else [stages]
     if not stage_list:
         raise StageLayoutError("profile needs at least one PipelineStage")
-    pipe = ReadinessPipeline(stage_list[0].group, stage_list[0].device, timeout)
-    try:
-        tokens = _agree_tokens(pipe, arg_mbs)
-        placement = _placement(stage_list, pipe.pp)
-        v = stage_list[0].num_stages // pipe.pp
-        mbs = (arg_mbs, target_mbs, kwarg_mbs)
-        with _kept_grads(stage_list):
-            todo = settings(v, placement)
-            show = progress and pipe.pp_rank == 0
-            found = _measure(pipe, stage_list, todo, mbs, loss_fn, (len(tokens), steps, warmup), show)
-        prof = None
-        if pipe.pp_rank == 0:
-            prof = _build(found, pipe.pp, v, placement, tokens, warmup)
-            write_profile(prof, out)
-            if progress:
-                print(f"\rrrfp.exec.profile: wrote {out}: {prof.describe()}", file=sys.stderr, flush=True)
-        dist.barrier(group=pipe.ctrl)
-        return prof
-    finally:
-        pipe.close()
+    pipe = _Group(stage_list[0].group, timeout)
+    tokens = _agree_tokens(pipe, arg_mbs)
+    placement = _placement(stage_list, pipe.pp)
+    v = stage_list[0].num_stages // pipe.pp
+    mbs = (arg_mbs, target_mbs, kwarg_mbs)
+    with _kept_grads(stage_list):
+        todo = settings(v, placement)
+        show = progress and pipe.pp_rank == 0
+        found = _measure(pipe, stage_list, todo, mbs, loss_fn, (len(tokens), steps, warmup), show)
+    prof = None
+    if pipe.pp_rank == 0:
+        prof = _build(found, pipe.pp, v, placement, tokens, warmup)
+        write_profile(prof, out)
+        if progress:
+            print(f"\rrrfp.exec.profile: wrote {out}: {prof.describe()}", file=sys.stderr, flush=True)
+    dist.barrier(group=pipe.ctrl)
+    return prof
 
 
-def _agree_tokens(pipe: ReadinessPipeline, arg_mbs: Sequence[Any] | None) -> list[int]:
+@dataclass(frozen=True)
+class _Group:
+    """The stages' process group: where the profile's own collectives go (each schedule it measures
+    builds and closes its own channels, as a user's would)."""
+
+    ctrl: Any
+    timeout: float
+
+    @property
+    def ranks(self) -> list[int]:
+        if self.ctrl is None:
+            return list(range(dist.get_world_size()))
+        return dist.get_process_group_ranks(self.ctrl)
+
+    @property
+    def pp(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.ranks.index(dist.get_rank())
+
+
+def _agree_tokens(pipe: _Group, arg_mbs: Sequence[Any] | None) -> list[int]:
     """Every rank learns the microbatches' tokens from the first stage's rank (a collective)."""
     box: list[Any] = [None]
     if pipe.pp_rank == 0:
@@ -155,7 +174,7 @@ def _kept_grads(stages: list[Any]) -> Iterator[None]:
 
 
 def _measure(
-    pipe: ReadinessPipeline, stages: list[Any], todo: list[_Setting], mbs: tuple[Any, Any, Any],
+    pipe: _Group, stages: list[Any], todo: list[_Setting], mbs: tuple[Any, Any, Any],
     loss_fn: Any, counts: tuple[int, int, int], progress: bool,
 ) -> dict[str, dict[str, Any]]:  # fmt: skip
     """Every setting's schedule on the same stages, their steps interleaved round by round (so each
@@ -169,8 +188,8 @@ def _measure(
     runs = [_Steps() for _ in todo]
     try:
         for s, path in zip(todo, paths, strict=True):
-            scheds.append(ScheduleReadiness(stages, n, loss_fn, hint=s.hint, policy=s.policy, pipeline=pipe,
-                                            trace_out=path, timeout=pipe.timeout))  # fmt: skip
+            scheds.append(ScheduleReadiness(stages, n, loss_fn, hint=s.hint, policy=s.policy, trace_out=path,
+                                            timeout=pipe.timeout))  # fmt: skip
         names = ", ".join(f"{s.policy}/{s.hint}" for s in todo)
         for k in range(warmup + steps):
             if progress:
@@ -213,7 +232,9 @@ class _Steps:
         counting = _ForwardBytes(count_bytes) if count_bytes else contextlib.nullcontext()
         t0 = time.monotonic()
         with counting:
-            sched.step_microbatches(arg_mbs, target_mbs, losses=[], kwarg_mbs=kwarg_mbs, return_outputs=False)
+            sched.step_microbatches(
+                arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs, target_mbs=target_mbs, losses=[], return_outputs=False
+            )
         self.walls.append(time.monotonic() - t0)
         self.loops.append(sched.runtime.stats.loop)
         if isinstance(counting, _ForwardBytes):
