@@ -72,6 +72,8 @@ COMMANDS: dict[str, Callable[[Path, Path], tuple[str, list[str]]]] = {
     "sim-hint": lambda bad, tmp: ("rrfp-sim", [*SMALL, "--hint", str(bad)]),
     "run-dry-run-hint": lambda bad, tmp: ("rrfp-run", ["--dry-run", "--gpus", "2", "--hint", str(bad)]),
     "sim-lengths": lambda bad, tmp: ("rrfp-sim", [*SMALL, "--lengths", str(bad)]),
+    "run-dry-run-lengths": lambda bad, tmp: ("rrfp-run", ["--dry-run", "--gpus", "2", "--lengths", str(bad)]),
+    "sim-profile": lambda bad, tmp: ("rrfp-sim", [*SMALL, "--profile", str(bad)]),
     "sim-replay": lambda bad, tmp: ("rrfp-sim", ["--replay", str(bad)]),
     "sim-workload-fit": lambda bad, tmp: ("rrfp-sim", [*SMALL, "--workload", f"fit:{bad}"]),
     "sim-replay-trace-hint-column": lambda bad, tmp: (
@@ -81,10 +83,13 @@ COMMANDS: dict[str, Callable[[Path, Path], tuple[str, list[str]]]] = {
 }
 
 
+PARQUET = ("sim-replay", "sim-workload-fit", "sim-profile")
+
+
 @pytest.mark.parametrize("kind", sorted(BAD))
 @pytest.mark.parametrize("option", sorted(COMMANDS))
 def test_a_fifo_or_device_is_refused_at_once_naming_it(option: str, kind: str, tmp_path: Path) -> None:
-    bad = BAD[kind](tmp_path / ("bad.parquet" if option in ("sim-replay", "sim-workload-fit") else "bad.csv"))
+    bad = BAD[kind](tmp_path / ("bad.parquet" if option in PARQUET else "bad.csv"))
     prog, args = COMMANDS[option](bad, tmp_path)
     start = time.monotonic()
     r = _cli(prog, *args, cwd=tmp_path)

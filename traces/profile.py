@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from rrfp.errors import UserError
+from rrfp.iofiles import input_file
 from rrfp.traces.fit import Fit, FittedWorkload, _overlap
 from rrfp.workload import rng as rngs
 from rrfp.workload.model import IterationSample
@@ -163,8 +164,10 @@ def read_profile(path: str | os.PathLike[str]) -> Profile:
     import pyarrow.parquet as pq
 
     where = str(path)
-    if not Path(where).is_file():
-        raise ProfileError(f"--profile {where!r}: no such file")
+    try:  # the one input check (rrfp.iofiles): a FIFO or a device is refused at once
+        input_file(where, "profile file", error=ProfileError)
+    except ProfileError as e:
+        raise ProfileError(f"--profile {e}") from None
     try:
         table = pq.read_table(where)
     except Exception as e:  # pyarrow raises several kinds for a file that is not parquet
