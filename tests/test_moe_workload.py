@@ -151,3 +151,27 @@ def test_rrfp_sim_moe_flags_and_their_errors() -> None:
 def test_the_base_workload_keeps_its_meaning() -> None:
     w = workload(base=WorkloadConfig(costs="F=2,B=4"))
     assert np.allclose(w.mean_costs(4, 4, 8)["F"], 2 * workload().mean_costs(4, 4, 8)["F"])
+
+
+MOE_BASE = ["--lengths", "lognormal:mean=300,cv=1.0,max=2048", "--layers", "8", "--hidden", "256", "--heads",
+            "4", "--stages", "4", "-m", "8", "--seeds", "1", "--experts", "8", "--expert-hidden", "512",
+            "--expert-parallel", "4"]  # fmt: skip
+BAD_MOE = [
+    ("--experts", v) for v in ("-1", "nan", "99999999999999999999", "3")
+] + [
+    ("--top-k", v) for v in ("0", "9", "nan")
+] + [
+    ("--expert-parallel", v) for v in ("0", "3", "16")
+] + [
+    ("--expert-hidden", v) for v in ("0", "-5", "nan")
+] + [
+    (flag, v) for flag in ("--capacity-factor", "--router-cv", "--a2a-share", "--a2a-cv")
+    for v in ("-1", "nan", "inf", "1e308")
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flag", "value"), BAD_MOE)
+def test_every_bad_moe_flag_is_one_line_and_exit_2(flag: str, value: str) -> None:
+    got = CliRunner().invoke(sim_cli.cli, [*MOE_BASE, flag, value])
+    assert got.exit_code == 2, (flag, value, got.output)
+    assert "Traceback" not in got.output and len(got.output.strip().splitlines()) <= 3, got.output
