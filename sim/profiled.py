@@ -64,6 +64,14 @@ def cost_lines(cfg: ExperimentConfig, vs: Iterable[int] = ()) -> list[str]:
     """The header lines that say where a run's costs came from: the profile and its runtime costs, and
     a depth other than profiled (each stage's cost divided by depth) -- or the analytic defaults."""
     prof: Profile | None = getattr(cfg.workload, "profile", None)
+    fitted = getattr(cfg.workload, "preset", "").startswith("fit:")
+    if prof is None and fitted:
+        w = cfg.workload
+        split = "I and W as recorded" if getattr(w, "split", False) else "I = W = B/2 (the trace has only B)"
+        return [
+            f"costs: fitted on {w.preset[4:]} (no --profile): each task's runtime overhead as its trace "
+            f"carries it, none for tasks the trace did not run (a split's, v = 2's); {split}"
+        ]
     if prof is None:
         return [
             "costs: analytic (no --profile): no per-task runtime overhead, messages cost --comm-latency + "
