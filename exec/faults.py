@@ -21,6 +21,7 @@ import io
 import json
 import os
 import signal
+import stat
 import sys
 import tempfile
 import threading
@@ -71,6 +72,8 @@ class _Watch:
     dump_error: str | None = None  # why the dump could not be written
     parent: int | None = None  # the parent pid at install (a change: the launcher is gone)
     live: Any = None  # the rank's rrfp.exec.comm.liveness.Liveness, once attached
+    startup_dir: str | None = None  # rrfp-run's dump folder made for this run, before any worker
+    startup_pid: int | None = None  # the process stop_at_start() was called in (rrfp-run's launcher)
 
 
 _watch = _Watch()
@@ -78,6 +81,64 @@ _dying = threading.Lock()
 _dumped = threading.Event()
 DUMP_WAIT_S = 5.0
 """How long a second die() (the launcher's SIGTERM) waits for the first one's dump to be written."""
+
+
+def stop_at_start() -> None:
+    """Until a launch installs its own: SIGINT and SIGTERM end rrfp-run with one line and 130 / 143
+    (nothing has started yet; a signal during its imports was a KeyboardInterrupt traceback, or a
+    silent death by SIGTERM)."""
+    import multiprocessing
+
+    if multiprocessing.current_process().name != "MainProcess":
+        return  # a worker importing rrfp-run's script as its main module (multiprocessing's spawn)
+    _watch.startup_pid = os.getpid()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _stop_at_start)
+
+
+def made_for_run(dump_dir: str) -> None:
+    """``dump_dir`` was made for this run (empty): a stop signal before the launch removes it."""
+    _watch.startup_dir = dump_dir
+
+
+def _stop_at_start(signum: int, frame: Any) -> None:
+    if os.getpid() != _watch.startup_pid:  # a worker forked before it installed its own handlers (the fork
+        signal.signal(signum, signal.SIG_DFL)  # server imported rrfp-run's script): it ends quietly
+        os.kill(os.getpid(), signum)
+        return
+    name = signal.Signals(signum).name
+    if _watch.startup_dir is not None:  # the empty dump folder made for this run
+        try:
+            os.rmdir(_watch.startup_dir)
+        except OSError:
+            pass
+    try:
+        os.write(2, f"rrfp-run: stopped by {name} before any worker started\n".encode())
+    finally:
+        os._exit(STOP_SIGNALS[signal.Signals(signum)])
+
+
+def private_dir(path: str) -> str:
+    """``path`` as this user's private folder: made now (0700), or there already as one of ours -- a
+    real folder, not a link, owned by this user, closed to others (another rank of this job on this
+    host made it). Anything else there (a link, someone else's or an open folder: ``path`` is
+    predictable) is left alone, and a fresh private folder beside it is returned instead."""
+    try:
+        os.mkdir(path, 0o700)
+        return path
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+        return path
+    parent, name = os.path.split(path)
+    return tempfile.mkdtemp(prefix=f"{name}-", dir=parent or None)
+
+
+def open_private(path: Path, append: bool = False) -> int:
+    """A file descriptor to write ``path``, never through a link planted there (O_NOFOLLOW: ELOOP)."""
+    how = os.O_APPEND if append else os.O_TRUNC
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | how, 0o600)
 
 
 def default_dump_dir(run_id: str | None = None) -> str:
@@ -161,7 +222,7 @@ def _redirect_output(rank: int) -> None:
     assert _watch.dump_dir is not None
     path = _watch.dump_dir / f"rank{rank}.log"
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)  # the umask decides the mode
+        fd = open_private(path, append=True)
     except OSError as e:
         say(f"cannot open the log {path} ({e.strerror}): stderr stays on the console")
         return
@@ -223,7 +284,8 @@ def write_dump(reason: str, **extra: Any) -> Path | None:
     try:
         _watch.dump_dir.mkdir(parents=True, exist_ok=True)
         path = _watch.dump_dir / f"rank{_watch.rank}.json"
-        path.write_text(json.dumps(state, indent=1, default=str))
+        with os.fdopen(open_private(path), "w") as f:
+            f.write(json.dumps(state, indent=1, default=str))
         return path
     except OSError as e:
         _watch.dump_error = e.strerror or str(e)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rrfp.dispatch.policies import get_policy
 from rrfp.exec.config import ExecConfigError, RunConfig, switch_interval
-from rrfp.exec.faults import default_dump_dir
+from rrfp.exec.faults import default_dump_dir, private_dir
 from rrfp.exec.jobs.planner import local_devices
 from rrfp.exec.models.model import partition
 from rrfp.plan.budget import ByteBudget, InfeasibleBudget, parse_byte_item, position_bytes, resolve_budget
@@ -158,8 +158,17 @@ def check_outputs(cfg: RunConfig, joined: bool = False) -> str:
         check_output_file(cfg.decision_log, "--decision-log")
     if cfg.dump_dir is not None:
         dump_dir = cfg.dump_dir
-    elif joined:
-        dump_dir = default_dump_dir()
+    elif joined:  # a predictable name (the job's id): private, or a fresh folder beside it
+        shared = default_dump_dir()
+        try:
+            dump_dir = private_dir(shared)
+        except OSError as e:
+            raise ExecConfigError(
+                f"cannot make a dump directory {shared} ({e.strerror}): give --dump-dir"
+            ) from None
+        if dump_dir != shared and os.environ.get("RANK") == "0":
+            print(f"rrfp-run: warning: {shared} is not this user's private folder: dumps and logs go to "
+                  f"{dump_dir}", file=sys.stderr, flush=True)  # fmt: skip
     else:
         try:
             dump_dir = tempfile.mkdtemp(prefix="rrfp-run-")

@@ -33,7 +33,7 @@ from typing import Any
 from rrfp.errors import RunFailure
 from rrfp.exec.comm.liveness import STORE_TIMEOUT_S
 from rrfp.exec.config import ExecConfigError, RunConfig
-from rrfp.exec.faults import FAULT_EXIT, SIGINT_EXIT, SIGTERM_EXIT
+from rrfp.exec.faults import FAULT_EXIT, SIGINT_EXIT, SIGTERM_EXIT, open_private
 from rrfp.exec.jobs.planner import DEFAULT_PORT, Plan
 from rrfp.exec.jobs.stores import host_store, keep_sockets_local
 from rrfp.exec.results import check_failed
@@ -184,10 +184,11 @@ def launch_local(cfg: RunConfig, dump_dir: str) -> int:
         print(text or failure_report(e.failures, store.faults(), dump_dir), file=sys.stderr, flush=True)
         return EXIT_FAIL
     except SignalException as e:
-        name = signal.Signals(e.sigval).name
+        signum = store.signum or int(e.sigval)
+        name = signal.Signals(signum).name
         print(f"rrfp-run: stopped by {name}: the workers were stopped; dumps and logs in {dump_dir}",
               file=sys.stderr, flush=True)  # fmt: skip
-        return 128 + int(e.sigval)
+        return 128 + signum
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
@@ -262,7 +263,8 @@ def _log_torch_to(path: Path) -> None:
     not the console: the one-line verdict says what happened and names the folder."""
     import logging
 
-    handler = logging.FileHandler(path)  # opened now: a dump folder moved later keeps the log
+    # opened now (a dump folder moved later keeps the log), never through a link planted there
+    handler = logging.StreamHandler(os.fdopen(open_private(path, append=True), "a"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s: %(message)s"))
     for name in TORCH_LOGGERS:  # torch gives some of these console handlers of their own
         log = logging.getLogger(name)
@@ -314,6 +316,48 @@ def group_sizes(world: int, start_method: str) -> list[int]:
         return [world]
     groups = -(-world // GROUP_RANKS)
     return [world // groups + (1 if g < world % groups else 0) for g in range(groups)]
+
+
+class StartDeferral:
+    """Holds back a stop signal while torch's agent starts the workers. Raised there, the agent loses
+    the workers already started (they are not yet in its process context): they stayed behind, and
+    printed a multiprocessing traceback once the launcher was gone. The signal is delivered again
+    every :data:`RESIGNAL_S` until the agent is out of its start (at most :data:`START_DEFER_S`)."""
+
+    def __init__(self) -> None:
+        self.first: float | None = None
+        self.done = False
+
+    def defer(self, signum: int, frame: Any) -> bool:
+        """True when the handler must return now (the signal comes again); else the stop goes ahead."""
+        now = time.monotonic()
+        self.first = now if self.first is None else self.first
+        if self.done or not starting_workers(frame) or now - self.first >= START_DEFER_S:
+            self.done = True
+            return False
+        timer = threading.Timer(RESIGNAL_S, self._again, (signum,))
+        timer.daemon = True
+        timer.start()
+        return True
+
+    def _again(self, signum: int) -> None:
+        if not self.done:
+            os.kill(os.getpid(), signum)
+
+
+def starting_workers(frame: Any) -> bool:
+    """Was the main thread (interrupted at ``frame``) inside torch's agent starting its workers?"""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "_start_workers" and "elastic" in code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
+
+
+RESIGNAL_S = 0.1
+START_DEFER_S = 30.0
+"""Longest a stop signal waits for torch's agent to finish starting the workers (it takes seconds)."""
 
 
 class GroupsFailed(RunFailure):
@@ -487,9 +531,16 @@ def _group_main(
     conn.close()
 
 
+_GROUP_DEFERRAL: StartDeferral | None = None
+
+
 def _raise_signal(signum: int, frame: Any) -> None:
     from torch.distributed.elastic.multiprocessing import SignalException
 
+    global _GROUP_DEFERRAL
+    _GROUP_DEFERRAL = _GROUP_DEFERRAL or StartDeferral()
+    if _GROUP_DEFERRAL.defer(signum, frame):
+        return
     raise SignalException(f"launch group got {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
 
@@ -579,22 +630,35 @@ class JobStore:
         self.address = (LOCALHOST, self._server.port, prefix)
         """(host, port, key prefix): what every worker connects to."""
         self._stop = threading.Event()
+        self.started = threading.Event()
+        """Set once every worker registered (its signal handlers are in place: rrfp.exec.faults)."""
+        self.signum: int | None = None
+        """The stop signal this launcher got (None: none)."""
+        self._deferral = StartDeferral()
         self._thread = threading.Thread(target=self._kill_hung, name="rrfp-kill-hung", daemon=True)
         self._thread.start()
 
     def on_signal(self, signum: int, frame: Any) -> None:
         """SIGINT/SIGTERM: tell the workers why (``stop``), then hand over to torch's agent as its own
-        handler would (it stops the workers with the same signal and re-raises)."""
+        handler would (it stops the workers and re-raises) -- once it is not starting them
+        (:class:`StartDeferral`). Workers stop with the same signal once every one of them has
+        installed its handlers (registered in this store), else with SIGTERM, which ends a worker still
+        starting without a word (SIGINT would print its KeyboardInterrupt traceback); :attr:`signum` is
+        the signal this launcher got, for its line and exit code."""
         from torch.distributed.elastic.multiprocessing import SignalException
 
+        self.signum = self.signum or signum
+        if self._deferral.defer(signum, frame):
+            return
         for sig in (signal.SIGINT, signal.SIGTERM):  # one stop is enough; the agent's shutdown is bounded
             signal.signal(sig, signal.SIG_IGN)
-        name = signal.Signals(signum).name
+        name = signal.Signals(self.signum).name
         try:
             self.store.set("stop", f"the launcher got {name}")
         except Exception:  # the workers then say they were stopped, without the why
             pass
-        raise SignalException(f"rrfp-run got {name}", sigval=signal.Signals(signum))
+        forward = self.signum if self.started.is_set() else signal.SIGTERM
+        raise SignalException(f"rrfp-run got {name}", sigval=signal.Signals(forward))
 
     def faults(self) -> dict[int, dict[str, Any]]:
         """rank -> the fault that rank recorded (reason, code, hung, lost)."""
@@ -622,6 +686,7 @@ class JobStore:
             try:
                 if not released and store.check(started):  # every worker runs: it opened the semaphores
                     released = True
+                    self.started.set()
                     release_semaphores()
                 if first_fault is None and store.check(["first"]):
                     first_fault = time.monotonic()
