@@ -290,6 +290,7 @@ def _pretrain_unpacked() -> Scenario:
     )
 
 
+_PP8_PRACTICE = Param(8, "pp 8: the smallest pipeline the scenarios study", "choice")
 _VERL_BALANCE = (
     "verl/utils/seqlen_balancing.py rearrange_micro_batches, use_dynamic_bsz_balance=True by default (verl "
     "PR #2452): microbatches by sum(len^2), the lightest at both ends"
@@ -308,7 +309,7 @@ _RL_SWEEP = ((4096, 0.5), (4096, 1.0), (4096, 1.5), (2048, 1.0), (8192, 1.0))
 
 def _rl() -> Scenario:
     params = {
-        "stages": _PP8,
+        "stages": _PP8_PRACTICE,
         "microbatches": _M32,
         "layers": Param(64, f"{_QWEN32}: 64 layers; {_DAPO}"),
         "hidden": Param(5120, f"{_QWEN32}: hidden size 5120"),
@@ -400,7 +401,7 @@ def _moe_sweeps(router: tuple[float, ...], a2a: tuple[float, ...]) -> dict[str, 
 
 def _mixtral() -> Scenario:
     params = {
-        "stages": _PP8,
+        "stages": _PP8_PRACTICE,
         "microbatches": _M32,
         "layers": Param(32, f"{_MIXTRAL}: 32 layers"),
         "hidden": Param(4096, f"{_MIXTRAL}: hidden size 4096"),
