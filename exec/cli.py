@@ -176,7 +176,9 @@ def _plan(o: dict[str, Any], world: int, tokens: TokenWorkload | None, given: Co
     elif per_node is None:
         cap = world if o["synthetic"] else o.get("max_local_ranks", DEFAULT_MAX_LOCAL_RANKS)
         per_node = default_gpus_per_node(world, local_devices(o["backend"]), cap)
-    simulate = None if in_launcher_env() else _simulator(o)  # joined: the launch line pinned the layout
+    # joined with the layout pinned (as the printed launch lines pin it): nothing left to choose
+    pinned = in_launcher_env() and o["stages"] is not None and {"tp", "dp"} <= set(given)
+    simulate = None if pinned else _simulator(o)
     return plan_run(o, given, world, tokens, per_node, simulate)
 
 

@@ -22,6 +22,7 @@ from rrfp.exec.jobs.plan_search import (
     Space,
     layouts,
     rank_bytes,
+    rank_layers,
     search,
     step_bound,
     task_costs,
@@ -113,6 +114,17 @@ def test_the_bound_never_exceeds_a_simulated_step_without_jitter(grid: str) -> N
         assert step_bound(costs, lay, space.v, device) <= simulated * (1 + 1e-9), lay
 
 
+@pytest.mark.parametrize(("layers", "pp", "v"), [(8, 4, 1), (126, 16, 1), (80, 32, 2), (7, 3, 2)])
+def test_rank_layers_are_the_executors_split(layers: int, pp: int, v: int) -> None:
+    """An uneven split is costed as the executor builds it (earlier stages take the remainder)."""
+    from rrfp.exec.models.model import partition
+
+    per_rank = [0] * pp
+    for stage, (first, last) in enumerate(partition(layers, pp * v)):
+        per_rank[stage % pp] += last - first
+    assert rank_layers(layers, pp, v) == per_rank and sum(per_rank) == layers
+
+
 def test_presets_count_the_llama3_parameters() -> None:
     """8.03B and 70.6B (the model cards' sizes) from Table 3's dimensions."""
     assert PRESETS["llama3-8b"].params == pytest.approx(8.03e9, rel=0.005)
@@ -169,8 +181,8 @@ BAD = [
     (["--gpus", "4", "--intra-node-bw", "100"], "--intra-node-bw only applies with --dry-run or across"),
     (["--gpus", "16", "--gpus-per-node", "8", "--model", "llama3-70b", "--gpu-memory", "80GiB", "--dry-run"],
      "no layout of 16 ranks (8 per node) fits --gpu-memory 80.0GiB"),
-    (["--gpus", "16", "--gpus-per-node", "8", "--pp", "4", "--layers", "6", "--dry-run"],
-     "splits 6 layers evenly"),
+    (["--gpus", "16", "--gpus-per-node", "8", "--pp", "16", "--layers", "8", "--dry-run"],
+     "one of the 8 layers, with tp dividing 4 heads and the node and --pp 16"),
 ]  # fmt: skip
 
 

@@ -5,8 +5,9 @@ fastest, predicted by simulating each candidate's pipeline. Pure Python; the sim
     rrfp-run --gpus 128 --gpus-per-node 8 --model llama3-70b --gpu-memory 80GiB --dry-run
 
 **Candidates.** pp x tp x dp = N; tp a power of two dividing --gpus-per-node and the heads (TP stays
-inside a node); pp x v dividing the layers (v: the most virtual stages any of the run's hints uses),
-so every stage holds the same layers; a given --pp, --tp or --dp is kept. m is -m, else 4 x pp, so the
+inside a node); pp x v stages of at least one layer each (v: the most virtual stages any of the run's
+hints uses), split as the executor splits them (earlier stages take the remainder: an uneven split is
+costed at its fullest rank); a given --pp, --tp or --dp is kept. m is -m, else 4 x pp, so the
 tokens per step are 4 N / tp x samples x seq len at every pp.
 
 **The bounded search**, in three passes: (1) memory -- every rank's bytes (exec/jobs/presets.py) within
@@ -179,7 +180,7 @@ def layouts(space: Space, spec: ModelSpec) -> list[Layout]:
         rest = space.gpus // tp if space.gpus % tp == 0 else 0
         pps = [space.pp] if space.pp is not None else range(1, min(rest, MAX_DEGREE) + 1)
         for pp in pps:
-            if pp < 1 or rest % pp or spec.layers % (pp * space.v):
+            if pp < 1 or rest % pp or spec.layers < pp * space.v:  # every stage needs a layer
                 continue
             dp = rest // pp
             if space.dp is not None and dp != space.dp:
@@ -196,17 +197,26 @@ def _powers(limit: int) -> list[int]:
     return out
 
 
+def rank_layers(layers: int, pp: int, v: int) -> list[int]:
+    """Layers of each pipeline rank: the executor's split of ``layers`` into pp x v stages (earlier stages
+    take the remainder, exec/models/model.py's ``partition``), stage s on rank s mod pp."""
+    base, extra = divmod(layers, pp * v)
+    out = [0] * pp
+    for stage in range(pp * v):
+        out[stage % pp] += base + (stage < extra)
+    return out
+
+
 def rank_bytes(spec: ModelSpec, lay: Layout, samples: int, v: int) -> tuple[list[int], list[int]]:
     """(static, activation peak) bytes of each pipeline rank at ``lay`` (exec/jobs/presets.py's counts):
     rank r keeps min(pp - r, m) microbatches in flight at v = 1; interleaved (v > 1), Megatron's warm-up
     of (pp - r - 1) x 2 + (v - 1) x pp + 1 chunks of 1/v of its layers, at most m x v."""
-    per_rank = spec.layers // lay.pp * spec.layer_params
     head = spec.vocab * spec.hidden  # the input embedding on rank 0; the output head on the last
     static, act = [], []
-    per_mb = spec.layers // lay.pp * spec.layer_activation_bytes(samples, lay.tp)
-    for r in range(lay.pp):
-        params = per_rank + head * ((r == 0) + (r == lay.pp - 1))
+    for r, layers in enumerate(rank_layers(spec.layers, lay.pp, v)):
+        params = layers * spec.layer_params + head * ((r == 0) + (r == lay.pp - 1))
         static.append(math.ceil(params * BYTES_PER_PARAM / lay.tp))
+        per_mb = layers * spec.layer_activation_bytes(samples, lay.tp)
         chunks = (
             min(lay.pp - r, lay.m) if v == 1 else min((lay.pp - r - 1) * 2 + (v - 1) * lay.pp + 1, lay.m * v)
         )
@@ -216,18 +226,25 @@ def rank_bytes(spec: ModelSpec, lay: Layout, samples: int, v: int) -> tuple[list
 
 
 def task_costs(spec: ModelSpec, device: Device, lay: Layout, space: Space) -> TaskCosts:
-    """The simulated costs of ``lay`` (module docstring)."""
-    layers = spec.layers // lay.pp
-    compute = device.seconds(layers * spec.layer_flops(space.samples), lay.tp)
+    """The simulated costs of ``lay`` (module docstring). The simulator's stages are uniform: every rank
+    costs the fullest rank's layers (the one that paces the pipeline), the last its own plus the head."""
+    split = rank_layers(spec.layers, lay.pp, space.v)
+    layers = max(split)
     message = float(space.samples * spec.seq_len * spec.hidden * ACT_BYTES)
-    tp_comm = layers * 2 * device.allreduce(message, lay.tp, device.intra_bw)  # two per layer and direction
-    forward, backward = compute + tp_comm, 2 * compute + tp_comm
+
+    def work(n: int) -> tuple[float, float]:  # (forward, backward) seconds of n layers
+        compute = device.seconds(n * spec.layer_flops(space.samples), lay.tp)
+        tp_comm = n * 2 * device.allreduce(message, lay.tp, device.intra_bw)  # two per layer and direction
+        return compute + tp_comm, 2 * compute + tp_comm
+
+    forward, backward = work(layers)
     head = 3 * device.seconds(spec.head_flops(space.samples), lay.tp)  # its forward and backward
+    last = sum(work(split[-1])) + head
     node = space.gpus_per_node
     stage_params = layers * spec.layer_params + 2 * spec.vocab * spec.hidden * (lay.pp == 1) + (
         spec.vocab * spec.hidden * (lay.pp > 1))  # fmt: skip
     return TaskCosts(
-        forward=forward, backward=backward, imbalance=head / (forward + backward), msg_bytes=message,
+        forward=forward, backward=backward, imbalance=last / (forward + backward) - 1, msg_bytes=message,
         act_bytes=layers * spec.layer_activation_bytes(space.samples, lay.tp),
         grad_bytes=stage_params * GRAD_BYTES_PER_PARAM / lay.tp,
         p2p_bw=device.intra_bw if lay.pp * lay.tp <= node else device.inter_bw,
@@ -238,7 +255,7 @@ def task_costs(spec: ModelSpec, device: Device, lay: Layout, space: Space) -> Ta
 def step_bound(c: TaskCosts, lay: Layout, v: int, device: Device) -> float:
     """Seconds no schedule beats at ``lay`` (module docstring's pass 2)."""
     hop = c.forward / v + c.latency + c.msg_bytes / c.p2p_bw
-    last = lay.m * (c.forward + c.backward) * (1 + c.imbalance)
+    last = lay.m * (c.forward + c.backward) * max(1.0, 1 + c.imbalance)  # the busiest rank
     return (lay.pp - 1) * hop + last + device.allreduce(c.grad_bytes, lay.dp, c.dp_bw)
 
 
@@ -311,8 +328,9 @@ def _no_layout(space: Space, spec: ModelSpec) -> str:
     fixed = ", ".join(
         f"--{k} {getattr(space, k)}" for k in ("pp", "tp", "dp") if getattr(space, k) is not None
     )
-    return (f"no layout of {space.gpus} ranks ({space.gpus_per_node} per node) splits {spec.layers} layers "
-            f"evenly with tp dividing {spec.heads} heads and the node{' and ' + fixed if fixed else ''}: "
+    where = f"{space.gpus} ranks ({space.gpus_per_node} per node)"
+    return (f"no layout of {where} gives each of its pp x v stages (v {space.v}) one of the {spec.layers} "
+            f"layers, with tp dividing {spec.heads} heads and the node{' and ' + fixed if fixed else ''}: "
             "change --gpus, --layers or the degrees given")  # fmt: skip
 
 

@@ -9,7 +9,7 @@ missing, for ``N`` ranks on nodes of ``G`` ranks (``--gpus-per-node``):
 * Across nodes (N > G) with a model, the layout is SEARCHED: every pp x tp x dp = N within
   ``--gpu-memory`` is bounded, and the best survivors simulated (exec/jobs/plan_search.py, its costs and
   bytes in exec/jobs/presets.py; ``--model llama3-70b`` names a preset); the best predicted tokens/s
-  wins. ``--layers`` is never raised there: pp divides it.
+  wins. ``--layers`` is never raised there: every stage holds at least one of them.
 * On one node (N <= G), or without a model (--synthetic, --lengths, multimodal), pp is the largest
   that fits: every stage holds >= 1 layer (``--layers``, when given) and every rank's bytes fit
   ``--gpu-memory`` (when given); ``--layers`` not given is raised to pp, and the plan says so. dp is what

@@ -62,7 +62,7 @@ class ModelSpec:
     """Tokens per sample."""
     gated: bool = False
     """SwiGLU MLP (three matrices: gate, up, down) rather than GELU (two)."""
-    source: str = "rrfp-run's GPT (exec/models)"
+    source: str = "rrfp-run's GPT, exec/models"
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq_len"):
