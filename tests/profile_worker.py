@@ -4,7 +4,8 @@
 
 Spawns 2 processes (gloo on 127.0.0.1, a free port). Cases: ``slow_w`` -- stage 1's weight gradient
 sleeps (a custom autograd Function on the weight path only, so I stays fast and W is slow), microbatches
-of varying sizes; ``nosplit`` -- stage 1's input backward raises, so the split check falls back to B.
+of varying sizes; ``nosplit`` -- stage 1's input backward raises, so the split check falls back to B;
+``badout`` -- an ``out`` in no folder: every rank raises the same one-line error before any step.
 Each writes OUT_DIR/<case>.parquet (rank 0); rank 0 writes OUT_DIR/done.json with each case's outcome.
 """
 
@@ -75,7 +76,7 @@ def run_case(case: str, out_dir: str) -> dict[str, Any]:
     ys = [torch.randn(r, DIM) for r in rows] if rank == 1 else None
     for p in module.parameters():  # the caller's own gradients, which the profile must leave as they are
         p.grad = torch.full_like(p, 0.5)
-    out = os.path.join(out_dir, f"{case}.parquet")
+    out = os.path.join(out_dir, f"{case}.parquet") if case != "badout" else "/nonexistent/p.parquet"
     prof = profile(stage, xs, ys, loss_fn=nn.functional.mse_loss, out=out, steps=2, warmup=1, timeout=60.0)
     kept = all(bool((p.grad == 0.5).all()) for p in module.parameters())
     return {"case": {"name": case}, "returned": prof is not None, "grads_kept": kept}
@@ -86,7 +87,7 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     rows = []
-    for case in ("slow_w", "nosplit"):
+    for case in ("slow_w", "nosplit", "badout"):
         try:
             rows.append(run_case(case, out_dir))
         except Exception as e:

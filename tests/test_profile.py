@@ -74,11 +74,22 @@ def test_a_stage_that_cannot_split_is_reported(launched: tuple[Path, list[dict[s
     assert prof.i_share(1) == 1.0  # the runtime runs B at I there, nothing at W
 
 
+def test_an_unwritable_out_is_one_error_on_every_rank(launched: tuple[Path, list[dict[str, Any]]]) -> None:
+    found = rows(launched[1], name="badout")
+    assert len(found) == 2
+    for r in found:
+        assert r["error"] == (
+            "ProfileWriteError: profile: cannot write '/nonexistent/p.parquet': '/nonexistent' is not a "
+            "writable folder"
+        ), r
+
+
 def test_written_once_by_rank_0_and_gradients_kept(launched: tuple[Path, list[dict[str, Any]]]) -> None:
     out, found = launched
     assert sorted(p.name for p in out.iterdir()) == ["done.json", "nosplit.parquet", "slow_w.parquet"]
     for r in found:
-        assert r["returned"] == (r["rank"] == 0) and r["grads_kept"], r
+        if r["case"]["name"] != "badout":
+            assert r["returned"] == (r["rank"] == 0) and r["grads_kept"], r
     import pyarrow.parquet as pq
 
     meta = pq.read_schema(out / "slow_w.parquet").metadata[b"rrfp.profile"]

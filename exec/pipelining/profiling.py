@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from rrfp.exec.loop.calibrate import CostMeter
 from rrfp.exec.models.memory import SavedBytes
-from rrfp.exec.pipelining.errors import MicrobatchError, StageLayoutError
+from rrfp.exec.pipelining.errors import MicrobatchError, PipeliningError, StageLayoutError
 from rrfp.exec.pipelining.schedule import ScheduleReadiness
 from rrfp.exec.pipelining.sizing import measure
 from rrfp.traces.profile import OpCost, Profile, write_profile
@@ -100,7 +100,7 @@ def profile(
     if not stage_list:
         raise StageLayoutError("profile needs at least one PipelineStage")
     pipe = _Group(stage_list[0].group, timeout)
-    tokens = _agree_tokens(pipe, arg_mbs)
+    tokens = _agree_tokens(pipe, arg_mbs, out)
     placement = _placement(stage_list, pipe.pp)
     v = stage_list[0].num_stages // pipe.pp
     mbs = (arg_mbs, target_mbs, kwarg_mbs)
@@ -108,14 +108,24 @@ def profile(
         todo = settings(v, placement)
         show = progress and pipe.pp_rank == 0
         found = _measure(pipe, stage_list, todo, mbs, loss_fn, (len(tokens), steps, warmup), show)
-    prof = None
+    prof, failed = None, [None]
     if pipe.pp_rank == 0:
-        prof = _build(found, pipe.pp, v, placement, tokens, warmup)
-        write_profile(prof, out)
-        if progress:
+        try:
+            prof = _build(found, pipe.pp, v, placement, tokens, warmup)
+            write_profile(prof, out)
+        except Exception as e:  # every rank raises it (none waits on the first rank)
+            failed[0] = f"profile: cannot write {out!r}: {type(e).__name__}: {e}"
+        if progress and prof is not None and failed[0] is None:
             print(f"\rrrfp.exec.profile: wrote {out}: {prof.describe()}", file=sys.stderr, flush=True)
-    dist.barrier(group=pipe.ctrl)
+    dist.broadcast_object_list(failed, src=pipe.ranks[0], group=pipe.ctrl)
+    if failed[0] is not None:
+        raise ProfileWriteError(failed[0])
     return prof
+
+
+class ProfileWriteError(PipeliningError):
+    """``out`` cannot be written, or the profile could not be built or written on the first rank
+    (raised on every rank alike)."""
 
 
 @dataclass(frozen=True)
@@ -141,17 +151,23 @@ class _Group:
         return self.ranks.index(dist.get_rank())
 
 
-def _agree_tokens(pipe: _Group, arg_mbs: Sequence[Any] | None) -> list[int]:
-    """Every rank learns the microbatches' tokens from the first stage's rank (a collective)."""
+def _agree_tokens(pipe: _Group, arg_mbs: Sequence[Any] | None, out: str) -> list[int]:
+    """Every rank learns the microbatches' tokens from the first stage's rank (a collective), or the
+    one-line reason that rank cannot profile (no microbatches, an ``out`` it cannot write)."""
     box: list[Any] = [None]
     if pipe.pp_rank == 0:
-        if not arg_mbs:
+        folder = os.path.dirname(os.path.abspath(str(out)))
+        if not str(out).endswith(".parquet"):
+            box[0] = f"profile: out must end in .parquet, got {out!r}"
+        elif not (os.path.isdir(folder) and os.access(folder, os.W_OK)):
+            box[0] = f"profile: cannot write {out!r}: {folder!r} is not a writable folder"
+        elif not arg_mbs:
             box[0] = "the first stage's rank must pass arg_mbs"
         else:
             box[0] = [measure(a if isinstance(a, (tuple, list)) else (a,))[0] for a in arg_mbs]
     dist.broadcast_object_list(box, src=pipe.ranks[0], group=pipe.ctrl)
     if isinstance(box[0], str):
-        raise MicrobatchError(box[0])
+        raise (ProfileWriteError if box[0].startswith("profile:") else MicrobatchError)(box[0])
     return [int(t) for t in box[0]]
 
 
