@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 from test_token_cli import one_line_error
 
-from rrfp.exec.cli import _simulator, main
+from rrfp.exec.cli import _simulator, main, plan_config
 from rrfp.exec.jobs import plan_search
 from rrfp.exec.jobs.plan_search import (
     SEEDS,
@@ -27,6 +27,7 @@ from rrfp.exec.jobs.plan_search import (
     step_bound,
     task_costs,
 )
+from rrfp.exec.jobs.planner import apply_preset, validate_dry_run
 from rrfp.exec.jobs.presets import PRESETS, Device, ModelSpec, gpt_spec
 
 GiB = 1 << 30
@@ -68,7 +69,7 @@ def _exhaustive(spec: ModelSpec, device: Device, space: Space, simulate: Simulat
         ):
             continue
         sim = simulate(lay, task_costs(spec, device, lay, space), SEEDS)
-        best = min(sum(t.seconds) / len(t.seconds) for t in sim.trials)
+        best = min(t.mean for t in sim.trials)
         out[lay] = lay.m * space.samples * spec.seq_len * lay.dp / best
     return out
 
@@ -189,3 +190,41 @@ BAD = [
 @pytest.mark.parametrize(("args", "message"), BAD, ids=[" ".join(a) for a, _ in BAD])
 def test_bad_search_input_is_one_line(args: list[str], message: str) -> None:
     assert message in one_line_error(CliRunner().invoke(main, args), "rrfp-run")
+
+
+def test_the_validator_catches_a_search_that_is_not_the_plan() -> None:
+    code, out = _run([*BIG, "--dry-run", "--json"])
+    assert code == 0, out
+    report = json.loads(out[out.index("{") :])
+    validate_dry_run(report)
+    rows = report["plan"]["search"]["ranked"]
+    if len(rows) > 1:
+        rows[0], rows[1] = rows[1], rows[0]
+    else:
+        rows[0] = {**rows[0], "pp": rows[0]["pp"] * 2, "dp": rows[0]["dp"] // 2}
+    with pytest.raises(ValueError, match=r"plan\.search\.ranked\[0\] must be the plan's layout"):
+        validate_dry_run(report)
+
+
+def test_a_joined_worker_with_the_pinned_layout_plans_it_without_simulating(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under torchrun the launch line's --pp/--tp/--dp are the plan; its bytes are the search's model's
+    (the older byte model, with attention scores stored, refused this layout at 80 GiB)."""
+    for var, value in (("RANK", "0"), ("WORLD_SIZE", "128"), ("LOCAL_WORLD_SIZE", "8")):
+        monkeypatch.setenv(var, value)
+    argv = ["--model", "llama3-70b", "--gpu-memory", "80GiB", "--pp", "8", "--tp", "8", "--dp", "2"]
+    ctx = main.make_context("rrfp-run", argv)
+    given = {"model", "gpu_memory", "stages", "tp", "dp"}
+    cfg, p = plan_config(apply_preset(dict(ctx.params), given), given)
+    assert (p.pp, p.tp, p.dp, p.gpus_per_node, cfg.model.layers, cfg.model.hidden) == (8, 8, 2, 8, 80, 8192)
+    assert p.search is not None and p.search.chosen.sim is None and max(p.total) <= 80 * GiB
+
+
+def test_a_preset_on_one_node_is_searched_too() -> None:
+    code, out = _run(["--gpus", "8", "--gpus-per-node", "8", "--model", "llama3-8b", "--gpu-memory", "80GiB",
+                      "--hint", "1f1b", "--policy", "fixed", "--dry-run", "--json"])  # fmt: skip
+    assert code == 0, out
+    p = json.loads(out[out.index("{") :])["plan"]
+    assert p["pp"] * p["tp"] * p["dp"] == 8 and p["layers"] == 32 and p["search"]["ranked"][0]["simulated"]
+    assert max(p["memory"]["total"]) <= 80 * GiB

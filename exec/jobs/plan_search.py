@@ -33,6 +33,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from rrfp.exec.config import ExecConfigError
 from rrfp.exec.jobs.presets import ACT_BYTES, BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM, Device, ModelSpec
 from rrfp.plan.budget import format_bytes
@@ -102,6 +104,11 @@ class TrialTime:
     bubble: float
     """Mean idle fraction over ranks and seeds."""
 
+    @property
+    def mean(self) -> float:
+        """Mean step seconds over the seeds (numpy's mean, as :func:`t_interval` takes it)."""
+        return float(np.mean(self.seconds))
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Simulated:
@@ -131,13 +138,13 @@ class Scored:
     def best(self) -> TrialTime | None:
         if self.sim is None:
             return None
-        return min(self.sim.trials, key=lambda t: (sum(t.seconds) / len(t.seconds), t.label))
+        return min(self.sim.trials, key=lambda t: (t.mean, t.label))
 
     @property
     def seconds(self) -> float:
         """Predicted seconds per step: the best trial's mean, else (not simulated) the bound."""
         best = self.best
-        return self.bound if best is None else sum(best.seconds) / len(best.seconds)
+        return self.bound if best is None else best.mean
 
     @property
     def tokens_per_s(self) -> float:

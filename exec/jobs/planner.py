@@ -309,7 +309,8 @@ def plan_run(
     ``given``: the options set on the command line (a --tp or --dp other than 1 counts as given too).
     Across nodes with a model the layout is searched (module docstring), simulated by ``simulate``
     (None: ranked by the search's bound alone -- a joined worker, whose layout the launch line pins)."""
-    searched = world > gpus_per_node and not o.get("synthetic") and tokens is None and o["model"] == "gpt"
+    costed = not o.get("synthetic") and tokens is None and o["model"] == "gpt"  # a model the search costs
+    searched = costed and (world > gpus_per_node or o.get("preset") is not None)
     if not searched and not o.get("dry_run"):
         for name in DEVICE_OPTIONS:
             if name in given:
@@ -490,7 +491,14 @@ DRY_RUN_SCHEMA = 1
      "estimate": {"kind": "estimate", "basis": str, "device_tflops": float | null,
                   "seconds_per_unit": float, "iterations": int,
                   "results": [{"trial": str, "iteration_seconds": float}],
-                  "speedups": [{"trial": str, "baseline": str, "speedup": float}]}}
+                  "speedups": [{"trial": str, "baseline": str, "speedup": float}]},
+     "launch": {"torchrun", "srun": str}}   # a job of several nodes: the lines the run prints
+
+A searched plan (across nodes, or a --model preset) adds ``plan.search``: {"model": str, "params",
+"candidates", "over_memory", "pruned", "not_simulated", "seeds": int, "wall_seconds": float, "ranked":
+[{"pp", "tp", "dp", "microbatches": int, "simulated": bool, "step_seconds", "tokens_per_s",
+"bound_seconds": float, "ci95": [low, high] | null, "bubble": float | null, "trial": str | null,
+"max_bytes": int}]}, best first; its first row is the plan's layout.
 """
 _PLAN_INTS = ("gpus", "gpus_per_node", "nodes", "pp", "tp", "dp", "layers", "microbatches")
 
@@ -531,6 +539,26 @@ def validate_dry_run(obj: Any) -> None:
         need(ok and isinstance(row.get("iteration_seconds"), float), "estimate.results", "must list trials")
     for row in est.get("speedups", []):
         need(isinstance(row.get("speedup"), float), "estimate.speedups", "must hold numbers")
+    if "search" in p:
+        _validate_search(p, need)
+    launch = obj.get("launch")
+    ok = launch is None or all(isinstance(launch.get(k), str) for k in ("torchrun", "srun"))
+    need(ok, "launch", "must hold the torchrun and srun lines")
+
+
+def _validate_search(p: Mapping[str, Any], need: Callable[[bool, str, str], None]) -> None:
+    rows = p["search"].get("ranked") if isinstance(p["search"], dict) else None
+    need(isinstance(rows, list) and len(rows) > 0, "plan.search.ranked", "must list the layouts")
+    first = rows[0]  # type: ignore[index]
+    same = all(first.get(k) == p[k] for k in ("pp", "tp", "dp"))
+    need(same, "plan.search.ranked[0]", "must be the plan's layout")
+    for row in rows:  # type: ignore[union-attr]
+        ok = row.get("pp", 0) * row.get("tp", 0) * row.get("dp", 0) == p["gpus"]
+        need(ok and isinstance(row.get("step_seconds"), float), "plan.search.ranked", "must hold layouts of "
+             "the job's ranks and their step seconds")  # fmt: skip
+        ci = row.get("ci95")
+        need(ci is None or (ci[0] <= row["step_seconds"] <= ci[1]), "plan.search.ranked.ci95",
+             "must hold the step seconds")  # fmt: skip
 
 
 def _memory_lines(mem: Mapping[str, Any], limit: int | None) -> list[str]:
@@ -647,7 +675,7 @@ def search_estimate(result: SearchResult) -> dict[str, Any]:
     return {
         "kind": "estimate", "basis": basis, "device_tflops": float(d.tflops), "seconds_per_unit": 1.0,
         "iterations": 1,
-        "results": [{"trial": t.label, "iteration_seconds": float(sum(t.seconds) / len(t.seconds))}
+        "results": [{"trial": t.label, "iteration_seconds": t.mean}
                     for t in sim.trials],
         "speedups": [{"trial": a, "baseline": b, "speedup": float(x)} for a, b, x in sim.speedups],
     }  # fmt: skip
