@@ -69,7 +69,9 @@ def test_rows_keep_the_json_layout() -> None:
     assert top["ok"] is False and top["trials"][1]["label"] == "torch:1F1B"
     text = table(RunConfig(world=2, study=run_study(pp=2)), [_result()])
     assert text.splitlines()[2].startswith("rrfp/1f1b@2x") and "ok (max rel diff 1.00e-07 at loss)" in text
-    assert "0.5000 [-0.1210, 1.1210]" in text  # the mean with its 95% t-interval over the 3 iterations
+    # the mean with its 95% interval over the 3 iterations, on the log scale: the plain t-interval,
+    # [-0.1210, 1.1210], went below 0
+    assert "0.5000 [0.1444, 1.7314]" in text
 
 
 def test_trace_frames_are_dropped_and_a_failed_check_fails_the_launch() -> None:
