@@ -179,7 +179,8 @@ def test_the_dry_run_text_shows_the_pick_its_ci_the_runners_up_and_the_launch_li
 BAD = [
     (["--gpus", "16", "--gpus-per-node", "8", "--model", "llama3-7b", "--dry-run"], "--model 'llama3-7b'"),
     (["--gpus", "16", "--gpus-per-node", "8", "--inter-node-bw", "0", "--dry-run"], "--inter-node-bw must"),
-    (["--gpus", "4", "--intra-node-bw", "100"], "--intra-node-bw only applies with --dry-run or across"),
+    (["--gpus", "4", "--intra-node-bw", "100", "--dry-run"], "--intra-node-bw only applies with the layout"),
+    (["--gpus", "4", "--device-tflops", "100"], "--device-tflops only applies with --dry-run or the layout"),
     (["--gpus", "16", "--gpus-per-node", "8", "--model", "llama3-70b", "--gpu-memory", "80GiB", "--dry-run"],
      "no layout of 16 ranks (8 per node) fits --gpu-memory 80.0GiB"),
     (["--gpus", "16", "--gpus-per-node", "8", "--pp", "16", "--layers", "8", "--dry-run"],

@@ -311,12 +311,11 @@ def plan_run(
     (None: ranked by the search's bound alone -- a joined worker, whose layout the launch line pins)."""
     costed = not o.get("synthetic") and tokens is None and o["model"] == "gpt"  # a model the search costs
     searched = costed and (world > gpus_per_node or o.get("preset") is not None)
-    if not searched and not o.get("dry_run"):
-        for name in DEVICE_OPTIONS:
-            if name in given:
-                flag = f"--{name.replace('_', '-')}"
-                raise ExecConfigError(f"{flag} only applies with --dry-run or across nodes (--gpus above "
-                                      "--gpus-per-node): drop it")  # fmt: skip
+    for name in DEVICE_OPTIONS if not searched else ():  # the links only matter to the search
+        if name in given and (name != "device_tflops" or not o.get("dry_run")):
+            flag, dry = f"--{name.replace('_', '-')}", "--dry-run or " if name == "device_tflops" else ""
+            raise ExecConfigError(f"{flag} only applies with {dry}the layout search (a model across nodes, "
+                                  "--gpus above --gpus-per-node, or a --model preset): drop it")  # fmt: skip
     if searched:
         return searched_plan(o, given, world, gpus_per_node, simulate)
     model = ModelConfig(
