@@ -3,14 +3,16 @@
 * Inside a torchrun / torch elastic / srun-with-torchrun environment (RANK and WORLD_SIZE set) this
   process *is* a worker: :func:`join` runs it and returns the exit code.
 * Otherwise :func:`launch_local` starts ``--gpus N`` local workers through
-  ``torch.distributed.launcher.api.elastic_launch`` with a standalone c10d rendezvous on a free
-  localhost port (what ``torchrun --standalone`` does), ``max_restarts=0``. If a worker dies, the
+  ``torch.distributed.launcher.api.elastic_launch``, ``max_restarts=0``, with a c10d rendezvous in
+  this launcher's store (:class:`JobStore`, listening on 127.0.0.1 alone: rrfp.exec.jobs.stores), where
+  the workers' process group meets too: no store of torch's own. If a worker dies, the
   launcher terminates the others (they dump on SIGTERM) and we report which rank was lost -- from the
   exit codes and the fault records the workers leave in this launcher's store (:class:`JobStore`),
   which also carries their heartbeats: a hung rank is named as hung, and killed.
 
 Exit codes: 0 ok; 1 a failed --check or a crashed/lost/hung worker; 2 bad options (from the CLI); 130
-and 143 when SIGINT or SIGTERM stopped the job (one line, the workers stopped with the same signal).
+and 143 when SIGINT or SIGTERM stopped the job (one line, the workers stopped with the same signal, or
+with SIGTERM while they start: :meth:`JobStore.on_signal`).
 """
 
 from __future__ import annotations
@@ -199,7 +201,7 @@ def launch_local(cfg: RunConfig, dump_dir: str) -> int:
 
 
 def _launch_one(cfg: RunConfig, dump_dir: str, store: JobStore, run_id: str) -> dict[int, Any]:
-    """All workers under one torch agent in this process (its standalone rendezvous); rank -> result."""
+    """All workers under one torch agent in this process (rendezvous in ``store``); rank -> result."""
     from torch.distributed.launcher.api import elastic_launch
 
     from rrfp.exec.jobs.worker import worker_main
