@@ -273,8 +273,9 @@ def test_the_table_explains_itself(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         sim_cli.main([*SMALL, "--memory-budget", "2x", "--seeds", "4"])
     out = capsys.readouterr().out
-    head, _, *rest = out.splitlines()
+    head, costs, _, *rest = out.splitlines()
     assert "costs F=1,B=2 (I=1,W=1) s" in head  # the costs used, as the default is documented
+    assert costs.startswith("costs: analytic (no --profile)")  # and where they came from
     assert rest[0].split()[:6] == ["trial", "iteration", "time", "s", "[95%", "CI]"]
     assert sum(line.startswith("summary: ") for line in rest) == 1
     assert "columns (lower is better, except speedup):" in rest
