@@ -112,7 +112,7 @@ def worker(a: argparse.Namespace) -> None:
         for name in order:
             sched = scheds[name]
             dist.barrier()  # each step starts together on every rank, as a trace's iteration does
-            sched.step_microbatches(inputs if first else None, targets if last else None,
+            sched.step_microbatches(inputs if first else None, target_mbs=targets if last else None,
                                     losses=[] if last else None, loss_kwargs={"total": total})  # fmt: skip
             model.zero_grad(set_to_none=True)
     for sched in scheds.values():

@@ -121,7 +121,7 @@ def main() -> None:
         start = time.perf_counter()
         losses: list[torch.Tensor] = []
         schedule.step_microbatches(
-            inputs if rank == 0 else None, targets if rank == world - 1 else None,
+            inputs if rank == 0 else None, target_mbs=targets if rank == world - 1 else None,
             losses=losses, loss_kwargs={"tokens": tokens},
         )  # fmt: skip
         torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)  # per stage; see docs/usage.md

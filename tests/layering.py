@@ -43,6 +43,7 @@ EXEC_ROOMS = (
     ("rrfp.exec.comm",),
     ("rrfp.exec.loop",),
     ("rrfp.exec.pipelining",),
+    ("rrfp.exec.integrations",),
     ("rrfp.exec.results", "rrfp.exec.report"),
     ("rrfp.exec.jobs",),
     ("rrfp.exec.preflight", "rrfp.exec.cli", "rrfp.exec.__main__", "rrfp.exec"),

@@ -55,7 +55,6 @@ def run_sizes(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     """Two steps of GPT microbatches of lognormal lengths: the sizes every rank's scheduler got, what a
     sized policy was handed, the gradients and losses (user order) against the reference."""
     from rrfp.dispatch.backfill import Backfill
-    from rrfp.exec import ScheduleReadiness
 
     rank, pp, n = dist.get_rank(), dist.get_world_size(), 6
     mine, num_stages = stage_indices(case["hint"], pp, rank, n)
@@ -83,7 +82,9 @@ def run_sizes(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
         zero(*ref, *local.values())
         ref_losses = reference(ref, arg_mbs, tgt_mbs, xent, True, step)
         losses: list[torch.Tensor] = []
-        out = sched.step_microbatches(arg_mbs if first else None, tgt_mbs if last else None, losses=losses)
+        out = sched.step_microbatches(
+            arg_mbs if first else None, target_mbs=tgt_mbs if last else None, losses=losses
+        )
         worst = max(worst, compare(local, ref))
         if last:
             errs = [abs(float(a) - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True)]
@@ -118,7 +119,7 @@ def run_order_dropout(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
         sched.compute.begin = lambda *a, ids=None, **kw: begin(*a, **kw)  # type: ignore[method-assign]
     first, last = 0 in mine, num_stages - 1 in mine
     losses: list[torch.Tensor] = []
-    sched.step_microbatches(arg_mbs if first else None, tgt_mbs if last else None, losses=losses)
+    sched.step_microbatches(arg_mbs if first else None, target_mbs=tgt_mbs if last else None, losses=losses)
     loss_err = 0.0
     if last:
         loss_err = max(abs(float(a) - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
@@ -129,7 +130,6 @@ def run_order_dropout(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
 def run_refused(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     """A bad mb_order, or sized=True on a policy without costs: every rank raises the same error."""
     from rrfp.errors import UserError
-    from rrfp.exec import ScheduleReadiness
 
     rank, pp = dist.get_rank(), dist.get_world_size()
     mine, num_stages = stage_indices("1f1b", pp, rank, 4)
@@ -377,7 +377,9 @@ def run_tp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
         tgt_mbs = [torch.randn(r, 16, generator=g) for r in rows]
         zero(*ref, mine)
         reference(ref, arg_mbs, tgt_mbs, mse, True, step)
-        sched.step_microbatches(arg_mbs if pp_rank == 0 else None, tgt_mbs if pp_rank == 1 else None)
+        sched.step_microbatches(
+            arg_mbs if pp_rank == 0 else None, target_mbs=tgt_mbs if pp_rank == 1 else None
+        )
         worst = max(worst, *(b.grads_error(f) for b, f in zip(mine, ref[pp_rank], strict=True)))
     agree, means = sched.runtime.stats.agree, (sched.calibration or {}).get("mean_ms")
     announce = sched.announce, None if sched.board is None else int((sched.board.slots != 0).sum())
@@ -436,7 +438,6 @@ def run_tp_fail(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     then pipeline [0, 2] stops naming a timeout. Every rank raises StageFailed, none hangs. (A failed
     step leaves the pipeline unusable: it is not closed, as in tests/pipelining_worker.py's error
     cases.)"""
-    from rrfp.errors import UserError
     from rrfp.exec import ReadinessPipeline, ScheduleReadiness
 
     rank = dist.get_rank()
@@ -456,7 +457,9 @@ def run_tp_fail(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     tgt_mbs = [torch.randn(2, 16, generator=g) for _ in range(4)]
     start = time.monotonic()
     try:
-        sched.step_microbatches(arg_mbs if pp_rank == 0 else None, tgt_mbs if pp_rank == 1 else None)
+        sched.step_microbatches(
+            arg_mbs if pp_rank == 0 else None, target_mbs=tgt_mbs if pp_rank == 1 else None
+        )
     except Exception as e:
         return {"raised": kind_of(e), "text": str(e), "seconds": time.monotonic() - start}
     return {"raised": None}
@@ -570,7 +573,6 @@ def run_fsdp(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
 def run_size_error(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     """mb_order with a first stage's rank whose microbatches are wrong: it still joins the sizes'
     broadcast, so every rank raises StageFailed naming it at once (no rank sits out its timeout)."""
-    from rrfp.errors import UserError
     from rrfp.exec import ReadinessPipeline, ScheduleReadiness
 
     rank, pp = dist.get_rank(), dist.get_world_size()
@@ -582,7 +584,9 @@ def run_size_error(case: dict[str, Any], _pipe: Any) -> dict[str, Any]:
     x, y = list(torch.randn(8, 16, generator=g).chunk(4)), list(torch.randn(8, 16, generator=g).chunk(4))
     start = time.monotonic()
     try:
-        sched.step_microbatches(x[:3] if 0 in mine else None, y if num_stages - 1 in mine else None)
+        sched.step_microbatches(
+            x[:3] if 0 in mine else None, target_mbs=y if num_stages - 1 in mine else None
+        )
     except Exception as e:
         return {"raised": kind_of(e), "text": str(e), "seconds": time.monotonic() - start}
     return {"raised": None}

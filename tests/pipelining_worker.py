@@ -203,8 +203,6 @@ def run_grad(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     """step() on a whole batch; losses and grads against the reference (and torch's schedule if named).
     ``accumulate``: grads are not zeroed between steps (they must ADD)."""
 
-    from rrfp.exec import ScheduleReadiness
-
     rank, pp = dist.get_rank(), dist.get_world_size()
     hint, n = case.get("csv") or case["hint"], case.get("n", 4)
     mine, num_stages = stage_indices(case["hint"], pp, rank, n)
@@ -334,7 +332,7 @@ def run_varlen(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     losses: list[torch.Tensor] = []
     first, last = 0 in mine, num_stages - 1 in mine
     out = sched.step_microbatches(
-        arg_mbs if first else None, tgt_mbs if last else None, losses=losses, loss_kwargs=kw
+        arg_mbs if first else None, target_mbs=tgt_mbs if last else None, losses=losses, loss_kwargs=kw
     )
     row: dict[str, Any] = {"worst": compare(local, ref), "loss": 0.0, "torch": 0.0, "lengths": lengths}
     if last:
@@ -454,10 +452,12 @@ def run_error(case: dict[str, Any], shared: Any) -> dict[str, Any]:
         first, last = 0 in mine, num_stages - 1 in mine
         if what == "mbs":
             arg_mbs = list(args[0].chunk(4))[: 3 if first else 4]
-            sched.step_microbatches(arg_mbs if first else None, list(tgt.chunk(4)) if last else None)
+            sched.step_microbatches(
+                arg_mbs if first else None, target_mbs=list(tgt.chunk(4)) if last else None
+            )
         elif what == "stacked":  # the four microbatches as one tensor instead of a list of them
             sched.step_microbatches(
-                args[0].view(4, 2, -1) if first else None, list(tgt.chunk(4)) if last else None
+                args[0].view(4, 2, -1) if first else None, target_mbs=list(tgt.chunk(4)) if last else None
             )
         else:
             no_target = what == "no_target"
@@ -579,7 +579,7 @@ def run_bytes(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
         for mod in [*ref, *local.values()]:
             mod.zero_grad(set_to_none=True)
         reference(ref, arg_mbs, tgt_mbs, xent, True, step)
-        sched.step_microbatches(arg_mbs if first else None, tgt_mbs if last else None)
+        sched.step_microbatches(arg_mbs if first else None, target_mbs=tgt_mbs if last else None)
         worst = max(worst, compare(local, ref))
         memory = sched.runtime.memory
         modes.append(memory is not None)

@@ -285,7 +285,8 @@ def test_step_error_keeps_its_type_where_raised(two: list[dict[str, Any]], error
     assert found[origin]["raised"] == kind and text in found[origin]["text"], found[origin]
     other = found[1 - origin]
     assert other["raised"] == "StageFailed", other
-    assert f"rank {origin} raised {kind.removeprefix(\"user's \")}: " in other["text"], other
+    bare = kind.removeprefix("user's ")
+    assert f"rank {origin} raised {bare}: " in other["text"], other
     assert text in other["text"] and "\n" not in other["text"], other
     assert all(r.get("seconds", 0.0) < 10.0 for r in found.values())  # nobody sat out a timeout
 

@@ -114,7 +114,8 @@ def test_a_failing_first_rank_still_joins_the_sizes_broadcast(two: list[dict[str
     found = {r["rank"]: r for r in rows(two, kind="size_error")}
     assert sorted(found) == [0, 1]
     assert found[0]["raised"] == "MicrobatchError" and "arg_mbs has 3" in found[0]["text"], found
-    assert found[1]["raised"] == "StageFailed" and "rank 0 raised MicrobatchError: arg_mbs has 3" in found[1]["text"]
+    told = found[1]
+    assert told["raised"] == "StageFailed" and "rank 0 raised MicrobatchError: arg_mbs has 3" in told["text"]
     assert all(r["seconds"] < 5.0 for r in found.values()), found  # rank 1 did not wait out its 10 s
 
 

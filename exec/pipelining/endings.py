@@ -25,13 +25,14 @@ from __future__ import annotations
 import atexit
 import functools
 import threading
-import weakref
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-_live: weakref.WeakSet[Any] = weakref.WeakSet()
+# Strong references: a pipeline a script dropped without close() still has receiver threads blocked in
+# gloo (they keep its transport alive, not the pipeline), so it must stay reachable until released.
+_live: dict[int, Any] = {}
 _lock = threading.Lock()
 _installed = False
 
@@ -40,7 +41,7 @@ def track(pipeline: Any) -> None:
     """Release ``pipeline`` at destroy or exit unless it is closed first (idempotent)."""
     global _installed
     with _lock:
-        _live.add(pipeline)
+        _live[id(pipeline)] = pipeline
         if not _installed:
             _install()
             _installed = True
@@ -48,13 +49,13 @@ def track(pipeline: Any) -> None:
 
 def untrack(pipeline: Any) -> None:
     with _lock:
-        _live.discard(pipeline)
+        _live.pop(id(pipeline), None)
 
 
 def release_all(group: Any = None) -> None:
     """Release every tracked pipeline (``group`` None) or those built on ``group``."""
     with _lock:
-        pipes = [p for p in _live if group is None or group in (p.group, p.ctrl)]
+        pipes = [p for p in _live.values() if group is None or group in (p.group, p.ctrl)]
     for p in pipes:
         p.release()
 
