@@ -289,8 +289,11 @@ def group_store(store: JobStore | None, rank: int, timeout_s: float, setup_s: fl
         return None
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    local = stores.is_loopback(host)
+    if local:  # a job on one host: gloo's (NCCL's) sockets on loopback too
+        stores.keep_sockets_local()
     if rank == 0:
-        if stores.is_loopback(host):
+        if local:
             server = stores.host_store(host, port, setup_s)
         else:
             server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, multi_tenant=True,
