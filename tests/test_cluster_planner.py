@@ -229,3 +229,15 @@ def test_a_preset_on_one_node_is_searched_too() -> None:
     p = json.loads(out[out.index("{") :])["plan"]
     assert p["pp"] * p["tp"] * p["dp"] == 8 and p["layers"] == 32 and p["search"]["ranked"][0]["simulated"]
     assert max(p["memory"]["total"]) <= 80 * GiB
+
+
+def test_a_larger_memory_budget_needs_more_bytes_and_can_leave_no_layout() -> None:
+    """The launched job runs every trial: rrfp at 2x may hold twice the 1F1B peak, so the plan must fit it."""
+    spec, lay = PRESETS["llama3-70b"], Layout(pp=8, tp=8, dp=2, m=32)
+    _, one = rank_bytes(spec, lay, 2, 1)
+    _, two = rank_bytes(spec, lay, 2, 1, budget=2.0)
+    logits = spec.logits_bytes(2, 8)
+    assert two[0] - one[0] == pytest.approx(one[0], rel=1e-6) and two[-1] - logits == pytest.approx(
+        2 * (one[-1] - logits), rel=1e-6)  # fmt: skip
+    code, out = _run([*BIG, "--memory-budget", "1x,2x", "--dry-run"])
+    assert code == 2 and "no layout of 128 ranks (8 per node) fits --gpu-memory 80.0GiB" in out, out

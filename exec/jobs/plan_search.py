@@ -64,6 +64,10 @@ class Space:
     """The most virtual stages per rank any of the run's hints uses (memory and the layer split)."""
     cv: float = 0.0
     """The simulated compute jitter's CV (the bound's margin)."""
+    budget: float = 1.0
+    """The largest ``Nx`` --memory-budget of the run's trials: a policy may hold N x the hint's peak."""
+    slots: int = 0
+    """The largest whole-number --memory-budget (activation slots per rank); 0: none."""
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -214,19 +218,21 @@ def rank_layers(layers: int, pp: int, v: int) -> list[int]:
     return out
 
 
-def rank_bytes(spec: ModelSpec, lay: Layout, samples: int, v: int) -> tuple[list[int], list[int]]:
+def rank_bytes(
+    spec: ModelSpec, lay: Layout, samples: int, v: int, budget: float = 1.0, slots: int = 0
+) -> tuple[list[int], list[int]]:
     """(static, activation peak) bytes of each pipeline rank at ``lay`` (exec/jobs/presets.py's counts):
     rank r keeps min(pp - r, m) microbatches in flight at v = 1; interleaved (v > 1), Megatron's warm-up
-    of (pp - r - 1) x 2 + (v - 1) x pp + 1 chunks of 1/v of its layers, at most m x v."""
+    of (pp - r - 1) x 2 + (v - 1) x pp + 1 chunks of 1/v of its layers; times ``budget`` (or ``slots``
+    chunks, if more) for the run's largest --memory-budget; at most m x v."""
     head = spec.vocab * spec.hidden  # the input embedding on rank 0; the output head on the last
     static, act = [], []
     for r, layers in enumerate(rank_layers(spec.layers, lay.pp, v)):
         params = layers * spec.layer_params + head * ((r == 0) + (r == lay.pp - 1))
         static.append(math.ceil(params * BYTES_PER_PARAM / lay.tp))
         per_mb = layers * spec.layer_activation_bytes(samples, lay.tp)
-        chunks = (
-            min(lay.pp - r, lay.m) if v == 1 else min((lay.pp - r - 1) * 2 + (v - 1) * lay.pp + 1, lay.m * v)
-        )
+        peak = lay.pp - r if v == 1 else (lay.pp - r - 1) * 2 + (v - 1) * lay.pp + 1
+        chunks = min(max(math.ceil(peak * budget), slots), lay.m * v)
         logits = spec.logits_bytes(samples, lay.tp) if r == lay.pp - 1 else 0.0
         act.append(math.ceil(chunks * per_mb / v + logits))
     return static, act
@@ -314,7 +320,7 @@ def _fitting(
     fits: list[Scored] = []
     closest: Scored | None = None
     for lay in cands:
-        static, act = rank_bytes(spec, lay, space.samples, space.v)
+        static, act = rank_bytes(spec, lay, space.samples, space.v, space.budget, space.slots)
         costs = task_costs(spec, device, lay, space)
         scored = Scored(layout=lay, static=tuple(static), activation=tuple(act),
                         bound=step_bound(costs, lay, space.v, device),

@@ -386,7 +386,8 @@ def searched_plan(
                     inter_bw=float(o.get("inter_node_bw", DEFAULT_INTER_NODE_GBS)) * 1e9)  # fmt: skip
     space = Space(gpus=world, gpus_per_node=gpus_per_node, pp=o["stages"], tp=tp, dp=dp,
                   microbatches=o["microbatches"], samples=o["microbatch_size"],
-                  v=hints_v(o), cv=float(o["cv"]) if o.get("jitter", "none") != "none" else 0.0)  # fmt: skip
+                  v=hints_v(o), cv=float(o["cv"]) if o.get("jitter", "none") != "none" else 0.0,
+                  **budget_bounds(o))  # fmt: skip
     result = search(spec, device, space, simulate)
     c = result.chosen
     return Plan(gpus=world, gpus_per_node=gpus_per_node, pp=c.layout.pp, tp=c.layout.tp, dp=c.layout.dp,
@@ -396,6 +397,15 @@ def searched_plan(
 
 def _given_int(o: Mapping[str, Any], given: Collection[str], name: str) -> int | None:
     return o[name] if name in given or o[name] != 1 else None
+
+
+def budget_bounds(o: Mapping[str, Any]) -> dict[str, Any]:
+    """The run's largest --memory-budget factor (``Nx``) and slot count (a whole number), as
+    :class:`~rrfp.exec.jobs.plan_search.Space` takes them: every trial the launched job runs must fit.
+    A byte budget bounds itself (within --gpu-memory)."""
+    items = [b.strip().lower() for b in Study.from_options(o).memory_budget]
+    factors = [float(b[:-1]) for b in items if b.endswith("x")]
+    return {"budget": max([1.0, *factors]), "slots": max([0, *(int(b) for b in items if b.isdigit())])}
 
 
 def hints_v(o: Mapping[str, Any]) -> int:
