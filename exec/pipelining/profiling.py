@@ -21,8 +21,10 @@ the schedules' traces and cost meters:
 * the runtime's own overhead per task: the dispatch loop's time that is neither compute nor waiting, per
   task (rrfp.exec.loop.runtime.LoopStats), under each setting (a split order's W sends nothing); and per
   step, the time a step spends outside the loop (the slowest rank's);
-* the message cost by bytes on the real transport: from posted (sender) to arrived (receiver) per
-  message, fitted as latency + bytes / bandwidth when sizes vary (else the latency at that size);
+* the message cost by bytes on the real transport: from posted (sender, right after the producer's
+  compute) to usable (the receiver's wait it ended, so its wake-up counts), fitted as latency + bytes /
+  bandwidth when sizes vary (else the mean at that size), less the per-task overhead the simulator
+  already charges the producer before its message leaves;
 * the activation bytes a forward keeps per microbatch (autograd's saved tensors, parameters excluded).
 
 Rank 0 writes ``out`` atomically (rrfp.traces.profile.write_profile) and prints a one-line progress.
@@ -327,7 +329,11 @@ def _build(
     split = {int(k): bool(x) for r in split_run["ranks"] for k, x in r["split"].items()}
     notes = [n for r in split_run["ranks"] for n in r["notes"]]
     plain = found.get("fixed", split_run)
-    latency, bandwidth, msg_info = _message_fit(plain["frame"], warmup)
+    posted_to_usable, bandwidth, msg_info = _message_fit(plain["frame"], warmup)
+    # The simulator starts a message when its producer's task ends -- compute, then the loop's overhead
+    # (posting the send is its first part) -- so what a message adds is what remains after that overhead.
+    msg_info["posted_to_usable_s"] = posted_to_usable
+    latency = max(0.0, posted_to_usable - _overhead(plain))
     act = {int(k): x for r in plain["ranks"] for k, x in r["act"].items()}
     meta = {
         "split_notes": notes, "message_fit": msg_info,
