@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from test_token_cli import one_line_error
 
 from rrfp.exec.cli import _simulator, main, plan_config
+from rrfp.exec.config import ExecConfigError
 from rrfp.exec.jobs import plan_search
 from rrfp.exec.jobs.plan_search import (
     SEEDS,
@@ -29,6 +30,7 @@ from rrfp.exec.jobs.plan_search import (
 )
 from rrfp.exec.jobs.planner import apply_preset, validate_dry_run
 from rrfp.exec.jobs.presets import PRESETS, Device, ModelSpec, gpt_spec
+from rrfp.plan.spec import SpecError
 
 GiB = 1 << 30
 ENV = ("RANK", "WORLD_SIZE", "SLURM_PROCID", "LOCAL_WORLD_SIZE")
@@ -241,3 +243,24 @@ def test_a_larger_memory_budget_needs_more_bytes_and_can_leave_no_layout() -> No
         2 * (one[-1] - logits), rel=1e-6)  # fmt: skip
     code, out = _run([*BIG, "--memory-budget", "1x,2x", "--dry-run"])
     assert code == 2 and "no layout of 128 ranks (8 per node) fits --gpu-memory 80.0GiB" in out, out
+
+
+def test_a_layout_the_simulator_refuses_is_left_out_and_all_refused_is_one_error() -> None:
+    spec, device, space = GRIDS["not-largest-pp"]
+    real = _sim()
+    best = search(spec, device, space, real).chosen.layout
+
+    def refusing(lay: Layout, costs: Any, seeds: int) -> Any:
+        if lay == best:
+            raise SpecError(f"pp {lay.pp} refused")
+        return real(lay, costs, seeds)
+
+    result = search(spec, device, space, refusing)
+    assert result.refused == 1 and result.chosen.layout != best
+    assert all(s.layout != best for s in result.ranked)
+
+    def never(lay: Layout, costs: Any, seeds: int) -> Any:
+        raise SpecError("every layout refused")
+
+    with pytest.raises(ExecConfigError, match="no layout of 16 ranks can be simulated: every layout refused"):
+        search(spec, device, space, never)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from rrfp.errors import UserError
 from rrfp.exec.config import ExecConfigError
 from rrfp.exec.jobs.presets import ACT_BYTES, BYTES_PER_PARAM, GRAD_BYTES_PER_PARAM, Device, ModelSpec
 from rrfp.plan.budget import format_bytes
@@ -172,6 +173,8 @@ class SearchResult:
     over_memory: int
     pruned: int
     not_simulated: int
+    refused: int
+    """Layouts the simulator refused (left out of :attr:`ranked`)."""
     seeds: int
     wall_s: float
     model: ModelSpec
@@ -288,6 +291,7 @@ def search(
     fits.sort(key=lambda s: (-s.tokens / s.bound, s.layout))
     done: list[Scored] = []
     pruned = skipped = 0
+    refused: dict[Layout, UserError] = {}  # what the simulator cannot run (e.g. a hint's rule on m, pp)
     for cand in fits:
         best = max((s.tokens_per_s for s in done), default=0.0)
         margin = 1 + 3 * space.cv / math.sqrt(cand.layout.m)  # sampled jitter may beat mean costs
@@ -298,11 +302,19 @@ def search(
             skipped += 1
             continue
         costs = task_costs(spec, device, cand.layout, space)
-        done.append(_with_sim(cand, simulate(cand.layout, costs, seeds)))
-    rest = [c for c in fits if all(c.layout != d.layout for d in done)]
+        try:
+            done.append(_with_sim(cand, simulate(cand.layout, costs, seeds)))
+        except UserError as e:
+            refused[cand.layout] = e
+    if refused and not done:  # no layout runs: the simulator's own reason, in one line
+        first = next(iter(refused.values()))
+        raise ExecConfigError(f"no layout of {space.gpus} ranks can be simulated: {first}") from first
+    simulated = {d.layout for d in done}
+    rest = [c for c in fits if c.layout not in simulated and c.layout not in refused]
     ranked = sorted(done, key=lambda s: (-s.tokens_per_s, s.layout)) + rest
     return SearchResult(chosen=ranked[0], ranked=tuple(ranked), candidates=len(cands),
-                        over_memory=len(cands) - len(fits), pruned=pruned, not_simulated=skipped, seeds=seeds,
+                        over_memory=len(cands) - len(fits), pruned=pruned, not_simulated=skipped,
+                        refused=len(refused), seeds=seeds,
                         wall_s=time.perf_counter() - start, model=spec, device=device)  # fmt: skip
 
 
@@ -376,7 +388,8 @@ def search_lines(result: SearchResult, runners_up: int = 5) -> list[str]:
         f"  model     {result.model.name}: {result.model.layers} layers, hidden {result.model.hidden}, "
         f"{result.model.params / 1e9:.3g}B params ({result.model.source})",
         f"  search    {result.candidates} layouts: {result.over_memory} over --gpu-memory, "
-        f"{result.pruned} pruned by the bound, {result.not_simulated} not simulated (cap {MAX_SIMULATED}); "
+        f"{result.pruned} pruned by the bound, {result.not_simulated} not simulated (cap {MAX_SIMULATED})"
+        f"{f', {result.refused} refused by the simulator' if result.refused else ''}; "
         f"{sum(s.sim is not None for s in result.ranked)} simulated x {result.seeds} seeds in "
         f"{result.wall_s:.1f} s wall",
         f"  chosen    {c.layout.text()}, m {c.layout.m}: {seconds_text(c)} per step, "
@@ -403,6 +416,6 @@ def search_dict(result: SearchResult) -> dict[str, object]:
                 "trial": None if best is None else best.label, "max_bytes": _need(s)}  # fmt: skip
 
     return {"model": result.model.name, "params": result.model.params, "candidates": result.candidates,
-            "over_memory": result.over_memory, "pruned": result.pruned,
+            "over_memory": result.over_memory, "pruned": result.pruned, "refused": result.refused,
             "not_simulated": result.not_simulated, "seeds": result.seeds, "wall_seconds": result.wall_s,
             "ranked": [row(s) for s in result.ranked]}  # fmt: skip

@@ -504,7 +504,7 @@ DRY_RUN_SCHEMA = 1
      "launch": {"torchrun", "srun": str}}   # a job of several nodes: the lines the run prints
 
 A searched plan (across nodes, or a --model preset) adds ``plan.search``: {"model": str, "params",
-"candidates", "over_memory", "pruned", "not_simulated", "seeds": int, "wall_seconds": float, "ranked":
+"candidates", "over_memory", "pruned", "not_simulated", "refused", "seeds": int, "wall_seconds": float, "ranked":
 [{"pp", "tp", "dp", "microbatches": int, "simulated": bool, "step_seconds", "tokens_per_s",
 "bound_seconds": float, "ci95": [low, high] | null, "bubble": float | null, "trial": str | null,
 "max_bytes": int}]}, best first; its first row is the plan's layout.
