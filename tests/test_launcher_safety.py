@@ -23,6 +23,7 @@ from execkit import BIN, assert_no_leftovers, session_procs, stop_job, wait_for_
 
 from rrfp.exec import faults
 from rrfp.exec.cli import main
+from rrfp.exec.jobs import stores
 
 RUN = str(BIN / "rrfp-run")
 LONG_SYNTHETIC = [RUN, "--gpus", "2", "--synthetic", "--hint", "1f1b", "--policy", "fixed",
@@ -86,6 +87,31 @@ def test_a_one_host_job_listens_on_loopback_only(tmp_path: Path) -> None:
     assert any(pid == proc.pid for pid, _, _ in seen), f"the launcher's store was not seen: {seen}"
     assert all(any(pid == r for pid, _, _ in seen) for r in ranks), f"a rank's sockets were not seen: {seen}"
     assert not beyond_loopback(seen), f"listening beyond loopback: {sorted(beyond_loopback(seen))}"
+
+
+def test_store_helpers_listen_on_loopback_and_join_only_the_job_s_store() -> None:
+    """In one process: a hosted store listens on loopback alone; a client joins it only when it shows
+    the job's key; a silent listener and another job's store are one-line refusals within the bound."""
+    server = stores.host_store("127.0.0.1", 0, 10.0)
+    assert not beyond_loopback(listeners([os.getpid()]))
+    assert (os.getpid(), "127.0.0.1", server.port) in listeners([os.getpid()])
+    with pytest.raises(stores.StoreError, match=r"cannot listen on 127\.0\.0\.1:"):
+        stores.listener("127.0.0.1", server.port)  # taken
+    server.set(stores.JOB_KEY, "job-a")
+    client = stores.join_store("127.0.0.1", server.port, 10.0, 10.0, "job-a", 5.0)
+    client.set("x", "1")
+    assert server.get("x") == b"1"
+    with pytest.raises(stores.StoreError, match="it is job job-a's store, not job-b's"):
+        stores.join_store("127.0.0.1", server.port, 10.0, 10.0, "job-b", 1.0)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        start = time.monotonic()
+        with pytest.raises(stores.StoreError, match="accepts connections but gave no answer"):
+            stores.join_store("127.0.0.1", silent.getsockname()[1], 10.0, 10.0, "job-a", 1.0)
+        assert time.monotonic() - start < 5.0
+    with pytest.raises(stores.StoreError, match="nothing listens on"):
+        stores.join_store("127.0.0.1", _free_port(), 10.0, 0.5, "job-a", 1.0)
 
 
 # -- srun: emulated with SLURM's variables ---------------------------------------------------------------

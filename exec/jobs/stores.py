@@ -21,6 +21,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import MutableMapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,7 @@ def loopback_interface() -> str | None:
     return None
 
 
-def keep_sockets_local(env: dict[str, str] | os._Environ[str] | None = None) -> None:
+def keep_sockets_local(env: MutableMapping[str, str] | None = None) -> None:
     """gloo's and NCCL's listening sockets on the loopback interface (a job on one host), unless the
     user chose an interface (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME): gloo otherwise listens on the
     address the host name resolves to, NCCL's bootstrap on the first non-loopback interface."""
