@@ -179,6 +179,7 @@ class SearchResult:
     wall_s: float
     model: ModelSpec
     device: Device
+    space: Space
 
 
 # -- candidates, bytes, costs -------------------------------------------------------------------------
@@ -314,8 +315,8 @@ def search(
     ranked = sorted(done, key=lambda s: (-s.tokens_per_s, s.layout)) + rest
     return SearchResult(chosen=ranked[0], ranked=tuple(ranked), candidates=len(cands),
                         over_memory=len(cands) - len(fits), pruned=pruned, not_simulated=skipped,
-                        refused=len(refused), seeds=seeds,
-                        wall_s=time.perf_counter() - start, model=spec, device=device)  # fmt: skip
+                        refused=len(refused), seeds=seeds, wall_s=time.perf_counter() - start, model=spec,
+                        device=device, space=space)  # fmt: skip
 
 
 def _with_sim(cand: Scored, sim: Simulated) -> Scored:

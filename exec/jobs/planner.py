@@ -504,8 +504,8 @@ DRY_RUN_SCHEMA = 1
      "launch": {"torchrun", "srun": str}}   # a job of several nodes: the lines the run prints
 
 A searched plan (across nodes, or a --model preset) adds ``plan.search``: {"model": str, "params",
-"candidates", "over_memory", "pruned", "not_simulated", "refused", "seeds": int, "wall_seconds": float, "ranked":
-[{"pp", "tp", "dp", "microbatches": int, "simulated": bool, "step_seconds", "tokens_per_s",
+"candidates", "over_memory", "pruned", "not_simulated", "refused", "seeds": int, "wall_seconds": float,
+"ranked": [{"pp", "tp", "dp", "microbatches": int, "simulated": bool, "step_seconds", "tokens_per_s",
 "bound_seconds": float, "ci95": [low, high] | null, "bubble": float | null, "trial": str | null,
 "max_bytes": int}]}, best first; its first row is the plan's layout.
 """
@@ -570,11 +570,15 @@ def _validate_search(p: Mapping[str, Any], need: Callable[[bool, str, str], None
              "must hold the step seconds")  # fmt: skip
 
 
-def _memory_lines(mem: Mapping[str, Any], limit: int | None) -> list[str]:
+def _memory_lines(mem: Mapping[str, Any], limit: int | None, searched: SearchResult | None) -> list[str]:
     of = f"  of --gpu-memory {format_bytes(limit)}" if limit is not None else ""
+    space = searched.space if searched is not None else None
+    peak = "1F1B peak: min(pp - r, m) microbatches"
+    if space is not None and (space.v > 1 or space.budget > 1 or space.slots):
+        peak = f"peak in flight: v {space.v}, x {space.budget:g} (--memory-budget), exec/jobs/plan_search.py"
     return [
         f"  static    {per_rank_text(mem['static'])}  (weights, gradients, Adam: 18 B/param)",
-        f"  activ.    {per_rank_text(mem['activation'])}  (1F1B peak: min(pp - r, m) microbatches)",
+        f"  activ.    {per_rank_text(mem['activation'])}  ({peak})",
         f"  total     {per_rank_text(mem['total'])}{of}",
     ]
 
@@ -591,7 +595,7 @@ def dry_run_text(report: Mapping[str, Any], searched: SearchResult | None = None
         *(search_lines(searched) if searched is not None else []),
         *(f"  note      {n}" for n in p["notes"]),
         *(
-            _memory_lines(mem, p["gpu_memory"])
+            _memory_lines(mem, p["gpu_memory"], searched)
             if mem
             else ["  memory    not modelled (no model: --synthetic)"]
         ),
