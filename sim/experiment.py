@@ -286,6 +286,8 @@ def charge_runtime(model: Any, workload: Workload) -> None:
         return
     for m in getattr(model, "models", [model]):
         m.task_overhead = runtime.per_task(m.clocked, m.hint.spec.split)
+        if m.hint.spec.split:
+            m.op_extra = runtime.split_table(m.hint.spec.num_stages)
         m.allreduce_cost = m.allreduce_cost + runtime.per_step  # at every flush
 
 

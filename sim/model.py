@@ -388,6 +388,8 @@ class ClusterModel:
         self.allreduce_cost = cluster.allreduce_time()  # s; a replay sets the recorded one
         self.task_overhead = 0.0
         """Seconds of runtime overhead added to every task (a profile's, rrfp.traces.profile.RuntimeCosts)."""
+        self.op_extra: np.ndarray | None = None
+        """(op code, stage) seconds added to tasks (a profile's split backward beyond B); None: none."""
         self.env = InstantEnvironment()
         self.env.on_instant_end = self._dispatch_dirty
         with gc_paused():
@@ -529,6 +531,8 @@ class ClusterModel:
         dur = durs[0] if len(durs) == 1 else np.max(durs, axis=0)
         if self.task_overhead:  # zero adds nothing: the durations stay the workload's, bit for bit
             dur = dur + self.task_overhead
+        if self.op_extra is not None:
+            dur = np.maximum(dur + self.op_extra[plan.opcode, plan.stage], 0.0)
         w.dur = dur.tolist()
         w.tx = [self._tx(s, plan) for s in sample]
 

@@ -29,14 +29,14 @@ from cases import DATA, cases, run_case
 def make_profile(
     path: Path, *, f: float = 1.0, b: float = 2.0, w_share: float = 0.5, overhead: float = 0.0,
     step: float = 0.0, latency: float = 0.0, cv: float = 0.0, pp: int = 2, slow_w: float = 0.0,
-    split: bool = True,
+    split: bool = True, split_cost: float = 0.0,
 ) -> Path:  # fmt: skip
     """A profile file with constant per-stage costs (a measured one's layout, chosen numbers)."""
     ops = {}
     for s in range(pp):
         bb = b + (slow_w if s == pp - 1 else 0.0)
         w = b * w_share + (slow_w if s == pp - 1 else 0.0)
-        for op, mean in (("F", f), ("B", bb), ("I", bb - w), ("W", w)):
+        for op, mean in (("F", f), ("B", bb), ("I", bb - w + split_cost), ("W", w + split_cost)):
             ops[s, op] = OpCost(8, mean, cv, mean, 0.0, math.nan)
     prof = Profile(
         pp=pp, v=1, placement="loop", microbatches=4, ops=ops, split=dict.fromkeys(range(pp), split),
@@ -135,6 +135,17 @@ def test_a_slow_w_in_the_profile_is_slow_in_the_simulator(tmp_path: Path) -> Non
     unsplit = read_profile(make_profile(tmp_path / "u.parquet", split=False))
     means = ProfiledWorkload.of(unsplit, "u").mean_costs(2, 2, 4)
     assert list(means["I"]) == [2.0, 2.0] and list(means["W"]) == [0.0, 0.0]  # B at I, as the runtime
+
+
+def test_a_split_backward_costs_what_it_measured_on_split_hints_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """I + W measured above B (the graph walked twice): split hints pay it, unsplit ones run B."""
+    plain, dear = make_profile(tmp_path / "a.parquet"), make_profile(tmp_path / "b.parquet", split_cost=0.5)
+    for hint, more in (("1f1b", False), ("zb-h1", True)):
+        a = fixed_time(plain, capsys, "-m", "4", "--hint", hint)
+        b = fixed_time(dear, capsys, "-m", "4", "--hint", hint)
+        assert (b > a + 0.5) if more else (b == a), (hint, a, b)
 
 
 def test_without_a_profile_the_header_says_analytic(capsys: pytest.CaptureFixture[str]) -> None:

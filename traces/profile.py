@@ -230,11 +230,25 @@ class RuntimeCosts:
     per_step: float = 0.0
     """Seconds every iteration spends outside the dispatch loop, charged at its flush."""
     split: float = 0.0
+    split_extra: tuple[tuple[float, float], ...] = ()
+    """Per profiled stage: seconds an I and a W task take beyond their share of the measured B (a split
+    backward walks the graph twice: I + W > B), charged on split hints only."""
 
     def per_task(self, clocked: bool, split: bool = False) -> float:
         """Overhead seconds per task of a policy that ticks a clock (``clocked``) or not, on a split
         hint (``split``: measured under a fixed split order) or not."""
         return self.clocked if clocked else self.split if split else self.fixed
+
+    def split_table(self, num_stages: int) -> np.ndarray | None:
+        """(op code, stage) seconds added to the I and W tasks of a split hint on ``num_stages`` stages
+        (each profiled stage's extra spread by depth, as its costs are); None when there is none."""
+        if not any(i or w for i, w in self.split_extra):
+            return None
+        table = np.zeros((4, num_stages))
+        weights = _overlap(len(self.split_extra), num_stages)  # (profiled, new) share: the costs' mapping
+        per = np.array(self.split_extra).T @ weights
+        table[2], table[3] = per  # Op.I.code, Op.W.code
+        return table
 
 
 @dataclass(frozen=True)
@@ -258,7 +272,7 @@ class ProfiledWorkload(FittedWorkload):
             fits[s, "I"] = _fit(dataclasses.replace(b, mean=b.mean * share))
             fits[s, "W"] = _fit(dataclasses.replace(b, mean=b.mean * (1.0 - share)))
         o = prof.overhead
-        runtime = RuntimeCosts(o["fixed"], o["clocked"], o["step"], o["split"])
+        runtime = RuntimeCosts(o["fixed"], o["clocked"], o["step"], o["split"], _split_extra(prof))
         return cls(source, "profile", prof.num_stages, prof.pp, True, fits, None, prof.msg_bytes,
                    profile=prof, runtime=runtime)  # fmt: skip
 
@@ -292,6 +306,19 @@ class ProfiledWorkload(FittedWorkload):
         return IterationSample(
             scaled["F"], scaled["I"], scaled["W"], base.comm, tokens=tokens.astype(np.int64)
         )
+
+
+def _split_extra(prof: Profile) -> tuple[tuple[float, float], ...]:
+    """Per stage: measured I and W less their share of the measured B, where the stage splits."""
+    out = []
+    for s in range(prof.num_stages):
+        i, w, b = prof.ops.get((s, "I")), prof.ops.get((s, "W")), prof.ops[s, "B"].mean
+        if not prof.split.get(s, True) or i is None or w is None or i.mean + w.mean <= 0:
+            out.append((0.0, 0.0))
+            continue
+        scale = 1.0 - b / (i.mean + w.mean)  # negative where the split ran faster than B
+        out.append((i.mean * scale, w.mean * scale))
+    return tuple(out)
 
 
 def _fit(c: OpCost) -> Fit:

@@ -214,6 +214,7 @@ def _measure(
                 print(f"\rrrfp.exec.profile: round {k + 1}/{warmup + steps} of {names} ...", end="",
                       file=sys.stderr, flush=True)  # fmt: skip
             for j, sched in enumerate(scheds):
+                dist.barrier(group=pipe.ctrl)  # every step starts together, as a simulated iteration does
                 runs[j].step(sched, mbs, k, warmup, stages if j == 0 and k == 0 else None)
         mine = [r.found(sched, warmup) for r, sched in zip(runs, scheds, strict=True)]
     finally:
