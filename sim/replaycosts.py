@@ -3,9 +3,10 @@
 A trace's tasks already carry their runtime overhead (rrfp.traces.replay's ``runtime`` timing charges
 the loop's time to the task before it). What a trace cannot say:
 
-* how an unsplit run's B divides into I and W -- a split what-if takes each stage's I share from the
-  profile's split run, and charges the second task its per-task overhead (B carried one, I and W carry
-  one each); without a profile it assumes I = W = B/2 and no extra overhead, and says so;
+* how an unsplit run's B divides into I and W -- a split what-if takes each stage's I share and what the
+  split costs against B ((I + W) / B) from the profile's split run, and charges the second task its
+  per-task overhead (B carried one, I and W carry one each); without a profile it assumes I = W = B/2
+  and no extra cost, and says so;
 * what another policy class costs per task -- a clocked what-if (backfill, guarded, auto) of a fixed run
   is charged the profile's clocked-minus-fixed overhead on every task (and the other way round; a split
   order's overhead for a split hint).
@@ -32,10 +33,19 @@ def _overhead(profile: Profile, policy: str, split: bool = False) -> float:
     return profile.overhead["clocked" if _clocked(policy) else "split" if split else "fixed"]
 
 
-def _shares(rep: Replay, profile: Profile) -> np.ndarray:
-    """Per trace stage: the profile's I share of the stage at the same depth."""
+def _shares(rep: Replay, profile: Profile) -> tuple[np.ndarray, np.ndarray]:
+    """Per trace stage, from the profiled stage at the same depth: the I share of the backward, and
+    what a split backward costs against B ((I + W) / B as measured; 1 where it does not split)."""
     n, p = rep.spec.num_stages, profile.num_stages
-    return np.array([profile.i_share(min(p - 1, (2 * s + 1) * p // (2 * n))) for s in range(n)])
+    at = [min(p - 1, (2 * s + 1) * p // (2 * n)) for s in range(n)]
+    return np.array([profile.i_share(s) for s in at]), np.array([_split_ratio(profile, s) for s in at])
+
+
+def _split_ratio(profile: Profile, stage: int) -> float:
+    i, w, b = profile.ops.get((stage, "I")), profile.ops.get((stage, "W")), profile.ops[stage, "B"].mean
+    if not profile.split.get(stage, True) or i is None or w is None or b <= 0:
+        return 1.0
+    return (i.mean + w.mean) / b
 
 
 def profiled_samples(
@@ -45,12 +55,12 @@ def profiled_samples(
     any other samples unchanged."""
     if rep.spec.split or not split:
         return samples
-    share = _shares(rep, profile)[:, None]  # (stages, 1)
+    share, ratio = (x[:, None] for x in _shares(rep, profile))  # (stages, 1) each
     o = _overhead(profile, rep.policy)
 
     def one(s: IterationSample) -> IterationSample:
         b = s.I + s.W
-        work = np.maximum(b - o, 0.0)  # B's compute without its one overhead
+        work = np.maximum(b - o, 0.0) * ratio  # B's compute without its one overhead, split as measured
         return IterationSample(s.F, share * work + o, (1.0 - share) * work + o, s.comm)
 
     return [[[one(s) for s in per_tp] for per_tp in per_dp] for per_dp in samples]
@@ -76,8 +86,8 @@ def cost_notes(
         )
     elif split:
         notes.append(
-            "split what-ifs: each stage's I share of B from the profile, and the per-task overhead "
-            f"({1e3 * _overhead(profile, rep.policy):.3g} ms) on both I and W"
+            "split what-ifs: each stage's I share of B and (I + W) / B from the profile, and the per-task "
+            f"overhead ({1e3 * _overhead(profile, rep.policy):.3g} ms) on both I and W"
         )
     if other and profile is None:
         notes.append("what-ifs of another policy class pay the trace's per-task overhead (no --profile)")

@@ -165,7 +165,7 @@ def test_a_replay_split_what_if_takes_i_w_from_the_profile(
     code, out, err = sim(["--replay", trace, "--hint", "zb-h1", "--profile", str(path), "--json"], capsys)
     assert code == 0, err
     doc = json.loads(out)
-    assert any("I share of B from the profile" in n for n in doc["replay"]["notes"])
+    assert any("I share of B and (I + W) / B from the profile" in n for n in doc["replay"]["notes"])
     before = {r["trial"]: r["iteration_time"]["mean"] for r in json.loads(plain)["results"]}
     after = {r["trial"]: r["iteration_time"]["mean"] for r in doc["results"]}
     assert after["fixed/1f1b"] == before["fixed/1f1b"]  # the recorded run: the trace's own costs
