@@ -37,7 +37,7 @@ from rrfp.exec.comm.liveness import STORE_TIMEOUT_S
 from rrfp.exec.config import ExecConfigError, RunConfig
 from rrfp.exec.faults import FAULT_EXIT, SIGINT_EXIT, SIGTERM_EXIT, open_private
 from rrfp.exec.jobs.planner import DEFAULT_PORT, Plan
-from rrfp.exec.jobs.stores import host_store, keep_sockets_local
+from rrfp.exec.jobs.stores import SOCKET_IFNAMES, host_store, keep_sockets_local
 from rrfp.exec.results import check_failed
 from rrfp.study.result import TrialResult
 
@@ -171,6 +171,8 @@ def launch_local(cfg: RunConfig, dump_dir: str) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # workers set their own torch threads
     # No store of torch's agent (it would listen on every interface): the workers' process group
     # meets in the job store (rrfp.exec.jobs.worker.group_store), and gloo/NCCL listen on loopback.
+    # For this launch only (a caller in the same process, a test, keeps its environment).
+    saved = {name: os.environ.get(name) for name in (NO_AGENT_STORE, *SOCKET_IFNAMES)}
     os.environ[NO_AGENT_STORE] = "1"
     keep_sockets_local()
     sizes = group_sizes(cfg.world, cfg.start_method or default_start_method())
@@ -194,6 +196,11 @@ def launch_local(cfg: RunConfig, dump_dir: str) -> int:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         store.close()
     if cfg.dump_dir is None:  # the run ended normally (a failed --check too): nothing in it to read
         shutil.rmtree(dump_dir, ignore_errors=True)

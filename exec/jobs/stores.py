@@ -137,6 +137,9 @@ def keep_sockets_local(env: MutableMapping[str, str] | None = None) -> None:
     address the host name resolves to, NCCL's bootstrap on the first non-loopback interface."""
     env = os.environ if env is None else env
     name = loopback_interface()
-    if name is not None:
-        env.setdefault("GLOO_SOCKET_IFNAME", name)
-        env.setdefault("NCCL_SOCKET_IFNAME", name)
+    for var in SOCKET_IFNAMES if name is not None else ():
+        env.setdefault(var, name)
+
+
+SOCKET_IFNAMES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+"""Where gloo and NCCL read the interface to listen on."""
