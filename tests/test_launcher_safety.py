@@ -19,7 +19,14 @@ from pathlib import Path
 import psutil
 import pytest
 from click.testing import CliRunner
-from execkit import BIN, assert_no_leftovers, session_procs, stop_job, wait_for_rank
+from execkit import (
+    BIN,
+    assert_no_leftovers,
+    assert_shared_memory_gone,
+    session_procs,
+    stop_job,
+    wait_for_rank,
+)
 
 from rrfp.exec import faults
 from rrfp.exec.cli import main
@@ -84,6 +91,7 @@ def test_a_one_host_job_listens_on_loopback_only(tmp_path: Path) -> None:
     finally:
         stop_job(proc)
         assert_no_leftovers(proc.pid)
+    assert_shared_memory_gone(tmp_path)
     assert any(pid == proc.pid for pid, _, _ in seen), f"the launcher's store was not seen: {seen}"
     assert all(any(pid == r for pid, _, _ in seen) for r in ranks), f"a rank's sockets were not seen: {seen}"
     assert not beyond_loopback(seen), f"listening beyond loopback: {sorted(beyond_loopback(seen))}"
@@ -254,6 +262,7 @@ def test_a_stop_signal_during_start_up_is_one_line(tmp_path: Path, phase: str, s
     finally:
         stop_job(proc)
         assert_no_leftovers(proc.pid)
+    assert_shared_memory_gone(tmp_path)
     name = signal.Signals(sig).name
     lines = err.strip().splitlines()
     assert proc.returncode == 128 + sig, err[-3000:]
