@@ -38,7 +38,7 @@ def test_wheel_installs_all_three_packages(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     modules = (
         "rrfp/dispatch/scheduler.py", "rrfp/sim/model.py", "rrfp/exec/loop/runtime.py",
-        "rrfp/exec/comm/transport.py",
+        "rrfp/exec/comm/transport.py", "rrfp/exec/integrations/torchtitan.py",
     )  # fmt: skip
     for module in modules:
         assert module in names, module
