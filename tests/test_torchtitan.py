@@ -126,6 +126,9 @@ def test_config_functions_for_module_flag() -> None:
     with pytest.raises(ValueError, match="not found"):
         ConfigManager()._load_config(["--module", "rrfp.exec.integrations.torchtitan", "--config", "nope_x"])
     assert not hasattr(rt, "llama3_no_such_flavour")
+    # other families by their longest registered name: qwen3 (not "qwen3_5"), deepseek_v3
+    assert rt.qwen3_debugmodel().model_spec.name == "qwen3"
+    assert rt.deepseek_v3_debugmodel.__module__.startswith("torchtitan.models.deepseek_v3")
 
 
 def test_no_pipelining_refused() -> None:

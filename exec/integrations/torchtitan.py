@@ -8,7 +8,11 @@ torchtitan does and hands them to a :class:`~rrfp.exec.pipelining.schedule.Sched
 
     torchrun --nproc-per-node 2 -m torchtitan.train \\
         --module rrfp.exec.integrations.torchtitan --config llama3_debugmodel \\
-        --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule 1F1B
+        --parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule 1F1B \\
+        --training.disable_cuda_graphs
+
+(torchtitan's Trainer needs CUDA: on a CPU torch it stops at ``torch.cuda.set_device``; docs/library.md
+says what was run without it.)
 
 torchtitan's schedule name still decides how many stages a rank holds and where (its
 ``_pipeline_module_split``); the rrfp hint is derived from it (:data:`HINTS`) unless ``RRFP_HINT``
