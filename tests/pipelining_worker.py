@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from pipelining_starts import AnnounceCounter, kind_of, readiness, starts
 from torch import nn
+from torch.distributed.pipelining.microbatch import TensorChunkSpec
 
 RTOL = 1e-5
 SEED = 1234
@@ -412,7 +413,14 @@ def run_eval(case: dict[str, Any], pipe: Any) -> dict[str, Any]:
     return {"worst": err, "loss": 0.0, "torch": 0.0, "grads": len(grads)}
 
 
-SETUP_ERRORS = ("budget", "order", "count", "n_disagree", "loss_one_rank", "announce", "announce_one_rank")
+DISAGREE = {  # an argument that changes the math, given differently on rank 1 (ScheduleReadiness.AGREED)
+    "scale_grads": False, "seed": 5, "fork_rng": False, "args_chunk_spec": (TensorChunkSpec(0),),
+    "kwargs_chunk_spec": {"mask": TensorChunkSpec(0)}, "output_merge_spec": (TensorChunkSpec(0),),
+}  # fmt: skip
+SETUP_ERRORS = (
+    "budget", "order", "count", "n_disagree", "loss_one_rank", "announce", "announce_one_rank",
+    "trace_suffix", "trace_device", *(f"disagree:{k}" for k in DISAGREE),
+)  # fmt: skip
 """Refused while building the schedule: the shared pipeline stays usable."""
 
 
@@ -445,9 +453,15 @@ def run_error(case: dict[str, Any], shared: Any) -> dict[str, Any]:
     try:
         budget = 1 if what == "budget" else "1x"
         announce = {"announce": "sometimes", "announce_one_rank": "none" if rank == 0 else "all"}
+        extra: dict[str, Any] = {
+            "trace_suffix": {"trace_out": "t.txt"},
+            "trace_device": {"trace_out": "/dev/full"},
+        }.get(what, {})
+        if what.startswith("disagree:") and rank == 1:
+            extra = {what.split(":")[1]: DISAGREE[what.split(":")[1]]}
         sched = readiness(
             stages, n, loss_fn, hint="1f1b", policy="rrfp", pipeline=pipe, memory_budget=budget,
-            announce=announce.get(what, "auto"),
+            announce=announce.get(what, "auto"), **extra,
         )  # fmt: skip
         first, last = 0 in mine, num_stages - 1 in mine
         if what == "mbs":
@@ -649,6 +663,7 @@ TWO: list[dict[str, Any]] = [
     *(
         {"kind": "error", "error": e}
         for e in (
+            *(e for e in SETUP_ERRORS if e.startswith(("disagree:", "trace_"))),
             "budget",
             "order",
             "count",

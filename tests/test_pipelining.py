@@ -252,16 +252,30 @@ ERRORS = {  # set-up errors: every rank raises the same one
     "loss_one_rank": ("LossError", "ranks disagree on loss_fn"),
     "announce": ("StageLayoutError", "announce='sometimes': choose one of auto, board, all, backward, none"),
     "announce_one_rank": ("StageLayoutError", "ranks disagree on announce: rank 0: 'none', rank 1: 'all'"),
+    "trace_suffix": ("StageLayoutError", "trace_out 't.txt': unknown suffix '.txt'"),
+    "trace_device": ("StageLayoutError", "trace_out '/dev/full' exists and is not a regular file"),
+    **{
+        f"disagree:{k}": ("StageLayoutError", f"ranks disagree on {k}: rank 0: ")
+        for k in (
+            "scale_grads",
+            "seed",
+            "fork_rng",
+            "args_chunk_spec",
+            "kwargs_chunk_spec",
+            "output_merge_spec",
+        )
+    },
 }
 STEP_ERRORS = {  # a step's error: (the rank that raised, its type, its message); the others StageFailed
-    "rows": (0, "MicrobatchError", "cannot split the batch into 4 microbatches"),
     "mbs": (0, "MicrobatchError", "arg_mbs has 3 microbatches"),
     "no_target": (1, "LossError", "a training step needs target="),
     "raises": (1, "user's RuntimeError", "boom in the user's module"),
     "stacked": (0, "MicrobatchError", "arg_mbs must be a list of microbatches, not Tensor"),
     "losses_tuple": (1, "LossError", "losses must be a list (cleared, then filled)"),
-    "nonscalar": (1, "user's RuntimeError", "grad can be implicitly created only for scalar"),
+    "nonscalar": (1, "user's RuntimeError", "Failed to run stage backward"),
 }
+TOLD = {"nonscalar": "grad can be implicitly created only for scalar"}
+"""What the other ranks' one line adds: the raised error's cause (its own message names none)."""
 
 
 @pytest.mark.parametrize("error", list(ERRORS))
@@ -273,6 +287,15 @@ def test_setup_errors_on_every_rank(two: list[dict[str, Any]], error: str) -> No
         assert r["raised"] == kind and text in r["text"], r
         assert "\n" not in r["text"]
         assert r.get("seconds", 0.0) < 10.0  # the peers did not sit out their timeout
+
+
+def test_a_step_error_of_every_rank_is_its_own(two: list[dict[str, Any]]) -> None:
+    """3 rows for 4 microbatches: each rank's own split fails (inputs on rank 0, targets on rank 1), so
+    each gets its own error back, none is told of the other's."""
+    found = {r["rank"]: r for r in rows(two, kind="error", error="rows")}
+    assert found[0]["raised"] == found[1]["raised"] == "MicrobatchError", found
+    assert "the batch split into 3 microbatches, not n_microbatches=4" in found[0]["text"], found
+    assert "cannot split the batch into 4 microbatches" in found[1]["text"], found
 
 
 @pytest.mark.parametrize("error", list(STEP_ERRORS))
@@ -287,7 +310,9 @@ def test_step_error_keeps_its_type_where_raised(two: list[dict[str, Any]], error
     assert other["raised"] == "StageFailed", other
     bare = kind.removeprefix("user's ")
     assert f"rank {origin} raised {bare}: " in other["text"], other
-    assert text in other["text"] and "\n" not in other["text"], other
+    assert text in other["text"] and TOLD.get(error, text) in other["text"] and "\n" not in other["text"], (
+        other
+    )
     assert all(r.get("seconds", 0.0) < 10.0 for r in found.values())  # nobody sat out a timeout
 
 
@@ -337,3 +362,9 @@ def test_without_process_group_one_line_error() -> None:
         ReadinessPipeline()
     with pytest.raises(StageLayoutError, match="PipelineStage objects"):
         ScheduleReadiness([torch.nn.Linear(2, 2)], 4)
+
+
+def test_the_disagreement_cases_cover_every_agreed_argument() -> None:
+    from rrfp.exec.pipelining.schedule import AGREED
+
+    assert {k.split(":")[1] for k in ERRORS if k.startswith("disagree:")} == set(AGREED)

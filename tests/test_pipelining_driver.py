@@ -65,7 +65,7 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
     from rrfp.exec.comm.transport import Transport
     from rrfp.exec.loop.runtime import RankContext
     from rrfp.exec.pipelining import ReadinessPipeline, ScheduleReadiness
-    from rrfp.exec.pipelining.engine import DriverHooks, driver_stages
+    from rrfp.exec.pipelining.engine import DriverHooks, ScheduleOptions, driver_stages
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -84,8 +84,15 @@ def rank_main(rank: int, world: int, port: int, out: str) -> None:
     def driven(number: int, policy: str, compute: Any, **kw: Any) -> Any:
         on = kw.pop("on", pipe)
         hooks = DriverHooks(compute=compute, loop=kw.pop("loop", loop), number=number, **kw.pop("hooks", {}))
-        return ScheduleReadiness(
-            driver_stages(on, [rank], world), M, hint="1f1b", policy=policy, pipeline=on, driver=hooks, **kw
+        options = ScheduleOptions(driver=hooks, announce=kw.pop("announce", "auto"))
+        return ScheduleReadiness.with_options(
+            driver_stages(on, [rank], world),
+            M,
+            hint="1f1b",
+            policy=policy,
+            pipeline=on,
+            options=options,
+            **kw,
         )
 
     res, fixed = clocked_beside_fixed(driven, rank, world, ctrl)

@@ -41,6 +41,7 @@ from rrfp.dispatch.sizes import Sizes
 from rrfp.dispatch.tp import agree
 from rrfp.exec.comm.board import StartBoard, board_tag
 from rrfp.exec.comm.transport import Announce, Arrival, ChannelFailure, Transport
+from rrfp.exec.comm.wire import one_line
 from rrfp.exec.faults import LostPeerError, WaitTimeoutError
 from rrfp.exec.loop.calibrate import CostMeter
 from rrfp.exec.models.synthetic import Injector
@@ -336,7 +337,12 @@ class PipelineRuntime:
         mine = (sched.ready(), [sched.tasks[p] for p in sched.ready_positions()])
         views: list[Any] = [None] * dist.get_world_size(self.ctx.tp_ctrl)
         start = time.monotonic()
-        dist.all_gather_object(views, mine, group=self.ctx.tp_ctrl)
+        try:
+            dist.all_gather_object(views, mine, group=self.ctx.tp_ctrl)
+        except RuntimeError as e:  # a member stopped or hung: the group's own timeout, not this rank's fault
+            others = [r for r in dist.get_process_group_ranks(self.ctx.tp_ctrl) if r != self.ctx.rank]
+            waited = time.monotonic() - start
+            raise WaitTimeoutError(waited, f"the TP agreement ({one_line(e)})", others) from e
         self.stats.agree += time.monotonic() - start
         task = agree([v[0] for v in views])
         if task is not None:

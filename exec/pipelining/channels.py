@@ -30,8 +30,17 @@ import torch.distributed as dist
 
 from rrfp.exec.comm.topology import CHANNEL_TIMEOUT, ring_channels
 from rrfp.exec.comm.transport import Transport
+from rrfp.exec.comm.wire import one_line
 from rrfp.exec.pipelining import endings
-from rrfp.exec.pipelining.errors import ClosedError, StageLayoutError
+from rrfp.exec.pipelining.errors import ClosedError, StageFailed, StageLayoutError
+
+ABORT_WAIT = 2.0
+"""Seconds a failing rank waits for each neighbour to take its stop message (a stopped neighbour's
+socket takes it at once; a dead one refuses it)."""
+REPORT_WAIT = 5.0
+"""Seconds the ranks of a failed step wait for each other's report (who raised first): the others have
+all noticed by then, but for a rank that stopped; ABORT_WAIT + REPORT_WAIT keeps every rank within
+``timeout`` + 10 s."""
 
 
 class ReadinessPipeline:
@@ -77,12 +86,17 @@ class ReadinessPipeline:
         channels: dict[tuple[int, int], Any] = {}
         self._groups: list[Any] = []
         self.ctrl: Any = None
-        """gloo over this pipeline: set-up agreement and failure reports (CPU objects, also with NCCL)."""
+        """gloo over this pipeline: set-up agreement and the trace merge (CPU objects, also with NCCL)."""
+        self.report: Any = None
+        """gloo over this pipeline for a failed step's report only, with a short timeout
+        (:data:`REPORT_WAIT`): a rank that stopped (hung, not dead) cannot hold the others past the one
+        deadline, ``timeout`` + 10 s from the last input that arrived."""
         for ranks in pipelines:
             ours = ranks == tuple(self.ranks)
             ctrl = dist.new_group(list(ranks), timeout=wait, backend="gloo")
+            report = dist.new_group(list(ranks), timeout=timedelta(seconds=REPORT_WAIT), backend="gloo")
             if ours:
-                self.ctrl = ctrl
+                self.ctrl, self.report = ctrl, report
             for src, dst in ring_channels(len(ranks)):
                 pair = sorted((ranks[src], ranks[dst]))
                 ch = dist.new_group(pair, timeout=CHANNEL_TIMEOUT, backend=backend)
@@ -129,6 +143,7 @@ class ReadinessPipeline:
         self.group = ctrl if group is None else group
         self.pp, self.pp_rank = len(self.ranks), self.ranks.index(self.rank)
         self.timeout, self.ctrl, self.transport, self._groups = float(timeout), ctrl, transport, []
+        self.report = ctrl  # the caller's groups: its failure reports wait as its control group does
         self.early = defaultdict(list) if early is None else early
         # The caller's own TP agreement (rrfp-run: its loop's TP group), so none of the library's.
         self.tp_ranks, self.tp_ctrl, self.model_ctrl = None, None, ctrl
@@ -184,7 +199,7 @@ class ReadinessPipeline:
         """Tell the neighbours this rank stopped (they stop waiting for it at once); the channels are
         unusable afterwards."""
         if self.broken is None and self.transport is not None:
-            self.transport.abort()
+            self.transport.abort(ABORT_WAIT)
         self.broken = self.broken or why
 
     def close(self) -> None:
@@ -195,8 +210,12 @@ class ReadinessPipeline:
         self.closed = True
         endings.untrack(self)
         if self.transport is not None and self.broken is None and self._owned:
-            self.transport.close(self.timeout)
-            dist.barrier(group=self.ctrl)  # every peer's threads took our close before the groups go
+            try:
+                self.transport.close(self.timeout)
+                dist.barrier(group=self.ctrl)  # every peer's threads took our close before the groups go
+            except Exception as e:  # a peer gone or stuck: end our side alone, then say so in one line
+                self.transport.shutdown(min(self.timeout, 5.0))
+                raise StageFailed(f"a peer did not close its channels: {one_line(e)}") from e
             for g in self._groups:
                 dist.destroy_process_group(g)
         self._groups = []
@@ -204,13 +223,23 @@ class ReadinessPipeline:
     def release(self) -> None:
         """End this rank's channels without a collective and without raising, waiting up to the
         pipeline's timeout for its peers' ends (rrfp.exec.pipelining.endings: a script that never calls
-        :meth:`close`). The groups are left to ``destroy_process_group``; the pipeline is closed."""
+        :meth:`close`), then destroy the channel groups once their threads ended (as ``close()`` does;
+        left to the interpreter's end they are torn down in no particular order). The pipeline is
+        closed."""
         if self.closed:
             return
         self.closed = True
         endings.untrack(self)
-        if self.transport is not None and self._owned:
-            self.transport.shutdown(self.timeout)
+        if self.transport is None or not self._owned:
+            return
+        # After a failed step a peer may be hung for good: its channel never closes, so wait briefly.
+        if self.transport.shutdown(self.timeout if self.broken is None else ABORT_WAIT):
+            for g in self._groups:
+                try:
+                    dist.destroy_process_group(g)
+                except Exception:  # torch's destroy ran first (the default group is gone)
+                    pass
+        self._groups = []
 
 
 def _replicas(tps: list[tuple[int, ...]], pipelines: list[tuple[int, ...]]) -> list[tuple[int, ...]]:

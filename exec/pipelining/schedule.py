@@ -1,93 +1,35 @@
 """``ScheduleReadiness``: rrfp's readiness dispatch as a torch.distributed.pipelining schedule.
 
 Where a torch user writes ``Schedule1F1B(stage, n_microbatches, loss_fn)``, they write
-``ScheduleReadiness(stage, n_microbatches, loss_fn, hint="1f1b")`` and keep the rest of their loop:
-``step(x, target=y, losses=losses)`` on every rank (inputs on the first stage's rank, targets on the
-last's), then their optimizer. A subclass of torch's ``PipelineScheduleMulti`` (torchtitan tells
-single- from multi-stage schedules with ``issubclass``; one stage per rank is the multi case with one
-stage), overriding ``step``; torch's ``eval()`` works on it unchanged. What differs underneath:
+``ScheduleReadiness(stage, n_microbatches, loss_fn, hint="1f1b")`` and keep the rest of their loop
+(docs/library.md: the signature, torch's and torchtitan's step forms, endings, errors; docs/usage.md
+§13: every rule in detail). A subclass of torch's ``PipelineScheduleMulti`` (torchtitan tells single-
+from multi-stage schedules with ``issubclass``), overriding ``step``; torch's ``eval()`` works on it
+unchanged. What differs underneath:
 
-* the order: the hint (a built-in name, ``torch:<Name>``, or a CSV path; rrfp.plan.sources.make_hint) is
-  the reference order and the policy (rrfp.dispatch.policies) may run a ready task ahead of it
-  (``fixed``: exactly the hint), within the activation budget (``memory_budget``: ``"1x"`` the hint's own
-  peak, ``"2x"``, or a count of microbatches);
-* the messages: rrfp's transport (one group per channel, receiver threads, rrfp.exec.pipelining.channels)
-  carries every stage output and input gradient with its shapes, so microbatches of different shapes
-  need no padding and no shape inference (:meth:`ScheduleReadiness.step_microbatches`).
+* the order: the hint (rrfp.plan.sources.make_hint) is the reference order and the policy
+  (rrfp.dispatch.policies) may run a ready task ahead of it (``fixed``: exactly the hint), within the
+  activation budget (slots, or bytes fitted on the first training step: rrfp.exec.pipelining.memory);
+* the messages: rrfp's transport (one group per channel, receiver threads,
+  rrfp.exec.pipelining.channels) carries every stage output and input gradient with its shapes, so
+  microbatches of different shapes need no padding and no shape inference.
 
-Rules this schedule follows (torch's where torch has one):
+Rules kept from torch: a step trains when the schedule has a ``loss_fn``, is not inside ``eval()`` and
+grad mode is on (else forward only; torch raises under no_grad); gradients ADD into ``.grad`` and
+``perform_reduce_grad`` divides by ``n_microbatches`` when ``scale_grads``; ``losses`` gets one loss per
+microbatch in microbatch order on the last stage's rank; keyword arguments reach every stage of a rank.
+rrfp's own: each forward of (stage, microbatch) runs under its own RNG stream
+(rrfp.exec.pipelining.compute.microbatch_seed), so any dispatch order draws the same dropout masks;
+``backfill``/``guarded`` meter the first training step and plan with the merged costs from the next
+(rrfp.exec.loop.calibrate), hearing producer starts on a start board or by messages
+(rrfp.exec.pipelining.starts); ``auto`` replays its first steps under both arms and switches every rank
+to the same one (rrfp.exec.loop.switch).
 
-* Training or forward-only: a step trains when the schedule has a ``loss_fn`` (on every rank, as torch
-  requires), is not inside ``eval()``, and grad mode is on; otherwise it runs forward-only (torch raises
-  under ``torch.no_grad``; this schedule runs the forward instead). Modules' ``train()``/``eval()`` modes
-  only change what the modules do (dropout), not whether a backward runs -- as in torch. Ranks that
-  disagree are caught at the first message (MicrobatchError on every rank).
-* Gradients ADD into ``.grad`` (as torch's stage backward does); after the step each stage's
-  ``perform_reduce_grad`` divides by ``n_microbatches`` when ``scale_grads`` (match a mean loss), else
-  leaves them (a sum loss, or a loss the user normalises -- e.g. by the global token count passed in
-  ``loss_kwargs``, as torchtitan does with uneven microbatches).
-* ``losses`` is cleared and given one loss per microbatch, in microbatch order (torch's
-  ``_update_losses``), on the last stage's rank.
-* Keyword arguments given to ``step`` on a rank are split like the inputs and passed to every stage on
-  that rank (torch passes them to every stage too); stage 0 also gets the positional inputs, later
-  stages get the previous stage's outputs (a tensor or a tuple of tensors; integer tensors such as masks
-  pass through and get a None gradient).
-* Dropout: each forward of (stage, microbatch) runs under its own RNG stream, seeded from (``seed``, step,
-  stage, microbatch) (rrfp.exec.pipelining.compute.microbatch_seed), so any dispatch order draws the same.
-* ``backfill`` and ``guarded`` plan with measured costs: the first training step runs their no-clock rule
-  while every rank meters its tasks; then the costs are merged over the pipeline (a collective) and the
-  loop ticks their clock and announces producer starts from the next step on (rrfp.exec.loop.calibrate,
-  as rrfp-run does). ``announce="auto"`` writes those starts into a shared-memory start board when every
-  rank of the pipeline is on one host (no message per start), else sends them as messages
-  (rrfp.exec.pipelining.starts; :attr:`ScheduleReadiness.announce` and ``calibration["announce"]`` say
-  which). The medium changes when a start is heard, never what is computed.
-* ``auto`` (rrfp.dispatch.auto) runs backfill for its first ``rounds`` training steps; after each, one
-  all-gather gives every rank every task's measured duration and every rank replays both arms on them;
-  then every rank switches to the same arm (backfill, calibrated, or rrfp) for the rest of the run
-  (rrfp.exec.loop.switch). :attr:`ScheduleReadiness.auto_choice` says what it replayed and chose. Not
-  yet: its replay admits by slots under ``byte_budget`` and prices no per-microbatch sizes.
-* Errors are one-line ``UserError`` subclasses (rrfp.exec.pipelining.errors). Set-up errors are found from
-  every rank's arguments gathered once, so every rank raises the same one. A rank that raises during a
-  step tells its neighbours (they stop waiting at once; the word spreads rank by rank), then every rank
-  raises :class:`StageFailed` naming the rank and its error; no rank waits longer than ``timeout``. The
-  pipeline is then unusable (build a new one).
-
-Data parallel: one :class:`ReadinessPipeline` per replica, each on its own pipeline group (every rank
-builds its own at the same time), and the user all-reduces the stage gradients over the replicas after
-``step`` (tests/test_pipelining.py does) -- or DDP/FSDP-wrapped stage modules, which reduce through
-torch's own ``backward_maybe_with_nosync``/``perform_reduce_grad`` (tests/test_pipelining_features.py).
-DDP with a split backward is refused: W writes the weight gradients past DDP's autograd hooks; FSDP
-stages run B where the hint has I and W (rrfp.exec.pipelining.wrapped says why).
-
-Tensor parallel (``tp_group=``): the members of a TP group (each its own pipeline of the same stages)
-agree on every task before starting it (rrfp.dispatch.tp, as rrfp-run does), so their collectives
-match; the calibration merges costs over the whole model replica so they plan alike.
-
-Microbatch sizes (rrfp.exec.pipelining.sizing): ``mb_order=`` (``size-asc``/``size-desc``, rrfp-sim's
-``--mb-order``) dispatches the microbatches by size, each keeping its RNG stream, losses returned in
-the user's order; ``sized=True`` prices backfill/guarded per microbatch from costs fitted per token.
-
-A driver with a compute of its own -- rrfp-run's trials -- passes it as ``driver=`` (with
-:class:`~rrfp.exec.pipelining.engine.StageSlot` placements instead of ``PipelineStage`` objects) and
-calls ``run_iteration(it)`` per iteration instead of ``step``: the extension points are documented in
-rrfp.exec.pipelining.engine.
-
-``trace_out=PATH``: the training steps' tasks, waits and messages as a trace (schema v3) written by
-``close()`` (or :meth:`ScheduleReadiness.write_trace`) that ``rrfp-sim --replay PATH`` replays.
-
-``byte_budget=`` (``"1.5x"`` of the hint order's byte peak, or bytes like ``"64MiB"``) admits forwards
-by the bytes their activations hold instead of slots: fitted per stage from the first training step's
-saved tensors (rrfp.exec.pipelining.memory), which runs on slots.
-
-Checkpoints: torch.distributed.checkpoint on the stage modules and optimizers as in any loop; the
-schedule itself is a ``Stateful`` (:meth:`ScheduleReadiness.state_dict`: the step count that numbers the
-dropout streams), so a resumed run equals an uninterrupted one (tests/test_pipelining_features.py).
-
-fully_shard groups that reshard after forward, more than one on a rank (several stages, or one stage
-sharded layer by layer), all-gather in dispatch order: they need ``policy="fixed"`` or the DP group as
-``tp_group=`` (the replicas then agree on every task); otherwise they are refused (StageLayoutError).
-
-Not yet: CUDA runs (the transport's NCCL path is rrfp-run's, itself not yet run on a GPU).
+Set-up errors come from every rank's arguments gathered once (``_agree``), so every rank raises the same
+one before any work; a step's error is re-raised on its rank and becomes :class:`StageFailed` on the
+others (``_fail``). A pipeline never closed ends at ``destroy_process_group`` or exit
+(rrfp.exec.pipelining.endings). Data and tensor parallelism, DDP/FSDP stages, checkpoints and microbatch
+sizes: docs/usage.md §13; a driver with its own compute (rrfp-run's trials): rrfp.exec.pipelining.engine.
 """
 
 from __future__ import annotations
@@ -96,6 +38,7 @@ import dataclasses
 import socket
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -114,6 +57,14 @@ from rrfp.exec.loop.calibrate import ANNOUNCED_OPS, CostMeter, calibrate
 from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
 from rrfp.exec.loop.switch import AutoRecord, AutoSwitch, TaskMeter
 from rrfp.exec.pipelining.channels import ReadinessPipeline
+from rrfp.exec.pipelining.checks import (
+    AGREED,
+    agreed_math,
+    check_groups,
+    stage_list,
+    tp_mismatch,
+    trace_problem,
+)
 from rrfp.exec.pipelining.compute import StageCompute
 from rrfp.exec.pipelining.engine import DriverSteps, ScheduleOptions
 from rrfp.exec.pipelining.errors import (
@@ -191,7 +142,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         # torch raises in step() under no_grad when this is True; this schedule runs such a step forward
         # only (as eval() does), so the flag is kept for torch's signature (torchtitan passes it).
         self.backward_requires_autograd = bool(backward_requires_autograd)
-        stages = _stage_list(stages)
+        stages = stage_list(stages)
         self._driver = driver
         if not isinstance(n_microbatches, int) or isinstance(n_microbatches, bool) or n_microbatches < 1:
             raise MicrobatchError(f"n_microbatches must be an integer >= 1, got {n_microbatches!r}")
@@ -205,8 +156,8 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         )
         pipe = self.pipeline
         pipe.check_open()
-        self._tp_error = _tp_mismatch(pipe, tp_group)
-        _check_groups(stages, pipe)
+        self._tp_error = tp_mismatch(pipe, tp_group)
+        check_groups(stages, pipe)
         self.policy_name = policy if isinstance(policy, str) else policy.name
         self.hint_name, self.seed = hint, int(seed)
         self.timeout = pipe.timeout if timeout is None else float(timeout)
@@ -219,7 +170,13 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         """This schedule's start board (announce mode ``board``; unmapped by :meth:`close`), or None."""
         self._closed = False
         try:  # every rank checks the same arguments: what fails now fails on every rank alike
-            self._agree(stages, hint, memory_budget, (trace_out is not None, byte_budget, *sizing), announce)
+            agreed = agreed_math(
+                scale_grads, seed, fork_rng, args_chunk_spec, kwargs_chunk_spec, output_merge_spec
+            )
+            self._trace_error = trace_problem(trace_out) if self.pipeline.pp_rank == 0 else None
+            self._agree(
+                stages, hint, memory_budget, (trace_out is not None, byte_budget, *sizing), announce, agreed
+            )
             self._build(stages, policy, memory_budget, byte_budget, fork_rng, trace_out, announce)
         except BaseException:
             self._free_board()
@@ -355,11 +312,14 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         frame = frame.sort_values(["run", "iteration", "rank", "start"], kind="stable").reset_index(drop=True)
         write_trace(frame, path or self.trace_out)
 
-    def _agree(self, stages: list[Any], hint: str, budget: Any, extras: Any, announce: Any) -> None:
+    def _agree(
+        self, stages: list[Any], hint: str, budget: Any, extras: Any, announce: Any, agreed: dict[str, str]
+    ) -> None:
         """Gather every rank's arguments (and host) once and refuse, on every rank alike, what does not
-        fit."""
+        fit: the stage layout, and every argument that changes the math (``AGREED``)."""
         pipe = self.pipeline
         mine = {
+            **agreed, "trace_error": self._trace_error,
             "stages": sorted(s.stage_index for s in stages), "num_stages": stages[0].num_stages,
             "n": self._n_microbatches, "hint": hint, "policy": self.policy_name, "budget": repr(budget),
             "loss": self._loss_fn is not None, "rank": pipe.rank, "extras": extras,
@@ -373,6 +333,14 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         for v in views:
             if v["tp_error"]:
                 raise StageLayoutError(f"rank {v['rank']}: {v['tp_error']}")
+            if v["trace_error"]:
+                raise StageLayoutError(v["trace_error"])
+        for key in AGREED:
+            values = {v["rank"]: v[key] for v in views}
+            if len(set(values.values())) > 1:
+                raise StageLayoutError(
+                    f"ranks disagree on {key}: " + ", ".join(f"rank {r}: {x}" for r, x in values.items())
+                )
         for key, what, err in (
             ("n", "n_microbatches", MicrobatchError), ("num_stages", "num_stages", StageLayoutError),
             ("hint", "hint", StageLayoutError), ("policy", "policy", StageLayoutError),
@@ -708,7 +676,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         views: list[Any] = [None] * pipe.pp
         silent = None  # why the others did not answer, if they did not
         try:
-            dist.all_gather_object(views, me, group=pipe.ctrl)
+            dist.all_gather_object(views, me, group=pipe.report)
         except Exception as ge:
             silent = one_line(ge)
         if not follower:
@@ -727,14 +695,41 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
 
     def close(self) -> None:
         """Write the trace (``trace_out``), unmap the start board, then free the channels if this schedule
-        created them (collective over the pipeline). A closed schedule steps no more."""
-        if self.trace_out is not None and self.pipeline.broken is None and not self.pipeline.closed:
-            self.write_trace()
+        created them (collective over the pipeline). A closed schedule steps no more. After a failed
+        step each rank writes the rows of its completed steps to ``<trace_out stem>.rank<R><suffix>``
+        (the merge would need the stopped ranks). A peer that does not answer: :class:`StageFailed`."""
+        if self._closed:
+            return
+        failure: Exception | None = None
+        if self.trace_out is not None and not self.pipeline.closed:
+            try:
+                self._write_trace_now()
+            except Exception as e:  # a peer gone during the merge: still free what is ours
+                failure = e
             self.trace_out = None
         self._closed = True
         self._free_board()
         if self._owns_pipeline:
-            self.pipeline.close()
+            try:
+                self.pipeline.close()
+            except Exception as e:
+                failure = failure or e
+        if failure is not None:
+            raise StageFailed(f"close(): {type(failure).__name__}: {one_line(failure)}") from failure
+
+    def _write_trace_now(self) -> None:
+        """The trace at close: merged by the pipeline's first rank, or this rank's own rows after a
+        failed step."""
+        if self.pipeline.broken is None:
+            self.write_trace()
+            return
+        assert self.recorder is not None and self.trace_out is not None
+        from rrfp.traces.trace import write_trace
+
+        frame = self.recorder.frame()
+        if len(frame):
+            path = Path(self.trace_out)
+            write_trace(frame, path.with_name(f"{path.stem}.rank{self.pipeline.pp_rank}{path.suffix}"))
 
     def _free_board(self) -> None:
         """Unmap the start board (its file went when every rank had mapped it); local, not collective."""
@@ -766,38 +761,3 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
     def split_notes(self) -> list[str]:
         """What the first split backward check found (empty: I + W matched B, or no split)."""
         return list(self.compute.notes)
-
-
-def _tp_mismatch(pipe: ReadinessPipeline, tp_group: Any) -> str | None:
-    """Why a given ``tp_group`` is not the pipeline's (a shared pipeline is built with it), or None."""
-    if tp_group is None:
-        return None
-    ranks = tuple(dist.get_process_group_ranks(tp_group))
-    if ranks == pipe.tp_ranks:
-        return None
-    return f"tp_group {list(ranks)} is not the pipeline's ({pipe.tp_ranks}): give it to the ReadinessPipeline"
-
-
-def _check_groups(stages: list[Any], pipe: ReadinessPipeline) -> None:
-    """Every stage's process group must be the pipeline's."""
-    world = list(range(dist.get_world_size()))
-    for s in stages:
-        ranks = world if s.group is None else dist.get_process_group_ranks(s.group)
-        if ranks != pipe.ranks:
-            raise StageLayoutError(
-                f"stage {s.stage_index}'s process group has ranks {ranks}, the pipeline's {pipe.ranks}"
-            )
-
-
-def _stage_list(stages: Any) -> list[Any]:
-    items = list(stages) if isinstance(stages, (list, tuple)) else [stages]
-    if not items:
-        raise StageLayoutError("ScheduleReadiness needs at least one PipelineStage")
-    for s in items:
-        if not all(hasattr(s, a) for a in ("submod", "stage_index", "num_stages", "group_size", "device")):
-            raise StageLayoutError(f"expected torch PipelineStage objects, got {type(s).__name__}")
-    if len({s.num_stages for s in items}) > 1:
-        raise StageLayoutError("this rank's stages disagree on num_stages")
-    if len({s.stage_index for s in items}) != len(items):
-        raise StageLayoutError("this rank holds the same stage index twice")
-    return items

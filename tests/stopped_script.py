@@ -1,0 +1,48 @@
+"""A rank that stops (SIGSTOP: hung, not dead) in the middle of a run, for tests/test_deadline.py.
+
+    python tests/stopped_script.py RANK WORLD PORT TIMEOUT STOPPED
+
+Every rank steps ScheduleReadiness (policy fixed, ``timeout=TIMEOUT``); rank STOPPED stops itself before
+its third step. Each other rank prints one line: ``raised <type> after <seconds> s: <message>``, the
+seconds counted from the start of the step that failed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
+
+
+def main() -> None:
+    rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    timeout, stopped = float(sys.argv[4]), int(sys.argv[5])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    from rrfp.exec import ScheduleReadiness
+
+    torch.manual_seed(0)
+    stage = PipelineStage(torch.nn.Linear(8, 8), rank, world, torch.device("cpu"))
+    sched = ScheduleReadiness(stage, 4, torch.nn.functional.mse_loss, policy="fixed", timeout=timeout)
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    for step in range(4):
+        if rank == stopped and step == 2:
+            print(f"rank {rank} stops", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        start = time.monotonic()
+        try:
+            sched.step(x) if rank == 0 else sched.step(target=y) if rank == world - 1 else sched.step()
+        except Exception as e:
+            took = time.monotonic() - start
+            print(f"rank {rank} raised {type(e).__name__} after {took:.1f} s: {e}", flush=True)
+            sys.exit(3)  # as a script ends on an error (the exit-time end of the channels included)
+    print(f"rank {rank} finished", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""One deadline: a rank that stops (SIGSTOP -- hung, not dead) ends every other rank within its
+``timeout`` + 10 s, naming why (tests/stopped_script.py). Before the failed step's report had its own
+short-timeout group, the others waited a further 2 x timeout + 5 s for it (40 s at timeout 10)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from execkit import assert_no_leftovers
+
+SCRIPT = Path(__file__).with_name("stopped_script.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(("world", "timeout", "stopped"), [(2, 10, 1), (2, 30, 0), (4, 10, 1)])
+def test_a_stopped_rank_ends_the_others_within_the_timeout(world: int, timeout: int, stopped: int) -> None:
+    port, env = str(free_port()), {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = {
+        r: subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(r), str(world), port, str(timeout), str(stopped)],
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    }
+    logs: dict[int, str] = {}
+    try:
+        for r, p in procs.items():
+            if r != stopped:
+                logs[r], _ = p.communicate(timeout=timeout + 150)  # set-up and two steps first
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a rank did not end within {timeout + 150} s")
+    finally:
+        for p in procs.values():
+            for sig in (signal.SIGKILL, signal.SIGCONT):  # the stopped rank's session, or what is left
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+            p.communicate()
+            assert_no_leftovers(p.pid)
+    for r, log in logs.items():
+        assert procs[r].returncode == 3, log[-2000:]
+        found = re.search(r"raised (\w+) after ([\d.]+) s: (.*)", log)
+        assert found, log[-2000:]
+        kind, seconds, text = found.group(1), float(found.group(2)), found.group(3)
+        assert kind == "StageFailed" and "\n" not in text, log[-2000:]
+        assert seconds <= timeout + 10, f"rank {r} raised after {seconds} s (timeout {timeout}): {text}"
+        assert "terminate called" not in log, log[-2000:]
