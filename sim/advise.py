@@ -1,4 +1,4 @@
-"""``rrfp-sim advise``: what to run for one job, and what readiness adds (issue 25).
+"""``rrfp-sim advise``: what to run for one job, and what readiness adds.
 
 It takes rrfp-sim's workload options (a scenario, lengths, model sizes, ``--gpu-memory``, ``--workload
 fit:TRACE``, ``--stages``, ``-m`` ...) and searches

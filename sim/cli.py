@@ -12,7 +12,7 @@
     rrfp-sim --scenario llava-multimodal --images-mean 2    # a named scenario, one value overridden
     rrfp-sim scenarios --json                               # the scenarios, each value with its source
 
-Defaults (issue 25): hints ``1f1b,zb-h1,bfw`` x policies ``fixed,auto`` (``fixed,<DEFAULT_POLICY>``,
+Defaults: hints ``1f1b,zb-h1,bfw`` x policies ``fixed,auto`` (``fixed,<DEFAULT_POLICY>``,
 rrfp.dispatch.policies) -- fixed 1F1B, the best fixed order at the same memory (zb-h1), and the default
 policy on each and on the bfw class hint, where readiness pays; the paper's set-up is ``--hint 1f1b,bf
 --policy fixed,rrfp``. 8 stages, m = 4 x stages microbatches, lognormal compute jitter at CV 0.3,

@@ -1,4 +1,4 @@
-"""Byte budgets in the simulator (issue 13; docs/design.md §3 "Memory in bytes").
+"""Byte budgets in the simulator (docs/design.md §3 "Memory in bytes").
 
 In token mode every forward holds its stage's activation bytes for that microbatch's tokens
 (rrfp.workload.memory, :attr:`IterationSample.act_bytes`), and each ``--memory-budget`` item is a byte

@@ -1,4 +1,4 @@
-"""rrfp-sim's token mode and scenarios at the command line (issue 12): which options select token mode,
+"""rrfp-sim's token mode and scenarios at the command line: which options select token mode,
 how explicit options lay over a scenario, and what the header and the JSON ``config`` show.
 
 Token mode starts with ``--lengths`` or ``--scenario``. Its options -- the ones rrfp-run shares

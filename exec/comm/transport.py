@@ -19,7 +19,7 @@ order (per-channel FIFO is kept: one thread posts them all). When every rank has
 (``RRFP_SEND_THREAD=auto``, the default, :func:`send_thread`) the compute thread posts the send itself,
 as torch's schedules do: handing it over wakes a thread that needs the GIL the compute thread holds,
 and at pp 2 on 2 cores a message took 434 us to input ready that way against 292 us posted inline
-(medians of one traced launch each; p90 1.4 vs 0.7 ms; BENCHMARKS.md §3, issue 19). ``1`` or ``0``
+(medians of one traced launch each; p90 1.4 vs 0.7 ms; BENCHMARKS.md §3). ``1`` or ``0``
 force either. With NCCL, posting is an enqueue on
 the NCCL stream, so the compute thread posts it.
 

@@ -25,7 +25,7 @@ KIND_CLOSE, KIND_SPLIT, KIND_PACKED, KIND_ANNOUNCE, KIND_ABORT = 0, 1, 2, 3, 4
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32)
 # gloo messages are built and read through numpy (one torch call each way, not six to eight): every
 # message is handled right after a thread wake-up, when a torch call costs ~10 us of CPU here against
-# ~2 us in a warm loop (issue 19, BENCHMARKS.md §3). The header is int64 in this host's byte order,
+# ~2 us in a warm loop (BENCHMARKS.md §3). The header is int64 in this host's byte order,
 # exactly what ``view(torch.int64)`` reads; the bytes on the wire are unchanged.
 HEADER_STRUCT = struct.Struct(f"={HEADER_LEN}q")
 NUMPY_DTYPES = {

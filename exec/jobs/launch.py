@@ -292,7 +292,7 @@ def default_start_method() -> str:
 
     Not plain fork: the launcher process runs the rendezvous store's threads, and a child forked while
     one of them holds a lock can hang (seen here once: all ranks stuck creating the gloo group; and again
-    with 128 forked workers, issue 17: one rank never joined). The fork server forks from a clean,
+    with 128 forked workers: one rank never joined). The fork server forks from a clean,
     preloaded, single-threaded process instead (10 s vs 7.5 s for a 4-worker --check here, spawn 17 s).
     It has a limit (:data:`FORKSERVER_MAX_RANKS`)."""
     import torch

@@ -1,4 +1,4 @@
-"""The layout planner of ``rrfp-run`` (issue 17): how ``--gpus N`` become pp x tp x dp ranks, and what
+"""The layout planner of ``rrfp-run``: how ``--gpus N`` become pp x tp x dp ranks, and what
 each rank holds in memory. Pure Python and numpy; torch is imported lazily (:func:`local_devices`).
 
 **Rules.** An explicit ``--pp``, ``--tp``, ``--dp`` or ``--layers`` always wins; the planner fills what is

@@ -1,4 +1,4 @@
-"""rrfp-run's token mode (issue 12): the samples rrfp-sim simulates, run on the model or slept.
+"""rrfp-run's token mode: the samples rrfp-sim simulates, run on the model or slept.
 
 ``--lengths`` and the token options rrfp-run shares with rrfp-sim (rrfp.study.options.TOKEN_SHARED)
 build the :class:`~rrfp.workload.tokens.TokenWorkload` rrfp-sim builds from the same options, in the

@@ -27,14 +27,14 @@ The rule (:func:`next_arm`, a pure function of the replayed times), replay-then-
   cost time: each one runs the safe arm, ``R·(s_safe − s_best)/T`` of the run (BENCHMARKS.md §10: with
   R = 2 that was the whole 0.02 miss where rrfp was 1.2x backfill); where the arms are close, all ``R``
   rounds still decide. ``early_from`` = 2: one round is never enough -- with heavy-tailed lengths one
-  iteration's lead says little about the next (BENCHMARKS.md §10, round 4: a 9.8% lead after one round
+  iteration's lead says little about the next (BENCHMARKS.md §10: a 9.8% lead after one round
   where rrfp is 7% slower than backfill on average).
 * **z test** (``z``, None: off): from ``k = 2`` replayed iterations on, an arm's lead over the safe arm
   (``(total_safe − total_arm) / total_safe``) that is ``z`` standard errors (:func:`spread`: of its
   per-iteration leads) above ``margin`` commits to it, and leads all ``z`` standard errors below it
   commit to the safe arm -- either way nothing more is replayed; at ``R`` an arm is chosen only if its
   lead clears ``margin + z·se``. Where one seed's replays happen to favour the arm that is worse on
-  average (BENCHMARKS.md §10, round 3: rrfp 0.95x backfill, chosen in 1 of 10 seeds after 2 rounds), a
+  average (BENCHMARKS.md §10: rrfp 0.95x backfill, chosen in 1 of 10 seeds after 2 rounds), a
   noisy lead keeps replaying instead of committing.
 
 **Regret bound.** If a replay is exact and every iteration of arm ``a`` takes ``s_a`` x its work

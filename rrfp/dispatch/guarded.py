@@ -1,5 +1,5 @@
 """``guarded``: forwards greedy within hint-safe admission; B, I and W ahead of the hint only when the
-expected timeline says they delay nothing protected by more than a small slack (issue 15).
+expected timeline says they delay nothing protected by more than a small slack.
 
 Why: ``rrfp`` (greedy by hint priority) loses at equal memory because a middle rank starts a ready
 backward while a forward that downstream ranks wait for arrives moments later; ``backfill`` never loses
@@ -172,7 +172,7 @@ class Guarded(Backfill):
         else:
             out = others + ([f] if verdict == _ELSE_F else [])
         if head not in out and s.is_forward[head] and s.is_ready(head) and s.admissible(head):
-            out.append(head)  # members whose f differ still agree on the head (issue 15's rule under TP)
+            out.append(head)  # members whose f differ still agree on the head (guarded's rule under TP)
         return [s.tasks[p] for p in out]
 
     # -- the rule ---------------------------------------------------------------------------

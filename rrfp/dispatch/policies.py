@@ -72,8 +72,8 @@ _REGISTRY: dict[str, type[Policy]] = {}
 
 DEFAULT_POLICY = "auto"
 """The readiness policy used where none is named: both CLIs' default ``--policy fixed,<this>`` and
-``rrfp.exec.ScheduleReadiness(policy=...)``. One constant, so the default changes in one place (issue 25
-chooses it by measurement)."""
+``rrfp.exec.ScheduleReadiness(policy=...)``. One constant, so the default changes in one place
+(benchmarks/auto_study.py chooses it by measurement)."""
 
 
 def register_policy(cls: type[Policy]) -> type[Policy]:

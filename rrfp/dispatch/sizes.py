@@ -1,4 +1,4 @@
-"""What is known of an iteration's microbatches when it starts: their sizes (issue 15).
+"""What is known of an iteration's microbatches when it starts: their sizes.
 
 The data-loading rank knows each microbatch's documents before the first forward; it broadcasts
 :class:`Sizes` once per iteration and every rank hands them to its scheduler

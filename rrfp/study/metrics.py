@@ -251,7 +251,7 @@ def paired_speedup(
     """Speedup of ``candidate`` over ``baseline``, paired per replication: the Student-t interval of the
     mean of log(baseline/candidate), exponentiated -- the geometric mean of the ratios with bounds that
     cannot go below 0 (an interval on the ratios themselves could: 1.90 [-0.26, 4.06] over 5 noisy
-    iterations, issue 27). (x, nan, nan) with a single pair.
+    iterations). (x, nan, nan) with a single pair.
 
     Replication i of both must share its random numbers (common random numbers), so the ratios are paired.
     """

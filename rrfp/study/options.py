@@ -135,7 +135,7 @@ SHARED: tuple[SharedOption, ...] = (
                  "Write the timeline: .parquet, .csv or .json (Perfetto) (rrfp-sim: replication 0).", "PATH"),
     SharedOption("progress", ("--progress/--no-progress",), None, "switch", None,
                  "Progress bar on stderr [auto: when stderr is a terminal].", ""),
-    # -- token mode (rrfp.workload.tokens; issue 12): each is the TokenWorkload field of the same name,
+    # -- token mode (rrfp.workload.tokens): each is the TokenWorkload field of the same name,
     # and its default is that field's (tests/test_token_cli.py holds them equal).
     SharedOption("lengths", ("--lengths",), None, "text", None,
                  "Token mode: where samples come from -- a lengths file (.parquet or .csv with columns "

@@ -3,7 +3,7 @@
 A file a CLI writes at the end of its work (a trace, a plot, a sweep's CSV, a decision log) is checked
 before the work starts: not a directory, in a folder this process can create files in (made, parents
 too, if it does not exist yet). Otherwise a minutes-long study runs first and then fails to write its
-result (issue 27). A refusal is an :class:`OutputPathError`: one line, exit status 2.
+result. A refusal is an :class:`OutputPathError`: one line, exit status 2.
 """
 
 from __future__ import annotations

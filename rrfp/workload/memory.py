@@ -1,4 +1,4 @@
-"""Memory in bytes: what each forward holds, and what each rank's weights and optimizer take (issue 13).
+"""Memory in bytes: what each forward holds, and what each rank's weights and optimizer take.
 
 Byte mode is on in token mode (``--lengths`` or ``--scenario``: the workload has a model description,
 rrfp.workload.tokens.TokenWorkload). Outside it budgets stay in activation slots.

@@ -100,7 +100,7 @@ _COMMON = {
         2, "bf16 activations (LLaVA's finetune.sh: --bf16 True; standard mixed precision)", "cited"
     ),
 }
-_PP8 = Param(8, "pp 8: bottom of issue 12's range", "choice")
+_PP8 = Param(8, "pp 8: bottom of the studied range", "choice")
 _M32 = Param(32, "4 x pp, rrfp-sim's default ratio (1F1B's steady state dominates)", "choice")
 
 
@@ -116,7 +116,7 @@ def _pretrain() -> Scenario:
     params = {
         "stages": Param(
             16,
-            "pp 16: top of issue 12's range; the RRFP paper runs <= 128 GPUs (WORKLOAD_FACTS §16)",
+            "pp 16: top of the studied range; the RRFP paper runs <= 128 GPUs (WORKLOAD_FACTS §16)",
             "choice",
         ),
         "microbatches": Param(64, "4 x pp, rrfp-sim's default ratio", "choice"),
@@ -129,7 +129,7 @@ def _pretrain() -> Scenario:
         "microbatch_size": Param(1, "one packed 4096-token row per microbatch", "choice"),
         "packing": Param(
             "greedy",
-            "packed pre-training with issue 12's first-fit packer (Megatron concatenates and cuts instead)",
+            "packed pre-training with rrfp's first-fit packer (Megatron concatenates and cuts instead)",
             "choice",
         ),
         "pack_tokens": Param(4096, f"one row = the context: {_LLAMA2_CTX}", "derived"),
