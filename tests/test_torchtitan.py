@@ -68,6 +68,9 @@ def test_gradients_equal_the_reference(launches: Any, name: str) -> None:
         # the checker fails a broken step: without loss_kwargs the loss is a sum, not divided by the
         # token count, so every gradient is off by that factor
         assert r["broken_err"] > 1.0, r
+        # ... and a step whose rank 1 passes no kwarg_mbs (its stages then use default positions)
+        assert r["dropped_kwargs_err"] > 10 * TOL, r
+    assert max(r["dropped_kwargs_err"] for r in rows) > 1e-2, rows
 
 
 def test_torchtitan_pieces_ran(launches: Any) -> None:

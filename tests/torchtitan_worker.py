@@ -154,17 +154,18 @@ def grad_error(parts: list[torch.nn.Module], ref: torch.nn.Module) -> float:
 
 def pipeline_losses(
     sched: Any, parts: list[torch.nn.Module], step: int, gvt: torch.Tensor | None, attention: str,
-    evaluate: bool = False,
+    evaluate: bool = False, drop_kwargs: bool = False,
 ) -> list[float]:  # fmt: skip
     """One step as torchtitan's Trainer makes it (pp_forward_backward_step), or one eval as its
     Validator does: keywords, kwarg_mbs on every rank, arg_mbs only with the first stage, target_mbs
-    only with the last; the losses on the last stage's rank."""
+    only with the last; the losses on the last stage's rank. ``drop_kwargs``: this rank passes empty
+    kwarg_mbs (broken: its stages see the default positions, not the documents')."""
     tokens, labels, positions = batch(step)
     has_first = any(s.is_first for s in sched._stages)
     has_last = any(s.is_last for s in sched._stages)
     args = {
         "arg_mbs": [(x,) for x in tokens] if has_first else None,
-        "kwarg_mbs": [model_kwargs(parts[0], p, attention) for p in positions],
+        "kwarg_mbs": [{} if drop_kwargs else model_kwargs(parts[0], p, attention) for p in positions],
         "target_mbs": labels if has_last else None,
         "losses": [] if has_last else None,
     }
@@ -179,8 +180,9 @@ def pipeline_losses(
 
 
 def run_train(schedule: str, parallelize: str) -> dict[str, Any]:
-    """STEPS SGD steps, each gradient compared with the reference's; then one step without loss_kwargs
-    (broken: the loss is not divided by the token count) that the comparison must catch."""
+    """STEPS SGD steps, each gradient compared with the reference's; then two broken steps that the
+    comparison must catch: one without loss_kwargs (the loss is not divided by the token count), one
+    whose last rank passes no kwarg_mbs."""
     sched, parts, ref, loss_fn = build(schedule, parallelize, "sdpa")
     opt = torch.optim.SGD([p for m in parts for p in m.parameters()], lr=0.05)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
@@ -195,6 +197,8 @@ def run_train(schedule: str, parallelize: str) -> dict[str, Any]:
         ref_opt.step()
     pipeline_losses(sched, parts, STEPS, None, "sdpa")
     reference_losses(ref, loss_fn, STEPS, gvt, "sdpa")
+    broken = grad_error(parts, ref)
+    pipeline_losses(sched, parts, STEPS, gvt, "sdpa", drop_kwargs=dist.get_rank() == 1)
     from torch.distributed.fsdp import FSDPModule
 
     return {
@@ -202,7 +206,8 @@ def run_train(schedule: str, parallelize: str) -> dict[str, Any]:
         "checkpointed": all(any("_checkpoint_wrapped" in n for n, _ in m.named_modules()) for m in parts),
         "policy": sched.policy_name,
         "hint": sched.hint_name, "stages": sorted(s.stage_index for s in sched._stages),
-        "grad_err": errs, "loss_err": max(loss_errs, default=0.0), "broken_err": grad_error(parts, ref),
+        "grad_err": errs, "loss_err": max(loss_errs, default=0.0), "broken_err": broken,
+        "dropped_kwargs_err": grad_error(parts, ref),
     }  # fmt: skip
 
 
