@@ -29,13 +29,16 @@ compute ``C_r`` and its task count ``n`` (2 x microbatches: F and B), and
   bubble subtracted, this is what the runtime adds per task over an ideal one.
 
 Each launch prints, per rrfp arm, the paired median over steps of rrfp/torch for ``over/task``,
-``gap/task`` and ``T``, with a distribution-free 95% interval for each median (order statistics of the
-binomial), and the load average beside it; the end prints the median of each over the launches. The
-first ``--warmup`` steps of every arm are dropped (torch infers shapes on its first step, ``auto``
-calibrates). ``--profile`` then runs ``--profile-steps`` more steps of the first rrfp arm with cProfile
-on rank 0's main thread (the transport's receiver threads are not in it) and prints the top functions
-by cumulative and by self time and the self time by source file, per task. It needs 2 free cores to
-mean much: on a shared machine quote it with the load average.
+``gap/task``, ``T`` and the busiest rank's compute (the same work: a ratio off 1 is load, or the
+runtime's threads taking the compute thread's core or GIL), with a distribution-free 95% interval for
+each median (order statistics of the binomial), and the load average beside it; the end prints the
+median of each over the launches. The first ``--warmup`` steps of every arm are dropped (torch infers
+shapes on its first step, ``auto`` calibrates). ``--profile`` then runs ``--profile-steps`` more steps
+of the first rrfp arm and of torch's, interleaved, each step call under cProfile on rank 0's main
+thread (rrfp's receiver threads are not in it), and prints for each the top functions by cumulative and
+by self time and the self time by source file (builtins by name) per task; cProfile's own cost
+inflates the Python rows. It needs 2 free cores to mean much: on a shared machine quote it with the
+load average.
 """
 
 from __future__ import annotations
@@ -255,21 +258,28 @@ def gather_step(mine: dict[str, Any]) -> dict[str, Any]:
             "tasks": [len(r["durations"]) for r in rows], "durations": durations, "loss": loss}  # fmt: skip
 
 
-def profile_arm(a: argparse.Namespace, built: dict[str, Any], name: str, x: Any, y: Any, rank: int) -> str:
-    """``--profile-steps`` steps of arm ``name`` with cProfile on rank 0: the printed tables."""
-    prof = cProfile.Profile() if rank == 0 else None
-    tasks, wall, compute = 0, 0.0, 0.0
+def profile_arms(a: argparse.Namespace, built: dict[str, Any], names: list[str], x: Any, y: Any, rank: int
+                 ) -> dict[str, str]:  # fmt: skip
+    """``--profile-steps`` steps of each of ``names``, interleaved step by step (a drift in the load hits
+    each alike), each arm under its own cProfile on rank 0: each arm's printed tables."""
+    profs = {n: cProfile.Profile() if rank == 0 else None for n in names}
+    sums = {n: [0, 0.0, 0.0] for n in names}  # tasks, wall, compute
     for _ in range(a.profile_steps):
-        row = one_step(built, name, x, y, rank, prof)
-        tasks, wall = tasks + len(row["durations"]), wall + row["wall"]
-        compute += sum(row["durations"].values())
-    if prof is None:
-        return ""
-    per_step, rest = 1e3 * wall / a.profile_steps, 1e6 * (wall - compute) / tasks
-    head = (f"rank 0, {a.profile_steps} profiled steps: {per_step:.2f} ms a step, {tasks} tasks: task "
-            f"compute {1e6 * compute / tasks:.0f} us a task, the rest (waiting, runtime, cProfile's own "
-            f"cost) {rest:.0f} us a task\n")  # fmt: skip
-    return head + profile_tables(prof, tasks, a.profile_top)
+        for n in names:
+            row = one_step(built, n, x, y, rank, profs[n])
+            got = (len(row["durations"]), row["wall"], sum(row["durations"].values()))
+            sums[n] = [u + v for u, v in zip(sums[n], got, strict=True)]
+    out = {}
+    for n, prof in profs.items():
+        if prof is None:
+            continue
+        tasks, wall, compute = sums[n]
+        per_step, rest = 1e3 * wall / a.profile_steps, 1e6 * (wall - compute) / tasks
+        head = (f"rank 0, {a.profile_steps} profiled steps: {per_step:.2f} ms a step, {tasks} tasks: task "
+                f"compute {1e6 * compute / tasks:.0f} us a task, the rest (waiting, runtime, cProfile's own "
+                f"cost) {rest:.0f} us a task\n")  # fmt: skip
+        out[n] = head + profile_tables(prof, int(tasks), a.profile_top)
+    return out
 
 
 def worker(rank: int, a: argparse.Namespace, port: int, out: str) -> None:
@@ -292,7 +302,8 @@ def worker(rank: int, a: argparse.Namespace, port: int, out: str) -> None:
                 row = gather_step(one_step(built, name, x, y, rank))
                 if k >= a.warmup:
                     rows[name].append(row)
-        profile = profile_arm(a, built, names[1], x, y, rank) if a.profile else ""
+        # the first rrfp arm, then torch's for comparison (the same steps, the same tables)
+        profile = profile_arms(a, built, [names[1], names[0]], x, y, rank) if a.profile else {}
         for name in names[1:]:
             built["arms"][name].close()
         if rank == 0:
@@ -394,7 +405,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=2, help="MLP blocks a stage")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile", action="store_true", help="cProfile the first rrfp arm on rank 0")
+    p.add_argument("--profile", action="store_true", help="cProfile the first rrfp arm and torch's on rank 0")
     p.add_argument("--profile-steps", type=int, default=10)
     p.add_argument("--profile-top", type=int, default=25, help="rows a profile table")
     p.add_argument("--launch-timeout", type=float, default=900.0, help="seconds a launch may take")
@@ -420,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
           + f"; {a.steps} steps each a launch after {a.warmup} warm-up ({os.cpu_count()} cores)")  # fmt: skip
     print("ratio = rrfp / torch, paired by step (< 1: rrfp cheaper); median [95% interval of the median]")
     per: dict[str, dict[str, list[float]]] = {}
-    profile = ""
+    profile: dict[str, str] = {}
     for k in range(a.launches):
         start = os.getloadavg()[0]
         run = launch(a)
@@ -433,8 +444,8 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"median over {len(meds)} launches: {name}/torch {label:10s} x{statistics.median(meds):.3f}"
             )
-    if profile:
-        print(f"\n--profile ({a.profile_steps} steps of rrfp {a.policies[0]}):\n{profile}")
+    for name, tables in profile.items():
+        print(f"\n--profile, {name} ({a.profile_steps} steps):\n{tables}")
 
 
 if __name__ == "__main__":

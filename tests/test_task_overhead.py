@@ -106,4 +106,4 @@ def test_a_tiny_launch_runs_end_to_end() -> None:
     assert proc.returncode == 0, log[-3000:]
     assert "launch 0: load average" in log
     assert "rrfp fixed/torch over/task" in log and "median over 1 launches" in log
-    assert "cProfile of rank 0's main thread" in log and "runtime.py" in log
+    assert "--profile, rrfp fixed" in log and "--profile, torch 1F1B" in log and "runtime.py" in log
