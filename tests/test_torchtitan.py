@@ -5,12 +5,14 @@ Trainer does -- the meta model, the ``pipelining_fn`` that ``--module rrfp.exec.
 --config llama3_debugmodel_ce_loss`` installs, torchtitan's own stage split and ``parallelize_llama``
 (activation checkpointing, fully_shard) -- and train it with torchtitan's keyword calls (``kwarg_mbs``
 on every rank, ``loss_kwargs={"global_valid_tokens": t}``) on unpadded microbatches of different
-lengths; every gradient must equal a single-process reference's. Skipped without torchtitan (the
-``torchtitan`` extra; CI does not install it: docs/library.md says why).
+lengths; every gradient must equal a single-process reference's. Those tests skip without torchtitan
+(the ``torchtitan`` extra; CI does not install it: docs/library.md says why); the option parsing runs
+always.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,12 +20,12 @@ from typing import Any
 import pytest
 from launchkit import Launch
 
-torchtitan = pytest.importorskip(
-    "torchtitan", reason="torchtitan is not installed (pip install -e '.[torchtitan]')"
-)
-pytest.importorskip("triton", reason="torchtitan's models import triton")
+from rrfp.exec.integrations import torchtitan as rt
 
-from rrfp.exec.integrations import torchtitan as rt  # noqa: E402
+needs_torchtitan = pytest.mark.skipif(
+    importlib.util.find_spec("torchtitan") is None or importlib.util.find_spec("triton") is None,
+    reason="torchtitan (and triton, which its models import) not installed: pip install -e '.[torchtitan]'",
+)
 
 WORKER = Path(__file__).with_name("torchtitan_worker.py")
 TOL = 1e-5
@@ -58,6 +60,7 @@ def _rows(launches: Any, name: str) -> list[dict[str, Any]]:
     return rows
 
 
+@needs_torchtitan
 @pytest.mark.parametrize("name", list(CASES))
 def test_gradients_equal_the_reference(launches: Any, name: str) -> None:
     rows = _rows(launches, name)
@@ -73,6 +76,7 @@ def test_gradients_equal_the_reference(launches: Any, name: str) -> None:
     assert max(r["dropped_kwargs_err"] for r in rows) > 1e-2, rows
 
 
+@needs_torchtitan
 def test_torchtitan_pieces_ran(launches: Any) -> None:
     """The stages are torchtitan's (its placement), wrapped by its parallelize_llama, under the hint
     derived from its schedule name, or RRFP_HINT/RRFP_POLICY where set."""
@@ -85,6 +89,7 @@ def test_torchtitan_pieces_ran(launches: Any) -> None:
         assert r["fsdp"] and r["checkpointed"], r
 
 
+@needs_torchtitan
 def test_flex_attention_eval(launches: Any) -> None:
     """torchtitan's default FlexAttention: its BlockMask goes in kwarg_mbs to every rank; forward only,
     as torch refuses FlexAttention's backward on CPU."""
@@ -116,6 +121,7 @@ def test_options_from_env() -> None:
             rt.options_from_env(bad)
 
 
+@needs_torchtitan
 def test_config_functions_for_module_flag() -> None:
     """``--module rrfp.exec.integrations.torchtitan --config <name>``: torchtitan's ConfigManager finds
     the function by name; its pipelining function is rrfp's wrapping torchtitan's."""
@@ -134,6 +140,7 @@ def test_config_functions_for_module_flag() -> None:
     assert rt.deepseek_v3_debugmodel.__module__.startswith("torchtitan.models.deepseek_v3")
 
 
+@needs_torchtitan
 def test_no_pipelining_refused() -> None:
     from torchtitan.models.llama3 import model_registry
 
