@@ -30,13 +30,14 @@ import json
 import os
 import socket
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
+    import _filerun  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 
 
 def parse() -> argparse.Namespace:
@@ -146,8 +147,8 @@ def rank_main(rank: int, port: int, a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
-    from train_mlp import make_blocks
 
+    from examples.train_mlp import make_blocks
     from rrfp.exec import ScheduleReadiness, profile
 
     torch.set_num_threads(1)

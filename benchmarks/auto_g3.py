@@ -28,17 +28,16 @@ import argparse
 import shlex
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
+    import _filerun  # noqa: F401
 
-import auto_study as study
-import regimes as rg
-
+from benchmarks import auto_study as study
+from benchmarks import regimes as rg
 from rrfp.dispatch.auto import ARMS, EARLY, EARLY_FROM, HORIZON, MARGIN, ROUNDS, Z
 from rrfp.errors import UserError
 

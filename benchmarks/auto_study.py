@@ -46,10 +46,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
+    import _filerun  # noqa: F401
 
-import regimes as rg
-
+from benchmarks import regimes as rg
 from rrfp.dispatch.auto import ARMS, EARLY, EARLY_FROM, HORIZON, MARGIN, ROUNDS, Z, next_arm, replaying
 
 PEERS = ("fixed", "rrfp", "backfill")

@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 
@@ -34,8 +32,10 @@ from rrfp.sim import ClusterConfig, ClusterModel
 from rrfp.sim.config import SIM_WORKLOAD, default_workload
 from rrfp.workload.model import sample_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bare_simpy import run_bare
+if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
+    import _filerun  # noqa: F401
+
+from benchmarks.bare_simpy import run_bare
 
 
 def _best(fn: Callable[[], float], repeat: int) -> tuple[float, float, float]:

@@ -46,8 +46,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from simjson import execution_args, execution_of, sim_json
+if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
+    import _filerun  # noqa: F401
 
+from benchmarks.simjson import execution_args, execution_of, sim_json
 from rrfp.study.metrics import paired_speedup
 
 SIM = str(Path(sys.executable).with_name("rrfp-sim"))

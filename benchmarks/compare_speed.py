@@ -23,11 +23,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Runs inside each install: sim_speed's own measurement, without its tracemalloc pass.
+# Runs inside each install, from its root (``-c`` puts the current folder on the import path, so
+# ``benchmarks`` is that checkout's folder): sim_speed's own measurement, without its tracemalloc pass.
 DRIVER = """
 import json, sys
-sys.path.insert(0, sys.argv[1] + "/benchmarks")
-import sim_speed
+import benchmarks.sim_speed as sim_speed
 sim_speed.peak_mib = lambda fn: float("nan")
 pp, m = int(sys.argv[2]), int(sys.argv[3])
 rows = [sim_speed._from_nothing(pp, m, policy, 1, 1) for policy in sys.argv[4].split(",")]

@@ -12,6 +12,7 @@ afterwards are listed (the machine's /dev/shm is shared: only a hint).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -19,11 +20,24 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import ModuleType
 
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from execkit import session_procs, wait_for_rank  # the tests' own process-session helpers
+
+def _execkit() -> ModuleType:
+    """tests/execkit.py, the tests' own process-session helpers, loaded from its file (tests/ is not a
+    package, so it cannot be imported by name)."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "execkit.py"
+    spec = importlib.util.spec_from_file_location("execkit", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_kit = _execkit()
+session_procs, wait_for_rank = _kit.session_procs, _kit.wait_for_rank
 
 BIN = Path(sys.executable).parent
 CAP = 150.0  # seconds after the fault before a job is declared hung and killed

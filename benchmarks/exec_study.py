@@ -44,10 +44,12 @@ from typing import Any
 import pandas as pd
 from tqdm import tqdm
 
-BIN = Path(sys.executable).parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_exec import paired_rate  # noqa: E402
+if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
+    import _filerun  # noqa: F401
 
+from benchmarks.bench_exec import paired_rate
+
+BIN = Path(sys.executable).parent
 TRIALS = (
     "fixed/1f1b,rrfp/1f1b,rrfp/1f1b@2x,backfill/1f1b@2x,fixed/zb-h1,rrfp/zb-h1@2x,backfill/zb-h1@2x,"
     "fixed/zb-h2,rrfp/zb-h2@2x,backfill/zb-h2@2x,rrfp/bfw@2x"

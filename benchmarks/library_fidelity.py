@@ -35,6 +35,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
+    import _filerun  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
 # Schedules recorded in every launch: name -> (policy, hint, memory budget).
 TRIALS = {
@@ -76,10 +79,10 @@ def trace_path(out: Path, name: str) -> Path:
 def worker(a: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    from library_vs_torch import gpt_stage  # the same model and set-up (benchmarks/ is on the path)
     from torch import nn
-    from train_gpt_varlen import lengths
 
+    from benchmarks.library_vs_torch import gpt_stage  # the same model and set-up
+    from examples.train_gpt_varlen import lengths
     from rrfp.exec import ReadinessPipeline, ScheduleReadiness
 
     model, stage, rank, world = gpt_stage(a)

@@ -50,8 +50,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
+    import _filerun  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))  # the models are examples/train_gpt_varlen.py's and train_moe.py's
 
 MISFITS = 8
 """Packing stops after this many drawn documents in a row fit in no row (a loader would carry them)."""
@@ -64,8 +66,9 @@ def gpt_stage(a: argparse.Namespace) -> tuple[Any, Any, int, int]:
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
-    from train_gpt_varlen import GptStage
-    from train_moe import MoeStage
+
+    from examples.train_gpt_varlen import GptStage
+    from examples.train_moe import MoeStage
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -81,7 +84,7 @@ def gpt_stage(a: argparse.Namespace) -> tuple[Any, Any, int, int]:
 
 def best_fit(a: argparse.Namespace, gen: Any) -> tuple[list[int], list[list[int]]]:
     """Documents drawn and best-fit packed: (their lengths in drawn order, each row's document indices)."""
-    from train_gpt_varlen import lengths
+    from examples.train_gpt_varlen import lengths
 
     n_rows, cap = a.microbatches * a.rows, a.row_len
     docs: list[int] = []
@@ -128,7 +131,8 @@ def contiguous_cut(docs: list[int], m: int) -> list[list[int]]:
 def step_data(a: argparse.Namespace, gen: Any) -> dict[str, Any]:
     """One round's documents as every arm feeds them (the same tokens in each)."""
     import torch
-    from train_gpt_varlen import counting
+
+    from examples.train_gpt_varlen import counting
 
     docs, rows = best_fit(a, gen)
     seqs = [counting(1, n + 1, a.vocab, gen)[0] for n in docs]  # n inputs + the next token
@@ -166,8 +170,8 @@ def arms(a: argparse.Namespace, stage: Any, model: Any, rank: int, world: int) -
     the last stage's rank, else None), and the schedules to close."""
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-    from train_gpt_varlen import token_loss
 
+    from examples.train_gpt_varlen import token_loss
     from rrfp.dispatch.policies import DEFAULT_POLICY
     from rrfp.exec import ScheduleReadiness
 

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import argparse
 
-from simjson import execution_args, execution_of, sim_json
+if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
+    import _filerun  # noqa: F401
+
+from benchmarks.simjson import execution_args, execution_of, sim_json
 
 SCENARIOS = ("finetune-unpacked", "llava-multimodal", "pretrain-packed")
 ORDERS = ("none", "size-asc", "size-desc")

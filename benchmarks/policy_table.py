@@ -22,7 +22,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from simjson import execution_args, execution_of, sim_json
+if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
+    import _filerun  # noqa: F401
+
+from benchmarks.simjson import execution_args, execution_of, sim_json
 
 HINTS = ("1f1b", "bf", "zb-h1", "zb-h2", "bfw")
 POLICIES = ("rrfp", "backfill", "guarded")

@@ -29,8 +29,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from simjson import execution_args, execution_of, sim_json
+if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
+    import _filerun  # noqa: F401
 
+from benchmarks.simjson import execution_args, execution_of, sim_json
 from rrfp.workload.scenarios import scenario_names
 
 BIN = Path(sys.executable).parent

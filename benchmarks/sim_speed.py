@@ -46,8 +46,10 @@ from rrfp.sim.config import default_workload
 from rrfp.sim.experiment import expected_cost_model
 from rrfp.workload.model import sample_for
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bare_simpy import run_bare
+if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
+    import _filerun  # noqa: F401
+
+from benchmarks.bare_simpy import run_bare
 
 SIZES = "4x16,16x16,4x64,16x64,8x256,32x128,4x1024,128x16,64x256,16x1024,128x256,128x512,128x1024"
 WORKLOAD = default_workload()  # rrfp-sim's: F = 1, B = 2, lognormal CV 0.3

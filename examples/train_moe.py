@@ -23,15 +23,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from train_gpt_varlen import (
-    DocAttention,
-    documents,
-    gradient_check,
-    lengths,
-    packed_row,
-    positions,
-    token_loss,
-)
+
+if __package__:  # imported as examples.train_moe (benchmarks/library_vs_torch.py)
+    from examples.train_gpt_varlen import (
+        DocAttention,
+        documents,
+        gradient_check,
+        lengths,
+        packed_row,
+        positions,
+        token_loss,
+    )
+else:  # run as a file (torchrun examples/train_moe.py): examples/ is on the path
+    from train_gpt_varlen import (
+        DocAttention,
+        documents,
+        gradient_check,
+        lengths,
+        packed_row,
+        positions,
+        token_loss,
+    )
 
 from rrfp.exec import ScheduleReadiness
 

@@ -1,0 +1,40 @@
+"""The benchmarks' one entry point.
+
+    .venv/bin/python -m benchmarks list                       # each benchmark, its run time, what it measures
+    .venv/bin/python -m benchmarks library_fidelity --help    # one benchmark's own options
+    .venv/bin/python -m benchmarks policy_table --seeds 5     # run one (as -m benchmarks.policy_table does)
+
+Run from the repository root (``-m`` puts the current folder on the import path). A benchmark runs as its
+own ``__main__``, exactly as ``python benchmarks/NAME.py`` runs it, so worker processes it spawns find it.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+from benchmarks.registry import BENCHMARKS, listing
+
+USAGE = "usage: python -m benchmarks list | python -m benchmarks NAME [ARGS...]"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """List the benchmarks, or run ``argv[0]`` with the rest of ``argv`` as its arguments."""
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if args else 2
+    if args[0] == "list":
+        print("\n".join(listing()))
+        return 0
+    name = args[0].removesuffix(".py").removeprefix("benchmarks/")
+    if name not in BENCHMARKS:
+        print(f"benchmarks: no benchmark {args[0]!r}; see `python -m benchmarks list`", file=sys.stderr)
+        return 2
+    sys.argv = [f"benchmarks/{name}.py", *args[1:]]  # runpy puts the module's file in sys.argv[0]
+    runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

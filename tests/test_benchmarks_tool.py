@@ -1,0 +1,144 @@
+"""benchmarks/ as one tool: ``python -m benchmarks list`` names every benchmark script, ``python -m
+benchmarks NAME`` runs one, no script edits ``sys.path``, every module imports without running, and every
+``-m benchmarks NAME`` that BENCHMARKS.md and the docs quote names a registered benchmark."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+PACKAGE_FILES = {"__init__", "__main__"}
+DOCS = [ROOT / "BENCHMARKS.md", ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+QUOTED = re.compile(r"-m benchmarks(?:\.| +)([a-z_0-9]+)")  # names are lower case; NAME is a placeholder
+SHIM = "if not __package__:"
+
+
+def tool(*args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks ARGS`` from the repository root (where ``-m`` finds the package)."""
+    cmd = [sys.executable, "-m", "benchmarks", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def registry() -> tuple[dict[str, str], tuple[str, ...]]:
+    """(BENCHMARKS, HELPERS) of benchmarks/registry.py, read in a fresh interpreter from the root."""
+    code = "from benchmarks.registry import BENCHMARKS, HELPERS; print(repr((BENCHMARKS, HELPERS)))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return eval(done.stdout)
+
+
+# -- the checkers, pure so that each can be shown to fail --------------------------------------------------
+def unlisted(listing: str, scripts: set[str], helpers: set[str]) -> set[str]:
+    """Scripts of benchmarks/ that are neither helpers nor named at the start of a line of ``listing``."""
+    listed = {line.split()[0] for line in listing.splitlines() if line.strip()}
+    return scripts - helpers - PACKAGE_FILES - listed
+
+
+def path_edits(texts: dict[str, str]) -> list[str]:
+    """``file:line`` of every line that mentions ``sys.path``."""
+    return [f"{name}:{k}" for name, text in texts.items() for k, line in enumerate(text.splitlines(), 1)
+            if "sys.path" in line]  # fmt: skip
+
+
+def unknown_quoted(texts: dict[str, str], names: set[str]) -> list[str]:
+    """Every ``-m benchmarks NAME`` in ``texts`` whose NAME is neither ``list`` nor a registered name."""
+    known = names | {"list"}
+    return [f"{doc}: {m}" for doc, text in texts.items() for m in QUOTED.findall(text) if m not in known]
+
+
+def without_shim(texts: dict[str, str]) -> list[str]:
+    """Scripts that import ``benchmarks.``/``examples.`` without the run-as-a-file guard before it."""
+    imports = re.compile(r"^\s*from (benchmarks|examples)[. ]", re.M)
+    bad = []
+    for name, text in texts.items():
+        first = imports.search(text)
+        if first and SHIM not in text[: first.start()]:
+            bad.append(name)
+    return bad
+
+
+def sources() -> dict[str, str]:
+    return {p.name: p.read_text(encoding="utf-8") for p in sorted(BENCH.glob("*.py"))}
+
+
+# -- the checkers fail on what they guard against -----------------------------------------------------------
+def test_an_unregistered_script_is_caught():
+    assert unlisted("a  ~1 min  A.\n", {"a", "b", "simjson"}, {"simjson"}) == {"b"}
+    assert unlisted("a  ~1 min  A.\nb  ~2 s  B.\n", {"a", "b"}, set()) == set()
+
+
+def test_a_path_edit_is_caught():
+    assert path_edits({"x.py": "import sys\nsys.path.insert(0, 'here')\n"}) == ["x.py:2"]
+    assert path_edits({"x.py": "import sys\n"}) == []
+
+
+def test_a_quoted_unknown_benchmark_is_caught():
+    text = "run `.venv/bin/python -m benchmarks nope --x 1` or `python -m benchmarks.fine`"
+    assert unknown_quoted({"doc": text}, {"fine"}) == ["doc: nope"]
+
+
+def test_a_package_import_without_the_guard_is_caught():
+    assert without_shim({"x.py": "import os\nfrom benchmarks.simjson import sim_json\n"}) == ["x.py"]
+    guarded = f"{SHIM}\n    import _filerun\n\nfrom benchmarks import regimes\n"
+    assert without_shim({"x.py": guarded}) == []
+
+
+# -- the tool --------------------------------------------------------------------------------------------
+def test_list_names_every_benchmark_script_with_a_description_and_a_time():
+    done = tool("list")
+    assert done.returncode == 0, done.stderr
+    benchmarks, helpers = registry()
+    scripts = {p.stem for p in BENCH.glob("*.py")}
+    assert unlisted(done.stdout, scripts, set(helpers)) == set()
+    assert set(benchmarks) <= scripts, "a registered benchmark has no file"
+    lines = {line.split()[0]: line for line in done.stdout.splitlines()}
+    assert set(lines) == set(benchmarks)
+    for name, line in lines.items():
+        assert benchmarks[name] in line and len(line.split()) > 3, line  # a time and a description
+
+
+def test_no_benchmark_edits_sys_path():
+    assert path_edits(sources()) == []
+
+
+def test_scripts_that_import_the_package_can_still_run_as_files():
+    scripts = {name: text for name, text in sources().items() if name[:-3] not in PACKAGE_FILES}
+    assert without_shim(scripts) == []
+    done = subprocess.run([sys.executable, str(BENCH / "library_fidelity.py"), "--help"],
+                          capture_output=True, text=True, timeout=120, cwd="/")  # fmt: skip
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
+
+
+def test_every_benchmark_module_imports_without_running():
+    code = (
+        "import importlib\nfrom benchmarks.registry import BENCHMARKS, HELPERS\n"
+        "for name in [*BENCHMARKS, *HELPERS]:\n    importlib.import_module('benchmarks.' + name)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "", "a benchmark ran on import"
+
+
+def test_every_quoted_command_names_a_registered_benchmark():
+    benchmarks, _ = registry()
+    texts = {p.name: p.read_text(encoding="utf-8") for p in DOCS}
+    assert any(QUOTED.search(t) for t in texts.values()), "the docs quote no -m benchmarks command"
+    assert unknown_quoted(texts, set(benchmarks)) == []
+
+
+def test_a_benchmark_runs_by_name_with_its_arguments():
+    done = tool("bare_simpy", "--help")
+    assert done.returncode == 0 and "--microbatches" in done.stdout, done.stderr
+    done = tool("bare_simpy.py", "--pp", "2", "--microbatches", "2")
+    assert done.returncode == 0, done.stderr
+
+
+def test_an_unknown_name_is_one_line_and_exit_2():
+    done = tool("no_such_benchmark")
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and "no_such_benchmark" in done.stderr
+    assert tool().returncode == 2
