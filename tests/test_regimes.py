@@ -130,14 +130,15 @@ def test_every_regime_parses_through_rrfp_sims_builder(reg, every) -> None:
         reg.config_of(["--hint", "no-such-hint"])
 
 
-def test_regimes_cover_the_ranges_the_docstring_names(every) -> None:
+def test_regimes_cover_the_ranges_the_docstring_names(reg, every) -> None:
     args = [r.args for r in every]
     assert {_value(a, "--hint") for a in args} == {"1f1b", "bf", "bfw", "zb-h1", "zb-h2", "interleaved-1f1b",
                                                    "zbv"}  # fmt: skip
     jitters = {"none", "normal", "lognormal", "gamma", "pareto", "spike"}
     assert {_value(a, "--jitter") for a in args} == jitters
     assert {int(_value(a, "--stages")) for a in args} == {4, 6, 8, 12, 16, 20, 24}
-    assert {_value(a, "--scenario") for a in args} - {None} == set(scenario_names())
+    drawn = {_value(a, "--scenario") for a in args} - {None}
+    assert drawn == set(reg.REGIME_SCENARIOS) and drawn <= set(scenario_names())
     assert {_value(a, "--recompute") for a in args} - {None} == {"none", "selective", "full"}
     assert {_value(a, "--virtual-stages") for a in args} - {None} == {"2", "3"}
     assert any("--packing" in a for a in args) and any(_value(a, "--lengths") for a in args)
