@@ -53,7 +53,14 @@ def run_ranks(mode: str, policy: str, timeout: float = 120.0) -> list[tuple[int,
     return out
 
 
-CASES = [(m, p) for m in ("destroy", "exit", "nothing", "raise") for p in POLICIES] + [("setup", "auto")]
+# Every ending under fixed and auto (auto's first steps run backfill: a start board and a clock), every
+# policy under destroy, and a caught set-up error. RRFP_ENDINGS_STRESS=N runs every ending under every
+# policy N times instead (N=4: 20 runs an ending; docs/library.md "Endings").
+STRESS = int(os.environ.get("RRFP_ENDINGS_STRESS", "0"))
+CASES = [(m, p) for m in ("destroy", "exit", "nothing", "raise") for p in ("fixed", "auto")]
+CASES += [("destroy", p) for p in POLICIES if p not in ("fixed", "auto")] + [("setup", "auto")]
+if STRESS:
+    CASES = [(m, p) for _ in range(STRESS) for m in ("destroy", "exit", "nothing", "raise") for p in POLICIES]
 
 
 @pytest.mark.parametrize(("mode", "policy"), CASES)
