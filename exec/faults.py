@@ -52,6 +52,15 @@ class LostPeerError(RunFailure):
         self.peer = peer
 
 
+class PeerStoppedError(LostPeerError):
+    """``peer`` ended its pipeline (close(), destroy_process_group or exit) while this rank still
+    waits for its input: it ran fewer steps than this rank, not a lost process."""
+
+    def __init__(self, peer: int, detail: str) -> None:
+        RunFailure.__init__(self, f"rank {peer} stopped stepping: {detail}")
+        self.peer = peer
+
+
 class WaitTimeoutError(RunFailure):
     """Nothing arrived within the per-wait timeout; ``suspects`` are the ranks whose input is missing."""
 

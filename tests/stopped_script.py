@@ -1,9 +1,10 @@
 """A rank that stops (SIGSTOP: hung, not dead) in the middle of a run, for tests/test_deadline.py.
 
-    python tests/stopped_script.py RANK WORLD PORT TIMEOUT STOPPED
+    python tests/stopped_script.py RANK WORLD PORT TIMEOUT STOPPED [MODE]
 
 Every rank steps ScheduleReadiness (policy fixed, ``timeout=TIMEOUT``); rank STOPPED stops itself before
-its third step. Each other rank prints one line: ``raised <type> after <seconds> s: <message>``, the
+its third step (MODE ``stop``: SIGSTOP) or ends its script there (``fewer``: it ran two steps fewer).
+Each other rank prints one line: ``raised <type> after <seconds> s: <message>``, the
 seconds counted from the start of the step that failed.
 """
 
@@ -22,6 +23,7 @@ from torch.distributed.pipelining import PipelineStage
 def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     timeout, stopped = float(sys.argv[4]), int(sys.argv[5])
+    mode = sys.argv[6] if len(sys.argv) > 6 else "stop"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from rrfp.exec import ScheduleReadiness
@@ -33,6 +35,8 @@ def main() -> None:
     for step in range(4):
         if rank == stopped and step == 2:
             print(f"rank {rank} stops", flush=True)
+            if mode == "fewer":
+                return  # the script ends: its pipeline ends at exit
             os.kill(os.getpid(), signal.SIGSTOP)
         start = time.monotonic()
         try:

@@ -62,3 +62,35 @@ def test_a_stopped_rank_ends_the_others_within_the_timeout(world: int, timeout: 
         assert kind == "StageFailed" and "\n" not in text, log[-2000:]
         assert seconds <= timeout + 10, f"rank {r} raised after {seconds} s (timeout {timeout}): {text}"
         assert "terminate called" not in log, log[-2000:]
+
+
+def test_a_rank_that_stopped_stepping_is_named_at_once() -> None:
+    """Rank 1 runs two steps fewer and its script ends (no close()): rank 0, waiting for its input, is
+    told by the channel's close and says so at once -- not "lost rank 1?" after its timeout."""
+    port, env = str(free_port()), {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(r), "2", port, "60", "1", "fewer"],
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=200)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("a rank hung")
+    finally:
+        for p in procs:
+            p.communicate()
+            assert_no_leftovers(p.pid)
+    assert procs[1].returncode == 0, logs[1][-2000:]
+    found = re.search(r"raised (\w+) after ([\d.]+) s: (.*)", logs[0])
+    assert found and procs[0].returncode == 3, logs[0][-2000:]
+    assert found.group(1) == "StageFailed" and "rank 1 stopped stepping" in found.group(3), found.group(3)
+    assert float(found.group(2)) < 30, found.group(0)  # long before the 60 s timeout

@@ -89,6 +89,8 @@ class Transport:
         """This rank's CLOCK_MONOTONIC minus rank 0's (seconds); the worker sets it."""
         # SimpleQueue (C): a put and the waiter's wake-up run no Python-level Condition code.
         self.inbox: queue.SimpleQueue[Arrival | ChannelFailure] = queue.SimpleQueue()
+        self.closed_peers: set[int] = set()
+        """Peers (global ranks) that sent their close: they send nothing more."""
         self.announcements: deque[Announce] = deque()
         """Received announcements, oldest first (appended by receiver threads, popped by the loop)."""
         self.sent: list[SendRecord] = []
@@ -327,7 +329,9 @@ class Transport:
             group.recv([header], group_peer, 0).wait()
             values = header.tolist()  # with NCCL this syncs this thread's stream only
         start = time.monotonic()
-        if values[0] == KIND_CLOSE:
+        if values[0] == KIND_CLOSE:  # the peer ended its pipeline: a wait for its input is now in vain
+            self.closed_peers.add(peer)
+            self.inbox.put(ChannelFailure(peer, "closed", "it ended its pipeline"))  # wakes a waiting loop
             return -1
         if values[0] == KIND_ABORT:  # reported as this channel's failure (the thread ends)
             raise TransportError(f"rank {peer} stopped on an error")

@@ -42,7 +42,7 @@ from rrfp.dispatch.tp import agree
 from rrfp.exec.comm.board import StartBoard, board_tag
 from rrfp.exec.comm.transport import Announce, Arrival, ChannelFailure, Transport
 from rrfp.exec.comm.wire import one_line
-from rrfp.exec.faults import LostPeerError, WaitTimeoutError
+from rrfp.exec.faults import LostPeerError, PeerStoppedError, WaitTimeoutError
 from rrfp.exec.loop.calibrate import CostMeter
 from rrfp.exec.models.synthetic import Injector
 from rrfp.plan.task import Task
@@ -265,6 +265,7 @@ class PipelineRuntime:
         transport = self.ctx.transport
         if transport is None:
             raise WaitTimeoutError(0, "nothing (no channels) -- a scheduling bug", [])
+        self._check_closed(transport)
         start = time.monotonic()
         try:
             item = transport.inbox.get(timeout=self.ctx.timeout)
@@ -276,8 +277,22 @@ class PipelineRuntime:
         self._record("wait", None, start, end)
         self._accept(item)  # the loop drains announcements and further arrivals before it picks
 
+    def _check_closed(self, transport: Transport) -> None:
+        """A peer whose input this rank waits for ended its pipeline: it stopped stepping (it ran fewer
+        steps, or its script ended) -- said at once, not after the timeout as a lost rank."""
+        closed = getattr(transport, "closed_peers", None)
+        if not closed:
+            return
+        waiting, suspects = self.waiting_summary()
+        for peer in suspects:
+            if peer in closed:
+                raise PeerStoppedError(peer, f"it ended its pipeline while this rank waits for {waiting}")
+
     def _accept(self, item: Arrival | Announce | ChannelFailure) -> None:
         if isinstance(item, ChannelFailure):
+            if item.direction == "closed":  # only a wake-up: a wait for that peer's input checks it
+                self._check_closed(self.ctx.transport)
+                return
             raise LostPeerError(item.peer, f"{item.direction} channel failed: {item.error}")
         if (item.trial, item.iteration) != (self.trial, self.iteration):
             # Another trial's or iteration's input (a peer ran ahead): keep it for then. With a barrier
