@@ -24,13 +24,15 @@ def main() -> None:
     rank, world, port = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     timeout, stopped = float(sys.argv[4]), int(sys.argv[5])
     mode = sys.argv[6] if len(sys.argv) > 6 else "stop"
+    trace = sys.argv[7] if len(sys.argv) > 7 else None  # a trace_out: close() after the failure keeps it
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     from rrfp.exec import ScheduleReadiness
 
     torch.manual_seed(0)
     stage = PipelineStage(torch.nn.Linear(8, 8), rank, world, torch.device("cpu"))
-    sched = ScheduleReadiness(stage, 4, torch.nn.functional.mse_loss, policy="fixed", timeout=timeout)
+    loss_fn = torch.nn.functional.mse_loss
+    sched = ScheduleReadiness(stage, 4, loss_fn, policy="fixed", timeout=timeout, trace_out=trace)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     for step in range(4):
         if rank == stopped and step == 2:
@@ -44,6 +46,9 @@ def main() -> None:
         except Exception as e:
             took = time.monotonic() - start
             print(f"rank {rank} raised {type(e).__name__} after {took:.1f} s: {e}", flush=True)
+            if trace is not None:
+                sched.close()  # after a failed step: this rank's completed steps, to a file of its own
+                print(f"rank {rank} closed", flush=True)
             sys.exit(3)  # as a script ends on an error (the exit-time end of the channels included)
     print(f"rank {rank} finished", flush=True)
 

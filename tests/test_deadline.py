@@ -64,13 +64,15 @@ def test_a_stopped_rank_ends_the_others_within_the_timeout(world: int, timeout: 
         assert "terminate called" not in log, log[-2000:]
 
 
-def test_a_rank_that_stopped_stepping_is_named_at_once() -> None:
+def test_a_rank_that_stopped_stepping_is_named_at_once(tmp_path: Path) -> None:
     """Rank 1 runs two steps fewer and its script ends (no close()): rank 0, waiting for its input, is
-    told by the channel's close and says so at once -- not "lost rank 1?" after its timeout."""
+    told by the channel's close and says so at once -- not "lost rank 1?" after its timeout. Its close()
+    after the failure keeps the trace of the two steps that completed, in a file of its own."""
     port, env = str(free_port()), {**os.environ, "OMP_NUM_THREADS": "1"}
+    trace = tmp_path / "t.parquet"
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(r), "2", port, "60", "1", "fewer"],
+            [sys.executable, str(SCRIPT), str(r), "2", port, "60", "1", "fewer", str(trace)],
             env=env,
             start_new_session=True,
             stdout=subprocess.PIPE,
@@ -94,3 +96,8 @@ def test_a_rank_that_stopped_stepping_is_named_at_once() -> None:
     assert found and procs[0].returncode == 3, logs[0][-2000:]
     assert found.group(1) == "StageFailed" and "rank 1 stopped stepping" in found.group(3), found.group(3)
     assert float(found.group(2)) < 30, found.group(0)  # long before the 60 s timeout
+    assert "rank 0 closed" in logs[0], logs[0][-2000:]
+    from rrfp.traces.trace import read_trace
+
+    kept = read_trace(tmp_path / "t.rank0.parquet")
+    assert sorted(kept["iteration"].unique()) == [0, 1] and set(kept["rank"]) == {0}

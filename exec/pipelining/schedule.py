@@ -727,6 +727,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         from rrfp.traces.trace import write_trace
 
         frame = self.recorder.frame()
+        frame = frame[frame["iteration"] < self._steps - 1]  # the failed (last) step's rows are partial
         if len(frame):
             path = Path(self.trace_out)
             write_trace(frame, path.with_name(f"{path.stem}.rank{self.pipeline.pp_rank}{path.suffix}"))
