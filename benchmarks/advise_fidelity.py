@@ -104,7 +104,7 @@ def costs_only(out: Path) -> str:
     import dataclasses
     import math
 
-    from rrfp.traces.profile import read_profile, write_profile
+    from rrfp.traces.cost_profile import read_profile, write_profile
 
     prof = read_profile(out / "profile.parquet")
     ops = {k: c for k, c in prof.ops.items() if k[1] in ("F", "B")}
@@ -198,7 +198,7 @@ def rank_main(rank: int, port: int, a: argparse.Namespace) -> None:
 def self_fidelity(out: Path, a: argparse.Namespace) -> None:
     """The profile's own settings: their steps, measured while profiling (interleaved, so under one
     load), against the simulator's prediction on the profile."""
-    from rrfp.traces.profile import read_profile
+    from rrfp.traces.cost_profile import read_profile
 
     prof = read_profile(out / "profile.parquet")
     print("the profile's own settings (measured while profiling):")

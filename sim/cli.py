@@ -127,7 +127,11 @@ def build_config(
     """Option values -> a validated config (rrfp.sim.config.from_options), after ``--workload fit:``.
     ``given``: the options typed on the command line (:func:`given_options`); a fit refuses the workload
     options it replaces and, unless ``--comm-latency`` is given, brings its own latency. ``profile``:
-    a measured cost model instead of the workload options (rrfp.sim.profiled)."""
+    a measured cost model instead of the workload options (rrfp.sim.profiled); also taken from ``v``
+    (a caller that hands over every option of the command)."""
+    if "profile" in v:
+        v = dict(v)
+        profile = v.pop("profile") if profile is None else (v.pop("profile") and profile)
     if profile is not None:
         from .profiled import profiled_config
 
@@ -345,7 +349,7 @@ def _replay(
 
 
 def _read_profile(path: str) -> Any:
-    from rrfp.traces.profile import read_profile
+    from rrfp.traces.cost_profile import read_profile
 
     return read_profile(path)
 

@@ -279,7 +279,7 @@ def build_models(cfg: ExperimentConfig, plans: list[PlannedRun], step: Step | No
 
 
 def charge_runtime(model: Any, workload: Workload) -> None:
-    """A profiled workload's runtime costs (rrfp.traces.profile.RuntimeCosts) onto ``model`` (each arm of
+    """A profiled workload's runtime costs (rrfp.traces.cost_profile.RuntimeCosts) onto ``model`` (each arm of
     auto's): every task its policy class's overhead, every flush the per-step cost; nothing otherwise."""
     runtime = getattr(workload, "runtime", None)
     if runtime is None:

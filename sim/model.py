@@ -387,7 +387,7 @@ class ClusterModel:
         self.agree_cost = 0.0 if name == BASELINE_POLICY else cluster.agreement_time()
         self.allreduce_cost = cluster.allreduce_time()  # s; a replay sets the recorded one
         self.task_overhead = 0.0
-        """Seconds of runtime overhead added to every task (a profile's, rrfp.traces.profile.RuntimeCosts)."""
+        """Seconds of runtime overhead added to every task (a profile's, rrfp.traces.cost_profile)."""
         self.op_extra: np.ndarray | None = None
         """(op code, stage) seconds added to tasks (a profile's split backward beyond B); None: none."""
         self.env = InstantEnvironment()

@@ -1,6 +1,6 @@
 """``--profile FILE``: rrfp-sim's runs, replays and advice on a measured cost model of one's own runtime.
 
-A profile (rrfp.traces.profile, written by ``rrfp.exec.profile``) replaces the workload options: each
+A profile (rrfp.traces.cost_profile, written by ``rrfp.exec.profile``) replaces the workload options: each
 stage's F/B/I/W as measured (scaled by the microbatch's tokens where sizes varied), every task charged
 the runtime's overhead for its policy class (a clocked policy's own), every message the measured
 latency + bytes / bandwidth. A run at another pipeline depth than profiled (v = 2 from a v = 1 profile)
@@ -18,7 +18,7 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 from rrfp.errors import UserError
-from rrfp.traces.profile import Profile, ProfiledWorkload, read_profile
+from rrfp.traces.cost_profile import Profile, ProfiledWorkload, read_profile
 
 from .config import ExperimentConfig, from_options
 

@@ -41,7 +41,7 @@ from rrfp.study.result import TrialResult
 from rrfp.study.schema import interval, number, trial_fields
 from rrfp.study.study import Study
 from rrfp.study.trial import TrialId
-from rrfp.traces.profile import Profile
+from rrfp.traces.cost_profile import Profile
 from rrfp.traces.replay import Replay
 from rrfp.traces.trace import TraceRecorder
 from rrfp.workload.model import IterationSample

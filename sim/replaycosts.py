@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from rrfp.dispatch.policies import get_policy
-from rrfp.traces.profile import Profile
+from rrfp.traces.cost_profile import Profile
 from rrfp.traces.replay import Replay
 from rrfp.workload.model import IterationSample
 

@@ -149,7 +149,11 @@ def build(
             "--workload does not apply in token mode (--lengths/--scenario): the samples drive the costs, "
             "and --encoder gives the multimodal structure"
         )
-    options = {k: v for k, v in {**rest, **token}.items() if k not in (*DERIVED_OPTIONS, "workload")}
+    # --profile is refused in token mode before this (rrfp.sim.profiled); a caller handing over every
+    # option of the command may still carry its None
+    options = {
+        k: v for k, v in {**rest, **token}.items() if k not in (*DERIVED_OPTIONS, "workload", "profile")
+    }
     if "gpu_memory" in given and "memory_budget" not in given:
         options["memory_budget"] = DEVICE  # a device's capacity given: budget by it (rrfp.sim.memory)
     if scenario is None:

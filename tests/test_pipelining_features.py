@@ -211,7 +211,7 @@ def test_a_tp_member_raising_mid_step_stops_every_rank(four: list[dict[str, Any]
     other pipeline [0, 2] is not told (the word spreads along pipelines, not across TP groups): rank 2
     waits in the user's all-reduce with a stopped member until its group timeout (5 s) and gets that
     error back; rank 0 waits in the task agreement with rank 1 (2 x timeout + 5 = 13 s, a wait of rrfp's
-    own) or is told by rank 2 first, and raises StageFailed naming rank 2's timeout. Every rank stops
+    own) and raises StageFailed naming rank 2's timeout or its own. Every rank stops
     within those bounds; none hangs."""
     found = {r["rank"]: r for r in rows(four, kind="tp_fail")}
     assert sorted(found) == [0, 1, 2, 3]
@@ -225,8 +225,8 @@ def test_a_tp_member_raising_mid_step_stops_every_rank(four: list[dict[str, Any]
     assert found[2]["raised"] == "user's RuntimeError" and re.search("[Tt]imed out", found[2]["text"]), found[
         2
     ]
-    assert found[0]["raised"] == "StageFailed", found[0]
-    assert re.fullmatch(r"rank 2 raised RuntimeError: .*[Tt]imed out.*", found[0]["text"]), found[0]
+    # rank 0: told by rank 2's report, or (rank 2's report wait over) its own agreement's time-out
+    assert found[0]["raised"] == "StageFailed" and re.search("[Tt]imed out", found[0]["text"]), found[0]
     for rank, r in found.items():
         assert r["seconds"] < 5.0 if rank in (1, 3) else 4.0 < r["seconds"] < 30.0, r
 

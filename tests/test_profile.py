@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from launchkit import Launch, rows
 
-from rrfp.traces.profile import SCHEMA_VERSION, Profile, read_profile
+from rrfp.traces.cost_profile import SCHEMA_VERSION, Profile, read_profile
 
 WORKER = Path(__file__).with_name("profile_worker.py")
 SLEEP_S = 0.02  # the worker's sleep in stage 1's weight gradient

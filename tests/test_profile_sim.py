@@ -1,4 +1,4 @@
-"""rrfp-sim --profile: the simulator on a measured cost model (rrfp.traces.profile, rrfp.sim.profiled).
+"""rrfp-sim --profile: the simulator on a measured cost model (rrfp.traces.cost_profile, rrfp.sim.profiled).
 
 The runtime costs add nothing at zero (today's goldens, byte for byte) and exactly their share where set
 (a fixed 1F1B on constant costs: (m + pp - 1) x (F + B + 2 overhead)); a v = 2 what-if from a v = 1
@@ -19,7 +19,14 @@ import pytest
 
 from rrfp.sim import experiment
 from rrfp.sim.cli import main
-from rrfp.traces.profile import OpCost, Profile, ProfiledWorkload, RuntimeCosts, read_profile, write_profile
+from rrfp.traces.cost_profile import (
+    OpCost,
+    Profile,
+    ProfiledWorkload,
+    RuntimeCosts,
+    read_profile,
+    write_profile,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
 

@@ -27,7 +27,7 @@ the schedules' traces and cost meters:
   already charges the producer before its message leaves;
 * the activation bytes a forward keeps per microbatch (autograd's saved tensors, parameters excluded).
 
-Rank 0 writes ``out`` atomically (rrfp.traces.profile.write_profile) and prints a one-line progress.
+Rank 0 writes ``out`` atomically (rrfp.traces.cost_profile.write_profile) and prints a one-line progress.
 The stages' gradients are as before the call; the step count of the user's own schedule is untouched.
 """
 
@@ -53,7 +53,7 @@ from rrfp.exec.models.memory import SavedBytes
 from rrfp.exec.pipelining.errors import MicrobatchError, PipeliningError, StageLayoutError
 from rrfp.exec.pipelining.schedule import ScheduleReadiness
 from rrfp.exec.pipelining.sizing import measure
-from rrfp.traces.profile import OpCost, Profile, write_profile
+from rrfp.traces.cost_profile import OpCost, Profile, write_profile
 
 MIN_R2 = 0.3
 """Below this R^2 the bytes do not explain the message times (noise dominates small messages): the
@@ -92,7 +92,7 @@ def profile(
     progress: bool = True,
 ) -> Profile | None:
     """Measure this pipeline's costs (module docstring) and write them to ``out`` (rank 0). Every rank
-    of the stages' group calls it; returns the :class:`~rrfp.traces.profile.Profile` on the pipeline's
+    of the stages' group calls it; returns the :class:`~rrfp.traces.cost_profile.Profile` on the pipeline's
     first rank, None elsewhere. ``steps`` measured steps after ``warmup`` per setting."""
     if not (isinstance(steps, int) and steps >= 1 and isinstance(warmup, int) and warmup >= 1):
         raise MicrobatchError(
