@@ -101,3 +101,34 @@ def test_a_rank_that_stopped_stepping_is_named_at_once(tmp_path: Path) -> None:
 
     kept = read_trace(tmp_path / "t.rank0.parquet")
     assert sorted(kept["iteration"].unique()) == [0, 1] and set(kept["rank"]) == {0}
+
+
+def test_close_with_a_dead_peer_is_one_line() -> None:
+    """Every step ran; then rank 1 dies and rank 0 calls close(): one StageFailed line, promptly (it was
+    a raw gloo RuntimeError)."""
+    port, env = str(free_port()), {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(r), "2", port, "20", "1", "dead-close"],
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=200)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            os.killpg(p.pid, signal.SIGKILL)
+        pytest.fail("a rank hung")
+    finally:
+        for p in procs:
+            p.communicate()
+            assert_no_leftovers(p.pid)
+    found = re.search(r"close raised (\w+) after ([\d.]+) s: (.*)", logs[0])
+    assert found and procs[0].returncode == 4, logs[0][-2000:]
+    assert found.group(1) == "StageFailed" and "\n" not in found.group(3), found.group(0)
+    assert float(found.group(2)) < 30, found.group(0)

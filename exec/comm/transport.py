@@ -89,6 +89,8 @@ class Transport:
         """This rank's CLOCK_MONOTONIC minus rank 0's (seconds); the worker sets it."""
         # SimpleQueue (C): a put and the waiter's wake-up run no Python-level Condition code.
         self.inbox: queue.SimpleQueue[Arrival | ChannelFailure] = queue.SimpleQueue()
+        self.failed_peers: dict[int, str] = {}
+        """Peers (global ranks) whose channel to this rank failed (the process died), with why."""
         self.closed_peers: set[int] = set()
         """Peers (global ranks) that sent their close: they send nothing more."""
         self.announcements: deque[Announce] = deque()
@@ -261,8 +263,8 @@ class Transport:
         """Tell every peer this rank sends nothing more, and wait for the receiver threads to finish."""
         self.flush(timeout)
         deadline = time.monotonic() + timeout
-        for work in self._post_close(strict=True):
-            work.wait()
+        for work in self._post_close(strict=True):  # a peer that takes nothing fails it at the deadline
+            work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
         self._join(deadline)
 
     def shutdown(self, timeout: float) -> bool:
@@ -316,6 +318,7 @@ class Transport:
                 while (cap := self._receive_one(peer, group, group_peer, stream, cap)) >= 0:
                     pass
         except Exception as e:  # the peer died or the group broke: the runtime decides what to do
+            self.failed_peers[peer] = one_line(e)
             self.inbox.put(ChannelFailure(peer, "recv", one_line(e)))
 
     def _receive_one(self, peer: int, group: Any, group_peer: int, stream: Any, cap: int) -> int:

@@ -210,6 +210,11 @@ class ReadinessPipeline:
         self.closed = True
         endings.untrack(self)
         if self.transport is not None and self.broken is None and self._owned:
+            gone = dict(self.transport.failed_peers)
+            if gone:  # a peer died since the last step: nothing collective can complete
+                self.transport.shutdown(ABORT_WAIT)
+                peer, why = next(iter(gone.items()))
+                raise StageFailed(f"rank {peer} is gone, the pipeline's channels cannot close: {why}")
             try:
                 self.transport.close(self.timeout)
                 dist.barrier(group=self.ctrl)  # every peer's threads took our close before the groups go
