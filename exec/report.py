@@ -341,8 +341,8 @@ def _columns(cfg: RunConfig, torch: list[Any]) -> list[tuple[str, str]]:
     warm = f"after {cfg.study.warmup} warm-up" if cfg.study.warmup else "with no warm-up"
     out = [
         ("iteration time", "seconds from the iteration barrier to the optimizer step on the slowest rank: "
-                           f"mean of the {cfg.study.iterations} measured iterations {warm}, 95% Student-t "
-                           "interval"),
+                           f"mean of the {cfg.study.iterations} measured iterations {warm}, 95% log-scale "
+                           "t-interval"),
         ("median s", "the median of the same iterations"),
         ("speedup", f"fixed's iteration time / this trial's on the same hint (a class hint: its reference "
                     f"order), {pairing}; > 1: faster than fixed"),

@@ -260,7 +260,7 @@ def summary_line(result: ExperimentResult, over: dict[Any, str] | None = None) -
 
 
 COLUMNS = (
-    ("iteration time", "seconds from one flush to the next: mean over the seeds, 95% Student-t interval"),
+    ("iteration time", "seconds from one flush to the next: mean over the seeds, 95% log-scale t-interval"),
     ("bubble", "fraction of the iteration a rank sits idle, mean over the pipeline ranks"),
     ("time/LB", "iteration time / a lower bound on any schedule of the same realised durations; the rows of "
                 "one pipeline shape share one bound (their lowest), so time/LB orders them as time does"),
