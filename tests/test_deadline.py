@@ -64,22 +64,14 @@ def test_a_stopped_rank_ends_the_others_within_the_timeout(world: int, timeout: 
         assert "terminate called" not in log, log[-2000:]
 
 
-def test_a_rank_that_stopped_stepping_is_named_at_once(tmp_path: Path) -> None:
-    """Rank 1 runs two steps fewer and its script ends (no close()): rank 0, waiting for its input, is
-    told by the channel's close and says so at once -- not "lost rank 1?" after its timeout. Its close()
-    after the failure keeps the trace of the two steps that completed, in a file of its own."""
+def run_both(args: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
+    """Both ranks of the script with ``args`` after (rank, world, port), each in its own session; their
+    outputs, once both ended (at most 200 s)."""
     port, env = str(free_port()), {**os.environ, "OMP_NUM_THREADS": "1"}
-    trace = tmp_path / "t.parquet"
+    opts = {"env": env, "start_new_session": True, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
     procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(r), "2", port, "60", "1", "fewer", str(trace)],
-            env=env,
-            start_new_session=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
+        subprocess.Popen([sys.executable, str(SCRIPT), str(r), "2", port, *args], text=True, **opts)
+        for r in (0, 1)
     ]
     try:
         logs = [p.communicate(timeout=200)[0] for p in procs]
@@ -91,6 +83,15 @@ def test_a_rank_that_stopped_stepping_is_named_at_once(tmp_path: Path) -> None:
         for p in procs:
             p.communicate()
             assert_no_leftovers(p.pid)
+    return procs, logs
+
+
+def test_a_rank_that_stopped_stepping_is_named_at_once(tmp_path: Path) -> None:
+    """Rank 1 runs two steps fewer and its script ends (no close()): rank 0, waiting for its input, is
+    told by the channel's close and says so at once -- not "lost rank 1?" after its timeout. Its close()
+    after the failure keeps the trace of the two steps that completed, in a file of its own."""
+    trace = tmp_path / "t.parquet"
+    procs, logs = run_both(["60", "1", "fewer", str(trace)])
     assert procs[1].returncode == 0, logs[1][-2000:]
     found = re.search(r"raised (\w+) after ([\d.]+) s: (.*)", logs[0])
     assert found and procs[0].returncode == 3, logs[0][-2000:]
@@ -106,28 +107,7 @@ def test_a_rank_that_stopped_stepping_is_named_at_once(tmp_path: Path) -> None:
 def test_close_with_a_dead_peer_is_one_line() -> None:
     """Every step ran; then rank 1 dies and rank 0 calls close(): one StageFailed line, promptly (it was
     a raw gloo RuntimeError)."""
-    port, env = str(free_port()), {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(r), "2", port, "20", "1", "dead-close"],
-            env=env,
-            start_new_session=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        logs = [p.communicate(timeout=200)[0] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            os.killpg(p.pid, signal.SIGKILL)
-        pytest.fail("a rank hung")
-    finally:
-        for p in procs:
-            p.communicate()
-            assert_no_leftovers(p.pid)
+    procs, logs = run_both(["20", "1", "dead-close"])
     found = re.search(r"close raised (\w+) after ([\d.]+) s: (.*)", logs[0])
     assert found and procs[0].returncode == 4, logs[0][-2000:]
     assert found.group(1) == "StageFailed" and "\n" not in found.group(3), found.group(0)
