@@ -24,7 +24,7 @@ from train_gpt_varlen import GptStage, documents, gradient_check, token_loss
 # Not anchored to lines: two ranks' prints share one pipe, and one rank's newline can land after the other's
 # line, so the number is read up to its exponent's digits.
 CHECK = re.compile(r"gradient check rank (\d+): max relative difference (\d\.\d+e[+-]\d+)")
-RL_STEP = re.compile(r"^step (\d+): loss (-?[0-9.]+)\s+([0-9,]+) tokens/s$", re.M)
+RL_STEP = re.compile(r"step (\d+): loss (-?[0-9.]+)\s+([0-9,]+) tokens/s")
 
 
 def checked(out: str) -> dict[int, float]:
