@@ -20,7 +20,8 @@ examples/train_moe.py's top-2 MoE with ``--model moe``), the loss summed over re
   documents' squared lengths, the lightest at both ends: rrfp.workload.mb_order.verl_order). The
   reordering is done here on the documents' true sum(len^2): the library's ``mb_order="verl"`` reads a
   microbatch's attention off its tensor's shape (rows x (tokens/rows)^2), which for one packed row is
-  tokens^2, not the documents' sum;
+  tokens^2, not the documents' sum; and **rrfp fixed in verl's order**, verl's deployed answer (a fixed,
+  pre-planned order), the best fixed arm on this data;
 * (e) footnote: **rrfp <default>, padded** -- the same token-budget microbatches with each document a row
   padded to its microbatch's longest and full causal attention (DeepSpeed PP's default; torch's schedules
   would need one shape for every step).
@@ -30,7 +31,11 @@ drift in the machine's load hits every arm alike; a step's time is the slowest r
 arm's ratio is (a)'s time / its time (> 1: faster than torch on the packs; the same documents in every
 arm, so the time ratio is the tokens/s ratio). Each launch prints every arm's median ratio and the 95%
 t-interval of its mean log-ratio (a geometric mean), with the load average beside it; the end prints the
-median over the launches. The first two rounds warm up (the default policy calibrates on its first step)
+median over the launches and the goals, judged on every kept round of every launch paired by round (CI
+lower bounds): rrfp fixed >= 0.98x torch on the packs; the default policy >= 0.98x the best fixed arm on the
+same data (on the packs the faster of (a) and (b); on the token budget rrfp fixed in verl's order); and
+readiness's own gain (default vs rrfp fixed on the packs) with its interval, judged by no goal.
+The first two rounds warm up (the default policy calibrates on its first step)
 and are not kept. Every arm's step loss must agree (the same documents, the same weights): the
 benchmark stops if they differ by more than 1e-4 relative. It needs 2 free cores to mean much: on a
 shared machine quote it with the load beside it.
@@ -207,15 +212,17 @@ def arms(a: argparse.Namespace, stage: Any, model: Any, rank: int, world: int) -
 
         return run
 
-    scheds = [ours("fixed"), *(ours(DEFAULT_POLICY) for _ in range(4))]  # one each: its own calibration
+    # one schedule an arm: each calibrates on its own data
+    scheds = [ours("fixed"), ours("fixed"), *(ours(DEFAULT_POLICY) for _ in range(4))]
     p = DEFAULT_POLICY
     run = {
         "(a) torch 1F1B, packed": packed(Schedule1F1B(own, m, loss_fn=token_loss, scale_grads=False)),
         "(b) rrfp fixed, packed": packed(scheds[0]),
-        f"(c) rrfp {p}, packed": packed(scheds[1]),
-        f"(d) rrfp {p}, token budget, given order": microbatches(scheds[2], "unpadded"),
-        f"(d) rrfp {p}, token budget, verl order": microbatches(scheds[3], "unpadded", verl=True),
-        f"(e) rrfp {p}, padded to longest": microbatches(scheds[4], "padded"),
+        f"(c) rrfp {p}, packed": packed(scheds[2]),
+        "(d) rrfp fixed, token budget, verl order": microbatches(scheds[1], "unpadded", verl=True),
+        f"(d) rrfp {p}, token budget, given order": microbatches(scheds[3], "unpadded"),
+        f"(d) rrfp {p}, token budget, verl order": microbatches(scheds[4], "unpadded", verl=True),
+        f"(e) rrfp {p}, padded to longest": microbatches(scheds[5], "padded"),
     }
     return {"run": run, "close": scheds}
 
@@ -283,6 +290,40 @@ def check_losses(run: dict[str, Any]) -> None:
             raise SystemExit(f"library_vs_torch: round {k}: the arms' losses differ: {shown}")
 
 
+GOAL = 0.98  # a CI lower bound: rrfp fixed vs torch on the packs, the default policy vs the best fixed arm
+
+
+def judge(pooled: dict[str, list[float]]) -> list[str]:
+    """The goals on every kept round of every launch, paired by round. ``pooled``: per arm, each round's
+    ratio (a)'s time / the arm's, (a) itself included as 1.0. The best fixed arm on the packs is the one
+    of larger geometric mean (torch's or rrfp's); on the token budget it is rrfp fixed in verl's order.
+    One arm's ratio to another is the quotient of their ratios to (a), round by round."""
+
+    def named(prefix: str) -> list[str]:
+        return [n for n in pooled if n.startswith(prefix)]
+
+    def line(what: str, x: str, y: str, goal: float | None) -> str:
+        geo, lo, hi = interval([r / q for r, q in zip(pooled[x], pooled[y], strict=True)])
+        verdict = (
+            "" if goal is None else ("  PASS" if lo >= goal else f"  MISS (goal: lower bound >= {goal})")
+        )
+        return f"{what:62s} x{geo:.3f} [{lo:.3f}, {hi:.3f}]{verdict}"
+
+    (torch_p,), (fixed_p,), (default_p,) = named("(a)"), named("(b)"), named("(c)")
+    best = max((torch_p, fixed_p), key=lambda n: interval(pooled[n])[0])
+    out = [
+        line("rrfp fixed vs torch 1F1B, on the packs", fixed_p, torch_p, GOAL),
+        line(f"default policy vs the best fixed arm {best[:3]}, on the packs", default_p, best, GOAL),
+        line("readiness's own gain: default vs rrfp fixed, on the packs", default_p, fixed_p, None),
+    ]
+    fixed_t = named("(d) rrfp fixed")
+    for n in (x for x in named("(d)") if fixed_t and x != fixed_t[0]):
+        out.append(
+            line(f"default vs rrfp fixed (verl), token budget, {n.rsplit(', ', 1)[1]}", n, fixed_t[0], GOAL)
+        )
+    return out
+
+
 def launch(a: argparse.Namespace, argv: list[str], k: int) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            __file__, "--worker", "--seed", str(k), *argv]  # fmt: skip
@@ -347,13 +388,21 @@ def main() -> None:
           f"lognormal mean {a.mean_len:g}, CV {a.cv:g}")  # fmt: skip
     print("ratio = (a)'s step time / the arm's (> 1: faster than torch on the packs)")
     per: dict[str, list[float]] = {}
+    pooled: dict[str, list[float]] = {}
     for k in range(a.launches):
         start = os.getloadavg()[0]
         run = launch(a, argv, k)
         check_losses(run)
         report(k, run, (start, os.getloadavg()[0]), per)
+        base = next(n for n in run["times"] if n.startswith("(a)"))
+        pooled.setdefault(base, []).extend([1.0] * len(run["times"][base]))
+        for name, values in ratios(run).items():
+            pooled.setdefault(name, []).extend(values)
     for name, meds in per.items():
         print(f"median over {len(meds)} launches: {name:52s} x{statistics.median(meds):.3f}")
+    print(f"goals over {len(pooled[base])} paired rounds (geometric mean [95% t-interval]):")
+    for text in judge(pooled):
+        print("  " + text)
 
 
 if __name__ == "__main__":
