@@ -6,7 +6,9 @@ shape) followed by the payload, on the channel's own process group. On gloo, hea
 its buffer, and both ends track the same capacity (the largest message seen on the channel so far),
 so only a message larger than every earlier one goes as header, then payload. That halves the
 receiver thread's wake-ups and avoids a second handshake per message (NCCL needs exact sizes: it
-always sends two). On gloo a posted ``irecv`` cannot be
+always sends two). A :class:`~rrfp.exec.comm.wire.Framed` body (rrfp.exec.pipelining's stage I/O) was
+written with room for the header in front: the header goes there and the buffer is sent as it is, with
+no copy of the payload on the sending side. On gloo a posted ``irecv`` cannot be
 polled (``is_completed()`` stays False until ``wait()``, and a timed-out wait closes the connection --
 docs/design.md §5), so each inbound channel has a receiver thread doing *blocking* receives (header, then a
 payload of the announced shape) into one ``queue.SimpleQueue``; the runtime loop waits on that queue with the
@@ -55,6 +57,7 @@ import torch.distributed as dist
 from rrfp.exec.comm.wire import (  # the wire format, re-exported: transport users import it from here
     HEADER_BYTES,
     HEADER_LEN,
+    HEADER_STRUCT,
     KIND_ABORT,
     KIND_ANNOUNCE,
     KIND_CLOSE,
@@ -62,6 +65,7 @@ from rrfp.exec.comm.wire import (  # the wire format, re-exported: transport use
     Announce,
     Arrival,
     ChannelFailure,
+    Framed,
     SendRecord,
     TransportError,
     decode_announce,
@@ -130,18 +134,21 @@ class Transport:
             t.start()
 
     # -- sending (compute thread) -----------------------------------------------------------
-    def send(self, dst: int, trial: int, iteration: int, task: Task, tensor: torch.Tensor) -> None:
-        """Post ``tensor`` as the input of ``task`` on pipeline rank ``dst`` (never waits for the peer)."""
+    def send(self, dst: int, trial: int, iteration: int, task: Task, tensor: torch.Tensor | Framed) -> None:
+        """Post ``tensor`` as the input of ``task`` on pipeline rank ``dst`` (never waits for the peer).
+        A :class:`Framed` body (gloo) goes out in its own buffer, the header written in front of it."""
         peer, group, group_peer = self._out[dst]
         # Few torch calls: each costs ~10 us right after a compute task (pack_message in rrfp.exec.comm.wire).
-        payload = tensor.detach()
+        payload = tensor if isinstance(tensor, Framed) else tensor.detach()
         msg = (self.me_global << 32) | next(self._ids)
         start = time.monotonic()
         head = encode_header(trial, iteration, task, msg, payload, self._wire(start))
         nbytes = payload.dtype.itemsize * math.prod(payload.shape)
         if self._packed and HEADER_BYTES + nbytes <= self._cap_out[dst]:
             head[0] = KIND_PACKED
-            bufs: tuple[torch.Tensor, ...] = (pack_message(head, payload),)  # copies: any strides
+            bufs: tuple[torch.Tensor, ...] = (_packed(head, payload),)
+        elif isinstance(payload, Framed):
+            bufs = (torch.tensor(head, dtype=torch.int64, device=self.device), payload.payload())
         else:
             bufs = (torch.tensor(head, dtype=torch.int64, device=self.device), payload.contiguous())
         self._cap_out[dst] = max(self._cap_out[dst], HEADER_BYTES + nbytes)
@@ -361,6 +368,14 @@ class Transport:
         sent = self._local(sent_us)
         self.inbox.put(Arrival(peer, trial, iteration, task, payload, msg, start, time.monotonic(), sent))
         return max(cap, HEADER_BYTES + nbytes)
+
+
+def _packed(head: list[int], payload: torch.Tensor | Framed) -> torch.Tensor:
+    """Header and payload as one buffer: a framed body's own (no copy), else a copy of the tensor."""
+    if isinstance(payload, Framed):
+        HEADER_STRUCT.pack_into(payload.raw, 0, *head)
+        return payload.buf
+    return pack_message(head, payload)  # copies: any strides
 
 
 def send_thread() -> bool:

@@ -98,9 +98,10 @@ class SendRecord:
 
 
 def encode_header(
-    trial: int, iteration: int, task: Task, msg: int, tensor: torch.Tensor, sent_us: int = 0
+    trial: int, iteration: int, task: Task, msg: int, tensor: torch.Tensor | Framed, sent_us: int = 0
 ) -> list[int]:
-    """The int64 header announcing ``tensor`` as the input of ``task`` (``sent_us``: send time)."""
+    """The int64 header announcing ``tensor`` (or a :class:`Framed` body) as the input of ``task``
+    (``sent_us``: send time)."""
     shape = tensor.shape
     if len(shape) > MAX_DIMS:
         raise TransportError(f"cannot send a {len(shape)}-d tensor: at most {MAX_DIMS} dims")
@@ -120,6 +121,31 @@ def pack_message(head: list[int], payload: torch.Tensor) -> torch.Tensor:
     HEADER_STRUCT.pack_into(out, 0, *head)
     out[HEADER_BYTES:] = src.reshape(-1).view(np.uint8)
     return torch.from_numpy(out)
+
+
+class Framed:
+    """A message body written straight into its own send buffer, after ``HEADER_BYTES`` left free for the
+    header: the transport writes the header in place and sends the buffer as it is, so the body is copied
+    once (by whoever fills :attr:`body`) instead of again into a header+payload buffer. On the wire it
+    is an int64 payload of ``nbytes // 8`` values (``nbytes``: a multiple of 8), as a tensor would be.
+    CPU (gloo) only."""
+
+    __slots__ = ("body", "buf", "raw", "shape")
+    dtype = torch.int64
+
+    def __init__(self, nbytes: int) -> None:
+        if nbytes % 8:
+            raise TransportError(f"a framed body is whole int64 values, not {nbytes} bytes")
+        self.buf, self.raw = receive_buffer(HEADER_BYTES + nbytes)
+        """The whole message (uint8 tensor for gloo) and its numpy view; the body starts on 64 bytes."""
+        self.body: np.ndarray = self.raw[HEADER_BYTES:]
+        """The body's bytes (uint8 numpy view, 64-byte aligned): the caller fills it."""
+        self.shape = (nbytes // 8,)
+
+    def payload(self) -> torch.Tensor:
+        """The body alone as an int64 tensor (a view: sent after its own header when the message does
+        not fit the receiver's buffer)."""
+        return torch.from_numpy(self.body.view(np.int64))
 
 
 def receive_buffer(nbytes: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -147,8 +173,10 @@ def read_payload(
     if np_dtype is None:  # bfloat16: torch views
         view = buf[HEADER_BYTES : HEADER_BYTES + nbytes].view(dtype).view(shape)
         return view.clone() if copy else view
-    part = raw[HEADER_BYTES : HEADER_BYTES + nbytes].view(np_dtype).reshape(shape)
-    return torch.from_numpy(part.copy() if copy else part)
+    part = torch.from_numpy(raw[HEADER_BYTES : HEADER_BYTES + nbytes].view(np_dtype).reshape(shape))
+    # torch's allocator aligns a copy on 64 bytes as the buffer is (numpy's on 16), so what the receiver
+    # views inside it stays usable in place
+    return part.clone() if copy else part
 
 
 def decode_header(values: list[int]) -> tuple[int, int, Task, int, torch.dtype, tuple[int, ...], int]:
