@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from rrfp.errors import RunFailure, UserError
+from rrfp.errors import RunFailure, UserError, one_line
 
 FAULT_EXIT = 3  # a rank that stopped because of a fault elsewhere (lost peer, timeout)
 FAULT_LINGER_S = 1.0  # a rank that lost a peer waits this long before exiting (see die())
@@ -354,17 +354,17 @@ def fail_from(e: BaseException) -> None:
     if isinstance(e, LostPeerError):
         die(str(e), FAULT_EXIT, FAULT_LINGER_S, lost=e.peer)
     if isinstance(e, WaitTimeoutError) or _has(e, TIMEOUT_ERRORS):
-        what = str(e) if isinstance(e, RunFailure) else f"a collective timed out: {one_line(e)}"
+        what = str(e) if isinstance(e, RunFailure) else f"a collective timed out: {one_line(e, typed=True)}"
         hung = _hung_ranks()
         reason = f"{_watch.live.explain(hung)}; {what}" if hung else what
         die(reason, FAULT_EXIT, FAULT_LINGER_S, lost=getattr(e, "suspects", None), hung=hung)
     if _has(e, PEER_ERRORS):
-        die(f"a collective failed (a peer is gone?): {one_line(e)}", FAULT_EXIT, FAULT_LINGER_S)
+        die(f"a collective failed (a peer is gone?): {one_line(e, typed=True)}", FAULT_EXIT, FAULT_LINGER_S)
     traceback.print_exception(e, file=sys.stderr)  # the log (install() moved stderr there)
     if isinstance(e, UserError | RunFailure):  # a refusal or an outside failure: the message says it
         die(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__, CRASH_EXIT)
     where = f"; traceback in {_watch.log}" if _watch.log else ""
-    die(f"crashed: {one_line(e)}{where}", CRASH_EXIT)
+    die(f"crashed: {one_line(e, typed=True)}{where}", CRASH_EXIT)
 
 
 PEER_ERRORS = ("Connection closed by peer", "Connection reset", "Broken pipe")
@@ -444,12 +444,3 @@ def _wakeup_watcher(fd: int) -> None:
         for signum in STOP_SIGNALS:
             if signum in data:
                 _stop(signum)
-
-
-def one_line(e: BaseException) -> str:
-    """``Type: first line`` of an exception (at most 300 characters), without gloo's source location
-    and boilerplate advice."""
-    lines = str(e).strip().splitlines()
-    line = lines[0] if lines else ""
-    line = line.split("] ", 1)[-1] if line.startswith("[") else line
-    return f"{type(e).__name__}: {line.split('. This is typically', 1)[0][:300]}"

@@ -32,3 +32,30 @@ class RunFailure(RrfpError, RuntimeError):
 
 class InternalError(RrfpError, RuntimeError):
     """A broken invariant (a bug): the CLIs keep the traceback and exit with status 1."""
+
+
+ONE_LINE_MAX = 300  # characters: a reason must fit one log or terminal line
+
+
+def one_line(e: BaseException, *, typed: bool = False) -> str:
+    """The first line of an error, for a one-line report: without gloo's source location (``[file:123] ``)
+    and boilerplate advice, at most ONE_LINE_MAX characters, prefixed by ``Type: `` when ``typed``. A first
+    line that only announces more (it ends with ':', as torch's "Failed to run stage backward:" does, the
+    reason being its cause) gets its innermost cause's ``Type: first line`` after it."""
+    line = _first_line(e) or type(e).__name__
+    if line.endswith(":"):
+        cause = e
+        seen = {id(e)}  # a cause chain that loops back must not hang the report
+        while cause.__cause__ is not None and id(cause.__cause__) not in seen:
+            cause = cause.__cause__
+            seen.add(id(cause))
+        if cause is not e:
+            line = f"{line} {type(cause).__name__}: {_first_line(cause)}"
+    return (f"{type(e).__name__}: {line}" if typed else line)[:ONE_LINE_MAX]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    line = text[0].strip() if text else ""
+    line = line.split("] ", 1)[-1] if line.startswith("[") else line
+    return line.split(". This is typically", 1)[0]

@@ -14,7 +14,7 @@ from layering import modules
 import rrfp
 from rrfp.dispatch.driver import DeadlockError, HintDeadlockError, deadlock_error
 from rrfp.dispatch.policies import Policy
-from rrfp.errors import InternalError, RrfpError, RunFailure, UserError
+from rrfp.errors import InternalError, RrfpError, RunFailure, UserError, one_line
 from rrfp.plan.hints import hint_from_orders
 from rrfp.plan.sources import make_hint
 
@@ -108,3 +108,39 @@ def test_rrfp_run_exits_2_on_a_user_error_only(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(cli, "preflight", bug)
     crashed = CliRunner().invoke(cli.main, ["--gpus", "2"])
     assert crashed.exit_code == 1 and isinstance(crashed.exception, ValueError)
+
+
+def _stage_backward_failure() -> RuntimeError:
+    """torch's shape: a header line ending in ':' whose reason is the exception it was raised from."""
+    try:
+        try:
+            raise ValueError("grad can be implicitly created only for scalar outputs")
+        except ValueError as inner:
+            raise RuntimeError("Failed to run stage backward:\nStage output: (tensor(...),)") from inner
+    except RuntimeError as e:
+        return e
+
+
+def test_one_line_follows_a_header_to_its_innermost_cause() -> None:
+    e = _stage_backward_failure()
+    reason = "ValueError: grad can be implicitly created only for scalar outputs"
+    assert one_line(e) == f"Failed to run stage backward: {reason}"
+    assert one_line(e, typed=True) == f"RuntimeError: Failed to run stage backward: {reason}"
+
+
+def test_one_line_strips_gloo_noise_and_survives_a_cause_loop() -> None:
+    plain = ValueError("[../gloo/transport.cc:123] Connection closed by peer. This is typically a timeout")
+    assert one_line(plain) == "Connection closed by peer"
+    a, b = RuntimeError("a:"), RuntimeError("b:")
+    a.__cause__, b.__cause__ = b, a  # a loop: the report must still end
+    assert one_line(a) == "a: RuntimeError: b:"
+    assert one_line(RuntimeError("")) == "RuntimeError"
+    assert len(one_line(RuntimeError("x" * 1000))) == 300
+
+
+def test_every_layer_reports_with_the_same_one_line() -> None:
+    from rrfp.exec import faults
+    from rrfp.exec.comm import wire
+    from rrfp.traces import torch_profile, trace
+
+    assert {id(m.one_line) for m in (faults, wire, trace, torch_profile)} == {id(one_line)}

@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from rrfp.errors import one_line
 from rrfp.iofiles import MAX_READ_BYTES, read_bytes
 from rrfp.plan.task import Op, Task
 from rrfp.traces.trace import TraceError, TraceRecorder
@@ -128,7 +129,7 @@ def load_kineto(path: Path) -> dict[str, Any]:
         text = _gunzip(raw) if raw[:2] == b"\x1f\x8b" else raw
         data = json.loads(text)
     except (OSError, EOFError, UnicodeDecodeError) as e:
-        raise TraceError(f"{path}: cannot read the file ({_one_line(e)})") from e
+        raise TraceError(f"{path}: cannot read the file ({one_line(e)})") from e
     except json.JSONDecodeError as e:
         raise TraceError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
@@ -143,11 +144,6 @@ def _gunzip(raw: bytes) -> bytes:
     if len(text) > MAX_READ_BYTES:
         raise OSError(f"decompresses to more than {MAX_READ_BYTES >> 20} MiB")
     return text
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text or type(e).__name__
 
 
 def _file_rank(path: Path, data: dict[str, Any], default: int) -> int:
@@ -576,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         frame = import_torch_profile(args.traces, run=args.run, schedule=args.schedule)
         write_trace(frame, args.out)
     except (TraceError, OSError) as e:
-        print(f"rrfp.traces.torch_profile: error: {_one_line(e)}", file=sys.stderr)
+        print(f"rrfp.traces.torch_profile: error: {one_line(e)}", file=sys.stderr)
         return 2
     print(_summary(frame, args.out))
     for note in frame.attrs["notes"]:

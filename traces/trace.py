@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rrfp.errors import UserError
+from rrfp.errors import UserError, one_line
 from rrfp.iofiles import MAX_READ_BYTES, input_file
 from rrfp.plan.task import OPS, Task
 
@@ -514,7 +514,7 @@ def _read_parquet(path: Path) -> pd.DataFrame:
     try:
         table = pq.read_table(path)
     except (pa.ArrowException, OSError) as e:
-        raise TraceError(f"{path}: not a readable Parquet file ({_one_line(e)})") from e
+        raise TraceError(f"{path}: not a readable Parquet file ({one_line(e)})") from e
     meta = table.schema.metadata or {}
     version = _check_version(path, meta[META_KEY].decode() if META_KEY in meta else None)
     for name, logical in COLUMNS.items():  # arrow-level type check gives a clearer message than pandas
@@ -562,13 +562,8 @@ def _read_csv(path: Path) -> pd.DataFrame:
         except ValueError:  # a bad value somewhere: re-read as text so _typed can name its row and field
             raw = pd.read_csv(path, skiprows=skip, dtype=str, keep_default_na=False, na_filter=False)
     except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
-        raise TraceError(f"{path}: not a readable CSV trace ({_one_line(e)})") from e
+        raise TraceError(f"{path}: not a readable CSV trace ({one_line(e)})") from e
     return _finish(raw, path, number, skip + 2)  # + 2: the header line, and lines count from 1
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text[:200] if text else type(e).__name__
 
 
 # --------------------------------------------------------------------------------------------------

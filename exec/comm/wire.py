@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from rrfp.errors import RunFailure
+from rrfp.errors import one_line as one_line  # re-exported: the comm and loop rooms import it from here
 from rrfp.plan.task import OPS, Task
 
 HEADER_LEN = 16
@@ -196,24 +197,3 @@ def decode_announce(values: list[int]) -> tuple[int, int, Task, int]:
     """(trial, iteration, task, since_us) from an announcement."""
     _, trial, iteration, stage, op, mb, since_us = values[:7]
     return trial, iteration, Task(stage, OPS[op], mb), since_us
-
-
-def one_line(e: BaseException) -> str:
-    """First line of the error, without gloo's source location and boilerplate advice. A first line that
-    only announces more (it ends with ':', as torch's "Failed to run stage backward:" does, the reason
-    being its cause) gets its innermost cause's ``Type: first line`` after it."""
-    line = _first_line(e) or type(e).__name__
-    if line.endswith(":"):
-        cause = e
-        while cause.__cause__ is not None and cause.__cause__ is not cause:
-            cause = cause.__cause__
-        if cause is not e:
-            line = f"{line} {type(cause).__name__}: {_first_line(cause)}"
-    return line[:300]
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    line = text[0] if text else ""
-    line = line.split("] ", 1)[-1] if line.startswith("[") else line
-    return line.split(". This is typically", 1)[0]
