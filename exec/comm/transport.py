@@ -359,7 +359,7 @@ class Transport:
             # The payload is a view into this message's own buffer (never reused): no second
             # allocation and copy while this thread holds the GIL. A payload under half the buffer
             # (shapes vary) is copied out instead, so a small input never pins a large buffer.
-            payload = read_payload(buf, raw, dtype, shape, copy=2 * nbytes < buf.numel())
+            payload = read_payload(buf, raw, dtype, shape, copy=2 * nbytes < raw.size)  # numpy: no torch call
         else:
             payload = torch.empty(shape, dtype=dtype, device=self.device)
             group.recv([payload], group_peer, 0).wait()
