@@ -21,6 +21,7 @@ from rrfp.plan.spec import MAX_DEGREE, MAX_TASKS
 from rrfp.study.options import BY_NAME, MAX_CV, MAX_ITERATIONS, MAX_SECONDS, MAX_SEED  # shared with rrfp-sim
 from rrfp.study.study import Study
 from rrfp.study.trial import TORCH_POLICY, TORCH_PREFIX, TrialError, TrialId
+from rrfp.validate import check_integer
 from rrfp.workload.tokens import TokenWorkload
 
 MODELS = ("gpt", "multimodal")
@@ -103,9 +104,9 @@ class ModelConfig:
         if self.kind not in MODELS:
             raise ExecConfigError(f"--model {self.kind!r} is unknown: choose one of {', '.join(MODELS)}")
         for name, (low, high) in MODEL_LIMITS.items():
-            _positive(name, getattr(self, name), minimum=low, maximum=high)
+            check_integer(_flag(name), getattr(self, name), ExecConfigError, low=low, high=high)
         if self.positions is not None:
-            _positive("positions", self.positions, maximum=MAX_POSITIONS)
+            check_integer(_flag("positions"), self.positions, ExecConfigError, high=MAX_POSITIONS)
         if self.hidden % self.heads:
             raise ExecConfigError(f"--hidden {self.hidden} must be divisible by --heads {self.heads}")
         if self.kind == "multimodal" and self.image_size % self.patch:
@@ -206,7 +207,7 @@ class RunConfig:
     blocking P2P calls (rrfp.exec.loop.megatron); other policies always use rrfp's transport."""
 
     def __post_init__(self) -> None:
-        _positive("world", self.world, maximum=MAX_WORKERS)
+        check_integer(_flag("world"), self.world, ExecConfigError, high=MAX_WORKERS)
         if not isinstance(self.study, Study):
             raise ExecConfigError(f"study must be a Study, got {type(self.study).__name__}")
         self._check_numbers()
@@ -231,15 +232,15 @@ class RunConfig:
         _real("lr", self.lr, 0.0, MAX_LR)
         s = self.study
         for name, value in (("pp", s.pp), ("tp", self.tp), ("dp", self.dp)):
-            _positive(name, value, maximum=MAX_DEGREE)
-        _positive("microbatches", s.microbatches, maximum=MAX_TASKS)
-        _positive("iterations", s.iterations, maximum=MAX_ITERATIONS)
-        _positive("warmup", s.warmup, minimum=0, maximum=MAX_ITERATIONS)
-        _positive("seed", s.seed, minimum=0, maximum=MAX_SEED)
+            check_integer(_flag(name), value, ExecConfigError, high=MAX_DEGREE)
+        check_integer(_flag("microbatches"), s.microbatches, ExecConfigError, high=MAX_TASKS)
+        check_integer(_flag("iterations"), s.iterations, ExecConfigError, high=MAX_ITERATIONS)
+        check_integer(_flag("warmup"), s.warmup, ExecConfigError, low=0, high=MAX_ITERATIONS)
+        check_integer(_flag("seed"), s.seed, ExecConfigError, low=0, high=MAX_SEED)
         if s.virtual_stages is not None:
-            _positive("virtual_stages", s.virtual_stages, maximum=MAX_DEGREE)
+            check_integer(_flag("virtual_stages"), s.virtual_stages, ExecConfigError, high=MAX_DEGREE)
         if self.threads is not None:
-            _positive("threads", self.threads, maximum=MAX_THREADS)
+            check_integer(_flag("threads"), self.threads, ExecConfigError, high=MAX_THREADS)
 
     def _check_choices(self) -> None:
         if self.backend not in BACKENDS:
@@ -311,14 +312,6 @@ def _flag(name: str) -> str:
     if name in BY_NAME:
         return BY_NAME[name].flags[0].split("/")[0]
     return "--" + name.replace("_", "-")
-
-
-def _positive(name: str, value: object, minimum: int = 1, maximum: int | None = None) -> None:
-    """An integer option in [minimum, maximum]."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ExecConfigError(f"{_flag(name)} must be an integer >= {minimum}, got {value!r}")
-    if maximum is not None and value > maximum:
-        raise ExecConfigError(f"{_flag(name)} {value} is above the limit {maximum}")
 
 
 def _real(

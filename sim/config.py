@@ -34,6 +34,7 @@ from rrfp.study.options import MAX_CV, MAX_ITERATIONS, MAX_SECONDS, MAX_SEED, pa
 from rrfp.study.options import defaults as shared_defaults
 from rrfp.study.study import STUDY_OPTIONS, Study
 from rrfp.traces.fit import FittedWorkload
+from rrfp.validate import check_integer
 from rrfp.workload.memory import MemoryModel
 from rrfp.workload.model import WorkloadConfig
 from rrfp.workload.tokens import TokenWorkload
@@ -51,13 +52,6 @@ MAX_BYTES = 1e18
 
 class ConfigError(UserError):
     """A simulator setting that breaks a rule; the message names the setting, the value and the rule."""
-
-
-def _positive_int(name: str, value: Any, low: int = 1, high: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
-    if high is not None and value > high:
-        raise ConfigError(f"{name} {value} is above the limit {high}")
 
 
 def _number(
@@ -103,8 +97,8 @@ class ClusterConfig:
     """Gradient bytes per pipeline rank all-reduced across DP replicas at the flush (1 Gi bf16 params)."""
 
     def __post_init__(self) -> None:
-        _positive_int("tp", self.tp, high=MAX_DEGREE)
-        _positive_int("dp", self.dp, high=MAX_DEGREE)
+        check_integer("tp", self.tp, ConfigError, high=MAX_DEGREE)
+        check_integer("dp", self.dp, ConfigError, high=MAX_DEGREE)
         _number("comm_latency", self.comm_latency, high=MAX_SECONDS)
         _number("bandwidth", self.bandwidth, allow_inf=True, strict=True)
         _number("grad_bytes", self.grad_bytes, high=MAX_BYTES)
@@ -180,17 +174,17 @@ class ExperimentConfig:
         s = self.study
         if not isinstance(s, Study):
             raise ConfigError(f"study must be a Study, got {type(s).__name__}")
-        _positive_int("stages", s.pp, high=MAX_DEGREE)  # rrfp-sim's word for pp in its refusals
+        check_integer("stages", s.pp, ConfigError, high=MAX_DEGREE)  # rrfp-sim's word for pp in its refusals
         if s.microbatches is not None:
-            _positive_int("microbatches", s.microbatches, high=MAX_TASKS)
+            check_integer("microbatches", s.microbatches, ConfigError, high=MAX_TASKS)
         if s.virtual_stages is not None:
-            _positive_int("virtual_stages", s.virtual_stages, high=MAX_DEGREE)
-        _positive_int("seeds", self.seeds)
+            check_integer("virtual_stages", s.virtual_stages, ConfigError, high=MAX_DEGREE)
+        check_integer("seeds", self.seeds, ConfigError)
         if self.seeds > MAX_SEEDS:
             raise ConfigError(f"seeds must be <= {MAX_SEEDS}, got {self.seeds}")
-        _positive_int("seed", s.seed, low=0, high=MAX_SEED)
-        _positive_int("iterations", s.iterations, high=MAX_ITERATIONS)
-        _positive_int("warmup", s.warmup, low=0, high=MAX_ITERATIONS)
+        check_integer("seed", s.seed, ConfigError, low=0, high=MAX_SEED)
+        check_integer("iterations", s.iterations, ConfigError, high=MAX_ITERATIONS)
+        check_integer("warmup", s.warmup, ConfigError, low=0, high=MAX_ITERATIONS)
         if not isinstance(s.memory_budget, tuple):  # text and lists are tuples already (Study)
             raise ConfigError(f"memory_budget must be comma text like '1x,2x', got {s.memory_budget!r}")
         parse_budgets(s.memory_budget)

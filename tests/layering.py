@@ -20,6 +20,7 @@ PACKAGE_DIRS = {  # package -> folder (pyproject's package-dir)
 }
 LAYERS = (
     "rrfp.errors",
+    "rrfp.validate",
     "rrfp.iofiles",
     "rrfp.plan",
     "rrfp.dispatch",

@@ -97,6 +97,7 @@ import numpy as np
 
 from rrfp.dispatch.sizes import SizedCostModel, Sizes
 from rrfp.plan.task import Op, Task
+from rrfp.validate import check_integer
 from rrfp.workload import rng as rngs
 from rrfp.workload.jitter import Distribution, JitterError, make_distribution
 from rrfp.workload.lengths import FirstFit, LengthsError, LengthsTable, draw_rows, lengths_table
@@ -299,7 +300,7 @@ class TokenWorkload:
     def _check_sizes(self) -> None:
         for name, (low, high) in SIZE_LIMITS.items():
             if getattr(self, name) is not None or name not in OPTIONAL_SIZES:
-                _integer(name, getattr(self, name), low, high)
+                check_integer(name, getattr(self, name), WorkloadError, low, high)
         if self.hidden % self.heads:
             raise WorkloadError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         if self.image_size % self.patch:
@@ -422,7 +423,7 @@ class TokenWorkload:
     # -- drawing ---------------------------------------------------------------------------------------
     def draw(self, gens: Mapping[str, np.random.Generator], microbatches: int) -> BatchSizes:
         """The samples of one iteration from the ``lengths`` and ``images`` generators."""
-        _integer("microbatches", microbatches, 1)
+        check_integer("microbatches", microbatches, WorkloadError)
         if self.packing == "none":
             n = microbatches * self.microbatch_size
             rows = draw_rows(self._table, gens["lengths"], n)
@@ -718,13 +719,6 @@ def token_workload(values: Mapping[str, Any], base: WorkloadConfig | None = None
     """A TokenWorkload from option values by name (those of :data:`TOKEN_OPTIONS` present)."""
     fields_ = {name: values[name] for name in TOKEN_OPTIONS if name in values}
     return TokenWorkload(**fields_, base=WorkloadConfig() if base is None else base)
-
-
-def _integer(name: str, value: Any, low: int, high: int | None = None) -> None:
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low:
-        raise WorkloadError(f"{name} must be an integer >= {low}, got {value!r}")
-    if high is not None and value > high:
-        raise WorkloadError(f"{name} {value} is above the limit {high}")
 
 
 def _split(total: int, parts: int) -> np.ndarray:
