@@ -11,7 +11,7 @@
   (benchmarks/policy_grid_ref.py) then tests under jitter;
 * parameter validation, the workload cost model and the registry.
 
-    .venv/bin/pytest tests/test_policies_plus.py -q
+    .venv/bin/pytest tests/test_backfill.py -q
 """
 
 from __future__ import annotations
