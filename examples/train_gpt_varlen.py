@@ -115,13 +115,18 @@ class Block(nn.Module):
 
 
 class GptStage(nn.Module):
-    """Blocks, with the embedding on the first stage and the head on the last."""
+    """Blocks, with the embedding on the first stage and the head on the last. ``block``: makes one
+    block (default :class:`Block`), so another block (train_moe.py's) keeps this stage's layout."""
 
-    def __init__(self, first: bool, last: bool, blocks: int, vocab: int, dim: int, heads: int) -> None:
+    def __init__(
+        self, first: bool, last: bool, blocks: int, vocab: int, dim: int, heads: int,
+        block: Callable[[], nn.Module] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.tok = nn.Embedding(vocab, dim) if first else None
         self.pos = nn.Embedding(1024, dim) if first else None
-        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(blocks))
+        make = block or (lambda: Block(dim, heads))
+        self.blocks = nn.ModuleList(make() for _ in range(blocks))
         self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, vocab)) if last else None
 
     def forward(self, x: torch.Tensor, doc_lens: torch.Tensor | None = None) -> torch.Tensor:
@@ -192,9 +197,8 @@ def gradient_check(
     return worst
 
 
-def parser() -> argparse.ArgumentParser:
-    """The example's options (tests/test_readme.py parses the documented command lines with it)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def common_options(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options :func:`train` reads (this example's and train_moe.py's)."""
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--rows", type=int, default=4, help="documents per microbatch (packed in one row)")
@@ -209,13 +213,21 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main() -> None:
-    args = parser().parse_args()
+def parser() -> argparse.ArgumentParser:
+    """The example's options (tests/test_readme.py parses the documented command lines with it)."""
+    return common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
 
+
+def train(
+    args: argparse.Namespace, make_stage: Callable[[bool, bool], nn.Module], note: Callable[..., str]
+) -> None:
+    """The training loop: ``make_stage(first, last)`` builds every stage alike on every rank (the same
+    seed) and each rank keeps its own; each step feeds ``--rows`` packed documents a microbatch, and the
+    last stage's rank prints the loss, tokens/s and ``note(model, lens)`` (what else the example shows)."""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    stages = [GptStage(s == 0, s == world - 1, 2, args.vocab, args.dim, 4) for s in range(world)]
+    torch.manual_seed(0)  # the same init on every rank; each keeps its own stage
+    stages = [make_stage(s == 0, s == world - 1) for s in range(world)]
     reference = copy.deepcopy(stages) if args.check else []
     model = stages[rank]  # one stage per rank (interleaved hints: several, see rrfp.exec.pipelining)
     stage = PipelineStage(model, rank, world, torch.device("cpu"))
@@ -248,9 +260,18 @@ def main() -> None:
         if rank == world - 1:
             loss = sum(float(x) for x in losses)
             print(f"step {step}: loss {loss:.4f}  {total / seconds:,.0f} tokens/s", flush=True)
-            print(f"  document lengths {lens}", flush=True)
+            print(f"  {note(model, lens)}", flush=True)
     schedule.close()
     dist.destroy_process_group()
+
+
+def main() -> None:
+    args = parser().parse_args()
+    train(
+        args,
+        lambda first, last: GptStage(first, last, 2, args.vocab, args.dim, 4),
+        lambda model, lens: f"document lengths {lens}",
+    )
 
 
 if __name__ == "__main__":

@@ -16,36 +16,14 @@ run of the whole model (printed per rank).
 from __future__ import annotations
 
 import argparse
-import copy
-import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage
 
 if __package__:  # imported as examples.train_moe (benchmarks/library_vs_torch.py)
-    from examples.train_gpt_varlen import (
-        DocAttention,
-        documents,
-        gradient_check,
-        lengths,
-        packed_row,
-        positions,
-        token_loss,
-    )
+    from examples.train_gpt_varlen import DocAttention, GptStage, common_options, train
 else:  # run as a file (torchrun examples/train_moe.py): examples/ is on the path
-    from train_gpt_varlen import (
-        DocAttention,
-        documents,
-        gradient_check,
-        lengths,
-        packed_row,
-        positions,
-        token_loss,
-    )
-
-from rrfp.exec import ScheduleReadiness
+    from train_gpt_varlen import DocAttention, GptStage, common_options, train
 
 
 class TopTwoExperts(nn.Module):
@@ -88,91 +66,33 @@ class MoeBlock(nn.Module):
         return h + self.moe(self.ln2(h))
 
 
-class MoeStage(nn.Module):
+class MoeStage(GptStage):
     """MoE blocks, with the embedding on the first stage and the head on the last (GptStage's layout)."""
 
     def __init__(self, first: bool, last: bool, blocks: int, vocab: int, dim: int, heads: int, experts: int):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, dim) if first else None
-        self.pos = nn.Embedding(1024, dim) if first else None
-        self.blocks = nn.ModuleList(MoeBlock(dim, heads, experts) for _ in range(blocks))
-        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, vocab)) if last else None
-
-    def forward(self, x: torch.Tensor, doc_lens: torch.Tensor | None = None) -> torch.Tensor:
-        rows, t = x.shape[:2]
-        docs = None if doc_lens is None else documents(doc_lens, rows, t)
-        if self.tok is not None and self.pos is not None:
-            pos = torch.arange(t) if docs is None else positions(docs, rows, t)
-            x = self.tok(x) + self.pos(pos.to(x.device))
-        for b in self.blocks:
-            x = b(x, docs)
-        return self.head(x) if self.head is not None else x
+        super().__init__(first, last, blocks, vocab, dim, heads, block=lambda: MoeBlock(dim, heads, experts))
 
 
 def parser() -> argparse.ArgumentParser:
     """The example's options (tests/test_readme.py parses the documented command lines with it)."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--rows", type=int, default=4, help="documents per microbatch (packed in one row)")
-    ap.add_argument("--mean-len", type=float, default=64.0)
-    ap.add_argument("--cv", type=float, default=1.0, help="coefficient of variation of the lengths")
+    ap = common_options(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=2, help="blocks per stage")
-    ap.add_argument("--hint", default="1f1b")
-    ap.add_argument("--policy", default=None, help="fixed, rrfp, backfill, guarded, auto [DEFAULT_POLICY]")
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--check", action="store_true", help="compare step 0's gradients with one process")
     return ap
+
+
+def expert_load(model: MoeStage, lens: list[int]) -> str:
+    """The busiest and idlest expert of the stage's first block, in the last microbatch it dispatched."""
+    load = model.blocks[0].moe.load
+    return f"expert tokens in block 0 (last forward): max {max(load)}, min {min(load)}"
 
 
 def main() -> None:
     args = parser().parse_args()
     if args.experts < 2:
         raise SystemExit("train_moe: --experts must be at least 2 (top-2 routing)")
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)  # the same init on every rank; each keeps its own stage
     shape = (args.blocks, args.vocab, args.dim, 4, args.experts)
-    stages = [MoeStage(s == 0, s == world - 1, *shape) for s in range(world)]
-    reference = copy.deepcopy(stages) if args.check else []
-    model = stages[rank]
-    stage = PipelineStage(model, rank, world, torch.device("cpu"))
-    extra = {} if args.policy is None else {"policy": args.policy}  # else DEFAULT_POLICY
-    schedule = ScheduleReadiness(
-        stage, args.microbatches, token_loss, hint=args.hint, scale_grads=False, **extra
-    )
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(args.steps):
-        lens = lengths(args.microbatches * args.rows, args.mean_len, args.cv, gen)  # the same on every rank
-        mbs = [packed_row(lens[i : i + args.rows], args.vocab, gen) for i in range(0, len(lens), args.rows)]
-        total = sum(lens)
-        losses: list[torch.Tensor] = []
-        start = time.perf_counter()
-        schedule.step_microbatches(
-            arg_mbs=[x for x, _, _ in mbs] if rank == 0 else None,
-            target_mbs=[y for _, y, _ in mbs] if rank == world - 1 else None,
-            losses=losses, kwarg_mbs=[{"doc_lens": d} for _, _, d in mbs], loss_kwargs={"total": total},
-        )  # fmt: skip
-        if args.check and step == 0:
-            found = [((x,), {"doc_lens": d}, y) for x, y, d in mbs]
-            worst = gradient_check(model, reference, rank, token_loss, found, {"total": total})
-            print(f"gradient check rank {rank}: max relative difference {worst:.2e}", flush=True)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # this stage's norm (a sketch)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        seconds = time.perf_counter() - start
-        if rank == world - 1:
-            loss = sum(float(x) for x in losses)
-            print(f"step {step}: loss {loss:.4f}  {total / seconds:,.0f} tokens/s", flush=True)
-            load = model.blocks[0].moe.load  # the last microbatch the dispatch ran
-            print(f"  expert tokens in block 0 (last forward): max {max(load)}, min {min(load)}", flush=True)
-    schedule.close()
-    dist.destroy_process_group()
+    train(args, lambda first, last: MoeStage(first, last, *shape), expert_load)
 
 
 if __name__ == "__main__":

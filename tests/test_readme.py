@@ -119,13 +119,15 @@ def as_cli(command: str) -> tuple[str, list[str]]:
 
 
 def _example_parser(script: str) -> Any:
-    """The ``parser()`` of an example script, read without running its imports (torch, transformers)."""
+    """The ``parser()`` of an example script, read without running its imports (torch, transformers), with
+    the ``*_options`` functions of the script that it may call."""
     import ast
 
     tree = ast.parse((ROOT / script).read_text())
-    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "parser")
+    wanted = re.compile(r"parser|\w+_options")
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef) and wanted.fullmatch(n.name)]
     scope: dict[str, Any] = {"argparse": __import__("argparse"), "__doc__": ast.get_docstring(tree) or ""}
-    exec(compile(ast.Module(body=[fn], type_ignores=[]), script, "exec"), scope)
+    exec(compile(ast.Module(body=fns, type_ignores=[]), script, "exec"), scope)
     return scope["parser"]()
 
 
