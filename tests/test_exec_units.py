@@ -276,20 +276,3 @@ def test_synthetic_tasks_sleep_the_simulator_durations() -> None:
     assert time.monotonic() - start >= expected.duration(Task.parse("0F1")) * 5e-3
     assert [t for t, _ in out] == [Task.parse("1F1")]
     assert runner.run(Task.parse("1B0"))[0][0] == Task.parse("0B0")
-
-
-def test_one_line_keeps_the_reason_a_header_defers_to_its_cause() -> None:
-    """torch's stage backward raises "Failed to run stage backward:" + detail lines, the reason being its
-    cause: the one line a StageFailed carries must name that reason."""
-    from rrfp.exec.comm.wire import one_line
-
-    try:
-        try:
-            raise RuntimeError("grad can be implicitly created only for scalar outputs")
-        except RuntimeError as inner:
-            raise RuntimeError("Failed to run stage backward:\nStage output: (tensor(...),)") from inner
-    except RuntimeError as e:
-        reason = "RuntimeError: grad can be implicitly created only for scalar outputs"
-        assert one_line(e) == f"Failed to run stage backward: {reason}"
-    plain = ValueError("[../gloo/transport.cc:123] Connection closed by peer. This is typically a timeout")
-    assert one_line(plain) == "Connection closed by peer"  # no header: its own first line, as before
