@@ -59,7 +59,7 @@ from rrfp.traces.replay import TIMINGS
 
 from . import token_cli
 from .config import ExperimentConfig, from_options, option_defaults
-from .profiled import cost_lines, refuse_token_mode
+from .profiled import cost_lines, token_profiled
 
 PROG = "rrfp-sim"
 TRACE_SUFFIXES = (".parquet", ".csv", ".json")
@@ -275,9 +275,8 @@ def compare(
         return
     if replay_run is not None or replay_timing is not None:
         raise CliError("--replay-run and --replay-timing need --replay TRACE")
-    refuse_token_mode(values, profile)
     built = token_cli.build(values, given, lambda v, g: build_config(v, g, profile))  # token mode: --lengths
-    cfg = built.config
+    cfg = token_profiled(built.config, given, profile)  # token mode: the drawn sizes priced by the profile
     note_iterations(values, given)
     warn_long_run(cfg, progress)  # one line up front when no bar will show a long run's progress
     result = run_experiment(cfg, progress=progress, trace=bool(trace_out or plot), workers=workers)
@@ -459,9 +458,9 @@ def advise(ctx: click.Context, json: bool, top: int, progress: bool | None, work
 
     given = given_options(ctx)
     ctx.with_resource(execution(workers, dask))
-    refuse_token_mode(values, profile)
     built = token_cli.build(values, given, lambda w, g: build_config(w, given, profile))
-    click.echo(run_advise(built.config, given, top, workers, json, study_command(ctx)))
+    cfg = token_profiled(built.config, given, profile)
+    click.echo(run_advise(cfg, given, top, workers, json, study_command(ctx)))
 
 
 @cli.command("scenarios")

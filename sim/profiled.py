@@ -5,7 +5,8 @@ stage's F/B/I/W as measured (scaled by the microbatch's tokens where sizes varie
 the runtime's overhead for its policy class (a clocked policy's own), every message the measured
 latency + bytes / bandwidth. A run at another pipeline depth than profiled (v = 2 from a v = 1 profile)
 derives per-layer costs by depth and says so in the header, as every run says where its costs came
-from.
+from. In token mode (``--lengths``/``--scenario``) each drawn microbatch is priced by the profile's fit
+at its tokens (rrfp.sim.profiled_tokens), the header saying when the drawn sizes extrapolate it.
 
     rrfp-sim --profile my.profile.parquet --hint 1f1b,zb-h1 --policy fixed,rrfp
     rrfp-sim advise --profile my.profile.parquet --stages 2 -m 8
@@ -19,8 +20,10 @@ from typing import Any
 
 from rrfp.errors import UserError
 from rrfp.traces.cost_profile import Profile, ProfiledWorkload, read_profile
+from rrfp.workload.tokens import TokenWorkload
 
 from .config import ExperimentConfig, from_options
+from .profiled_tokens import token_cost_lines, with_profile
 
 REPLACED = ("workload", "costs", "jitter", "cv", "seq_cv", "imbalance", "straggler_prob",
             "straggler_slowdown", "comm_jitter", "comm_cv", "msg_bytes")  # fmt: skip
@@ -54,10 +57,18 @@ def profiled_config(values: dict[str, Any], given: Collection[str], path: str) -
     return from_options(v, workload=ProfiledWorkload.of(prof, path))
 
 
-def refuse_token_mode(values: dict[str, Any], profile: str | None) -> None:
-    """A profile prices the microbatches it measured; token mode draws its own sizes and costs."""
-    if profile is not None and (values.get("lengths") is not None or values.get("scenario") is not None):
-        raise ProfileOptionError("--profile does not apply in token mode (--lengths/--scenario) yet")
+def token_profiled(cfg: ExperimentConfig, given: Collection[str], profile: str | None) -> ExperimentConfig:
+    """A token-mode config priced by the profile at ``profile`` (rrfp.sim.profiled_tokens); ``cfg`` as
+    it is outside token mode or without one. The options a profile replaces are refused as in the
+    fixed mode."""
+    if profile is None or not isinstance(cfg.workload, TokenWorkload):
+        return cfg
+    clash = [n for n in REPLACED if n in given]
+    if clash:
+        raise ProfileOptionError(
+            f"{_flags(clash)} cannot be combined with --profile: the profile replaces it"
+        )
+    return with_profile(cfg, read_profile(profile), profile, frozenset(given))
 
 
 def cost_lines(cfg: ExperimentConfig, vs: Iterable[int] = ()) -> list[str]:
@@ -77,7 +88,7 @@ def cost_lines(cfg: ExperimentConfig, vs: Iterable[int] = ()) -> list[str]:
             "costs: analytic (no --profile): no per-task runtime overhead, messages cost --comm-latency + "
             "bytes/--bandwidth, a split backward's I = W = B/2"
         ]
-    lines = [f"costs: {prof.describe()} ({cfg.workload.source})"]
+    lines = [f"costs: {prof.describe()} ({cfg.workload.source})", *token_cost_lines(cfg)]
     depths = sorted({cfg.study.pp * v for v in (vs or [cfg.study.virtual_stages or 1])})
     for n in depths:
         if n != prof.num_stages:

@@ -149,8 +149,8 @@ def build(
             "--workload does not apply in token mode (--lengths/--scenario): the samples drive the costs, "
             "and --encoder gives the multimodal structure"
         )
-    # --profile is refused in token mode before this (rrfp.sim.profiled); a caller handing over every
-    # option of the command may still carry its None
+    # --profile prices token mode after this (rrfp.sim.profiled.token_profiled); a caller handing over
+    # every option of the command may still carry it
     options = {
         k: v for k, v in {**rest, **token}.items() if k not in (*DERIVED_OPTIONS, "workload", "profile")
     }

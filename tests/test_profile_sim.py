@@ -208,7 +208,7 @@ def test_advise_keeps_the_candidates_when_readiness_wins(capsys: pytest.CaptureF
 
 
 # -- bad input ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("what", ["missing", "not-parquet", "no-metadata", "clash", "token-mode"])
+@pytest.mark.parametrize("what", ["missing", "not-parquet", "no-metadata", "clash", "token-mode-clash"])
 def test_a_bad_profile_is_one_line_and_exit_2(
     what: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -223,8 +223,8 @@ def test_a_bad_profile_is_one_line_and_exit_2(
         pq.write_table(pa.table({"stage": [0]}), path)
     elif what == "clash":
         path, extra = str(good), ["--costs", "F=1,B=2"]
-    elif what == "token-mode":
-        path, extra = str(good), ["--lengths", "docs/samples.csv"]
+    elif what == "token-mode-clash":  # token mode takes a profile, but not an option it replaces
+        path, extra = str(good), ["--lengths", "docs/samples.csv", "--cv", "0.1"]
     code, out, err = sim(["--profile", path, "--seeds", "1", *extra], capsys)
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
