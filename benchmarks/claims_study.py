@@ -148,8 +148,10 @@ def stats_of(args: list[str], workers: str | None) -> list:
 
     ctx = cli.cli.commands["compare"].make_context("compare", args)
     values = {k: v for k, v in ctx.params.items() if k not in _NOT_VALUES}
-    built = token_cli.build(values, cli.given_options(ctx), lambda v, g: cli.build_config(v, g, None))
-    return run_experiment(built.config, progress=False, workers=workers or "1").stats
+    given = cli.given_options(ctx)
+    built = token_cli.build(values, given, lambda v, g: cli.build_config(v, g, None))
+    cfg = cli.token_profiled(built.config, given, ctx.params.get("profile"))  # --profile: measured costs
+    return run_experiment(cfg, progress=False, workers=workers or "1").stats
 
 
 def fits(stats: object, allowed: list[int]) -> bool:
@@ -158,7 +160,8 @@ def fits(stats: object, allowed: list[int]) -> bool:
 
 
 def practice_row(name: str, scenario: str, extra: list[str], seeds: int, workers: str | None) -> str:
-    common = [*extra, "--send", "eager", "--memory-budget", "device", "--gpu-memory", "80GiB", *LINK,
+    link = [] if "--profile" in extra else LINK  # a profile brings its measured message cost
+    common = [*extra, "--send", "eager", "--memory-budget", "device", "--gpu-memory", "80GiB", *link,
               "--seeds", str(seeds)]  # fmt: skip
     trials, bases = [], []
     for order in ("none", "verl"):
@@ -186,7 +189,7 @@ def label(trial: tuple) -> str:
     return f"{stats.key.policy}/{stats.key.hint} ({'drawn' if order == 'none' else order} order)"
 
 
-def practice(seeds: int, only: str | None, workers: str | None) -> None:
+def practice(seeds: int, only: str | None, workers: str | None, profile: str | None = None) -> None:
     table = [
         "| scenario | best readiness trial | best practice (device) | speedup [95% CI] |",
         "|---|---|---|---|",
@@ -194,7 +197,8 @@ def practice(seeds: int, only: str | None, workers: str | None) -> None:
     for name, (scenario, extra) in PRACTICE.items():
         if only and not name.startswith(only):
             continue
-        table.append(practice_row(name, scenario, extra, seeds, workers))
+        measured = ["--profile", profile] if profile else []  # the drawn sizes priced by the profile
+        table.append(practice_row(name, scenario, [*extra, *measured], seeds, workers))
         print(f"done: {name}", file=sys.stderr, flush=True)
     print("\n".join(table))
 
@@ -204,10 +208,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--only", default=None, help="a scenario name prefix (finetune, pretrain, llava)")
     ap.add_argument("--practice", action="store_true", help="only the table against best practice")
+    ap.add_argument("--profile", default=None, help="--practice on a measured cost model (a profile)")
     execution_args(ap)
     a = ap.parse_args()
     if a.practice:
-        practice(a.seeds, a.only, a.workers)
+        practice(a.seeds, a.only, a.workers, a.profile)
         return
     table = [
         "| scenario | fixed's sends | trial | 1x | 80 GiB device | 1x vs best fixed | device vs best fixed |",

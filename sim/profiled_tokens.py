@@ -99,9 +99,11 @@ def token_cost_lines(cfg: ExperimentConfig) -> list[str]:
         return []
     prof = w.profile
     lo, hi = min(prof.tokens), max(prof.tokens)
+    r2 = [c.r2 for (_, op), c in prof.ops.items() if op in ("F", "B") and not np.isnan(c.r2)]
+    quality = ", one size: cost flat in size" if lo == hi else f", fit R^2 >= {min(r2):.3g}" if r2 else ""
     lines = [
         f"costs: token mode on the profile: each drawn microbatch's F and B the profile's linear fit at its "
-        f"decoder tokens (profiled {lo}..{hi} tokens{', one size: cost flat in size' if lo == hi else ''}), "
+        f"decoder tokens (profiled {lo}..{hi} tokens{quality}), "
         f"messages the profile's bytes scaled by tokens, activation bytes the token model's; the profile's "
         f"CV not drawn again"
     ]

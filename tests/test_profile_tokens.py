@@ -120,7 +120,7 @@ def test_the_header_says_what_it_assumed_and_when_it_extrapolates(
             "--microbatch-size", "1", "--profile", str(prof)]  # fmt: skip
     code, out, err = run([*args, "--lengths", lengths_file(tmp_path / "in.txt", [40, 50])], capsys)
     assert code == 0, err
-    assert "costs: token mode on the profile" in out and "profiled 32..64 tokens" in out
+    assert "costs: token mode on the profile" in out and "profiled 32..64 tokens, fit R^2 >= 1" in out
     assert "extrapolated" not in out
     code, out, err = run([*args, "--lengths", lengths_file(tmp_path / "out.txt", [40, 500])], capsys)
     assert code == 0, err
@@ -166,3 +166,15 @@ def test_a_linear_profile_through_two_analytic_sizes_reproduces_the_analytic_run
         want = fixed_1f1b(["--lengths", lengths, "--cv", "0", "--seed", seed], capsys)
         got = fixed_1f1b(["--lengths", lengths, "--profile", str(prof), "--seed", seed], capsys)
         assert got == pytest.approx(want, rel=1e-9)
+
+
+def test_the_claims_study_runs_on_a_profile(tmp_path: Path) -> None:
+    """benchmarks/claims_study.py's runs (--practice --profile FILE) take the profile's costs."""
+    from benchmarks.claims_study import stats_of
+
+    prof = linear_profile(tmp_path / "p.parquet", (0.001, 1e-4), (0.002, 3e-4), overhead=0.001)
+    lengths = lengths_file(tmp_path / "l.txt", [50])
+    args = ["--lengths", lengths, "--profile", str(prof), "--stages", str(PP), "-m", "4", "--policy", "fixed",
+            "--hint", "1f1b", "--seeds", "1", "--microbatch-size", "1"]  # fmt: skip
+    (stats,) = stats_of(args, None)
+    assert list(stats.iteration_time) == pytest.approx([5 * 0.025], rel=1e-9)
