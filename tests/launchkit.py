@@ -59,3 +59,10 @@ def rows(all_rows: list[dict[str, Any]], **match: Any) -> list[dict[str, Any]]:
     out = [r for r in all_rows if all(r["case"].get(k) == v for k, v in match.items())]
     assert out, f"no case {match}"
     return out
+
+
+def failure(row: dict[str, Any]) -> str:
+    """A failed case's assertion message: its case and rank, its error, and the traceback its rank
+    formatted (tests/pipelining_launch.py's case_row), so a failing distributed case shows where."""
+    where = f"{row['case']} rank {row.get('rank', '?')}"
+    return f"{where}: {row.get('error')}\n{row.get('tb') or '(no traceback in the row)'}"

@@ -2,11 +2,11 @@
 
     .venv/bin/python tests/pipelining_auto_worker.py WORLD OUT.json
 
-Every case in one launch (tests/pipelining_worker.py's models, reference and launch pattern): auto's
-training steps against the single-process reference (relative 1e-5), with forward-only steps between
-them; auto switched to its aggressive arm (a chooser that always commits to the last arm, so the switch
-to rrfp is exercised whatever this machine's timings say); and one rank given a broken replay. Rank 0
-writes one JSON row per (case, rank) to OUT."""
+Every case in one launch (tests/pipelining_models.py's models and reference, tests/pipelining_launch.py's
+rows): auto's training steps against the single-process reference (relative 1e-5), with forward-only
+steps between them; auto switched to its aggressive arm (a chooser that always commits to the last arm,
+so the switch to rrfp is exercised whatever this machine's timings say); and one rank given a broken
+replay. Rank 0 writes one JSON row per (case, rank) to OUT."""
 
 from __future__ import annotations
 
@@ -19,17 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from pipelining_worker import (
-    compare,
-    copies,
-    free_port,
-    mlp_batch,
-    mlp_stages,
-    mse,
-    reference,
-    run_cases,
-    stage_indices,
-)
+from pipelining_launch import free_port, run_cases
+from pipelining_models import compare, copies, mlp_batch, mlp_stages, mse, reference, stage_indices
 
 from rrfp.dispatch.auto import Auto
 

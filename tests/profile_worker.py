@@ -11,18 +11,16 @@ Each writes OUT_DIR/<case>.parquet (rank 0); rank 0 writes OUT_DIR/done.json wit
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import sys
 import time
-import traceback
 import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from pipelining_launch import case_row, free_port, write_rows
 from torch import nn
 
 SLEEP_S = 0.02  # what stage 1's W sleeps per microbatch
@@ -86,27 +84,12 @@ def rank_main(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    rows = []
-    for case in ("slow_w", "nosplit", "badout"):
-        try:
-            rows.append(run_case(case, out_dir))
-        except Exception as e:
-            tb = traceback.format_exc()[-2000:]
-            rows.append({"case": {"name": case}, "error": f"{type(e).__name__}: {e}", "tb": tb})
-    gathered: list[Any] = [None] * 2
-    dist.all_gather_object(gathered, rows)
-    if rank == 0:
-        with open(os.path.join(out_dir, "done.json"), "w") as f:
-            json.dump([{"rank": r, **row} for r, rs in enumerate(gathered) for row in rs], f)
-    # As tests/pipelining_worker.py does: exit without tearing the gloo groups down (their teardown can
-    # abort while a closed pipeline's receiver threads unwind); the output is written.
+    cases = [{"name": name} for name in ("slow_w", "nosplit", "badout")]
+    rows = [case_row(case, lambda case: run_case(case["name"], out_dir)) for case in cases]
+    write_rows(rows, 2, os.path.join(out_dir, "done.json"))
+    # As tests/pipelining_launch.py's run_cases does: exit without tearing the gloo groups down (their
+    # teardown can abort while a closed pipeline's receiver threads unwind); the output is written.
     os._exit(0)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from launchkit import Launch, rows
+from launchkit import Launch, failure, rows
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -66,7 +66,7 @@ def four(launches: dict[str, Launch]) -> list[dict[str, Any]]:
 
 def assert_equal_to_reference(found: list[dict[str, Any]]) -> None:
     for r in found:
-        assert "error" not in r, f"{r['case']} rank {r['rank']}: {r['error']}\n{r.get('tb', '')}"
+        assert "error" not in r, failure(r)
         where = f"{r['case']} rank {r['rank']}"
         assert r["worst"] <= RTOL, f"{where}: gradient off by {r['worst']:.2e} (relative)"
         assert r["loss"] <= RTOL, f"{where}: loss off by {r['loss']:.2e}"
@@ -159,7 +159,7 @@ def test_forward_only_steps(two: list[dict[str, Any]]) -> None:
 def test_trace_out_replays(two: list[dict[str, Any]]) -> None:
     """The recorded training steps (not the eval step) replay in the simulator, with a what-if."""
     (row,) = [r for r in rows(two, kind="trace") if r["rank"] == 0]
-    assert "error" not in row, row.get("tb")
+    assert "error" not in row, failure(row)
     assert row["iterations"] == [0, 1, 3]  # step 2 was the eval step
     assert abs(row["error_pct"]) < 50.0 and len(row["whatif"]) == 2 and min(row["whatif"]) > 0
 
@@ -368,3 +368,30 @@ def test_the_disagreement_cases_cover_every_agreed_argument() -> None:
     from rrfp.exec.pipelining.schedule import AGREED
 
     assert {k.split(":")[1] for k in ERRORS if k.startswith("disagree:")} == set(AGREED)
+
+
+def _raise_in_a_case(case: dict[str, Any]) -> dict[str, Any]:
+    if case["depth"] > 0:  # a deep stack: the row keeps the traceback's end, where it raised
+        return _raise_in_a_case({**case, "depth": case["depth"] - 1})
+    raise ValueError(f"case {case['n']} went wrong")
+
+
+@pytest.mark.parametrize("depth", [0, 200])
+def test_a_failing_case_shows_its_ranks_traceback(depth: int) -> None:
+    """A case that raises on a rank becomes a row with the formatted traceback, and the message the tests
+    assert with prints it: where it raised, not just what."""
+    from pipelining_launch import TB_CHARS, case_row
+
+    row = case_row({"n": 3, "depth": depth}, _raise_in_a_case)
+    assert row["error"] == "ValueError: case 3 went wrong"
+    assert (
+        "in _raise_in_a_case" in row["tb"]
+        and "raise ValueError(f\"case {case['n']} went wrong\")" in row["tb"]
+    )
+    assert row["tb"].rstrip().endswith("ValueError: case 3 went wrong") and len(row["tb"]) <= TB_CHARS
+    message = failure({**row, "rank": 1})
+    assert (
+        message.startswith(f"{row['case']} rank 1: ValueError: case 3 went wrong\n") and row["tb"] in message
+    )
+    fine = case_row({"n": 1}, lambda case: {"worst": 0.0})
+    assert "error" not in fine and fine["worst"] == 0.0 and fine["case_s"] >= 0.0

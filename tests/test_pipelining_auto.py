@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launchkit import Launch
+from launchkit import Launch, failure
 
 import rrfp
 from rrfp.dispatch.auto import ROUNDS, Auto, AutoError, next_arm
@@ -35,7 +35,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, An
     found = Launch("auto", [sys.executable, str(WORKER), "2", str(out)], out).result()
     by_case: dict[str, list[dict[str, Any]]] = {}
     for row in found:
-        assert "error" not in row, f"{row['case']} rank {row['rank']}: {row['error']}\n{row.get('tb', '')}"
+        assert "error" not in row, failure(row)
         by_case.setdefault(row["case"]["name"], []).append(row)
     return by_case
 

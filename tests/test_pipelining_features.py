@@ -1,8 +1,8 @@
-"""ScheduleReadiness's features beyond torch's schedules (issue 24): microbatch sizes for sized policies
+"""ScheduleReadiness's features beyond torch's schedules: microbatch sizes for sized policies
 and ``mb_order``, tensor-parallel stages (``tp_group``), autocast, torch.distributed.checkpoint, and
 DDP-wrapped stages -- gloo launches of tests/pipelining_features_worker.py, each in its own session
 under a hard timeout, leaving no process behind. Gradients are compared with the single-process
-reference (tests/pipelining_worker.py's) at relative 1e-5 unless a case says otherwise.
+reference (tests/pipelining_models.py's) at relative 1e-5 unless a case says otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launchkit import Launch, rows
+from launchkit import Launch, failure, rows
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -44,7 +44,7 @@ def four(launches: dict[str, Launch]) -> list[dict[str, Any]]:
 
 
 def ok(r: dict[str, Any]) -> dict[str, Any]:
-    assert "error" not in r, f"{r['case']} rank {r['rank']}: {r['error']}\n{r.get('tb', '')}"
+    assert "error" not in r, failure(r)
     return r
 
 
@@ -59,7 +59,7 @@ def ordered(tokens: list[int], mb_order: str) -> list[int]:
     return tokens if mb_order == "none" else sorted(tokens, reverse=mb_order == "size-desc")
 
 
-# -- item 1: sizes reach the scheduler, sized policies, mb_order ----------------------------------------
+# -- sizes reach the scheduler, sized policies, mb_order ----------------------------------------
 def test_every_rank_gets_the_sizes_in_the_hints_order(two: list[dict[str, Any]]) -> None:
     """Each step's sizes (tokens = rows x length) reach every rank's scheduler, renumbered as mb_order
     runs them; gradients and losses (in the user's order) equal the natural-order reference."""
@@ -135,7 +135,7 @@ def test_step_sizes_order_and_measure() -> None:
     assert measure(("no tensor",)) == (1, 1)
 
 
-# -- item 3: autocast --------------------------------------------------------------------------------
+# -- autocast --------------------------------------------------------------------------------
 BF16_RTOL = 2e-2
 """bf16 keeps 8 bits of mantissa (relative 3.9e-3 a rounding): a few roundings' worth."""
 
@@ -157,7 +157,7 @@ def test_autocast_matches_torchs_schedule_under_the_same_autocast(two: list[dict
             assert r["trained"][0] > r["trained"][1] > r["trained"][2], r
 
 
-# -- item 4: torch.distributed.checkpoint ----------------------------------------------------------------
+# -- torch.distributed.checkpoint ----------------------------------------------------------------
 def test_checkpoint_round_trip_resumes_exactly(two: list[dict[str, Any]]) -> None:
     """2 steps with dropout, dcp.save (each stage's module and Adam state under its own key, and the
     schedule: a Stateful holding its step count), fresh modules with other weights, a fresh optimizer
@@ -172,7 +172,7 @@ def test_checkpoint_round_trip_resumes_exactly(two: list[dict[str, Any]]) -> Non
         assert all(ok(r)["differ"] > 0 for r in found), found
 
 
-# -- item 2: tensor-parallel stages ---------------------------------------------------------------------
+# -- tensor-parallel stages ---------------------------------------------------------------------
 def test_tensor_parallel_stages_equal_the_reference(four: list[dict[str, Any]]) -> None:
     """pp 2 x tp 2, column/row-split linears with an all-reduce in forward and backward: every shard's
     gradients equal the unsplit reference's slices under rrfp, backfill and guarded (split backward,
@@ -231,7 +231,7 @@ def test_a_tp_member_raising_mid_step_stops_every_rank(four: list[dict[str, Any]
         assert r["seconds"] < 5.0 if rank in (1, 3) else 4.0 < r["seconds"] < 30.0, r
 
 
-# -- item 5: DDP- and FSDP-wrapped stages --------------------------------------------------------------
+# -- DDP- and FSDP-wrapped stages --------------------------------------------------------------
 def test_ddp_wrapped_stages_reduce_over_the_replicas(four: list[dict[str, Any]]) -> None:
     """PipelineStage(DistributedDataParallel(module, process_group=dp_group)), pp 2 x dp 2, no user
     all-reduce: gradients equal the reference over both replicas' microbatches (one and two stages a

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from launchkit import Launch, rows
+from launchkit import Launch, failure, rows
 
 from rrfp.traces.cost_profile import SCHEMA_VERSION, Profile, read_profile
 
@@ -31,7 +31,7 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[
 def _profile(launched: tuple[Path, list[dict[str, Any]]], name: str) -> Profile:
     out, found = launched
     for r in rows(found, name=name):
-        assert "error" not in r, f"{name} rank {r['rank']}: {r['error']}\n{r.get('tb', '')}"
+        assert "error" not in r, failure(r)
     return read_profile(out / f"{name}.parquet")
 
 
