@@ -33,7 +33,7 @@ from rrfp.plan.spec import PipelineSpec, SpecError
 from rrfp.plan.task import Op, Task, TaskFormatError
 from rrfp.workload.costs import expected_costs
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Auto",

@@ -49,7 +49,6 @@ from rrfp.study.options import (
     TOKEN_SHARED,
     click_options,
     command_line,
-    deprecated,
     one_line_errors,
     split_list,
     with_options,
@@ -277,7 +276,6 @@ def compare(
         raise CliError("--replay-run and --replay-timing need --replay TRACE")
     built = token_cli.build(values, given, lambda v, g: build_config(v, g, profile))  # token mode: --lengths
     cfg = token_profiled(built.config, given, profile)  # token mode: the drawn sizes priced by the profile
-    note_iterations(values, given)
     warn_long_run(cfg, progress)  # one line up front when no bar will show a long run's progress
     result = run_experiment(cfg, progress=progress, trace=bool(trace_out or plot), workers=workers)
     header = [*built.header(), *cost_lines(cfg)]
@@ -291,18 +289,6 @@ def compare(
 
 # Options a replay reads; every other one is fixed by the trace.
 _REPLAY_OPTIONS = {"hints", "policies", "memory_budget", "send", "contention"}
-
-
-def note_iterations(values: dict[str, Any], given: Collection[str]) -> None:
-    """One deprecation line while ``--iterations`` changes meaning (this release only): it counts the
-    measured iterations now, after ``--warmup`` (default 0), as in rrfp-run."""
-    if "iterations" in given and "warmup" not in given and values["iterations"] > 1:
-        n = values["iterations"]
-        deprecated(
-            PROG,
-            f"--iterations {n} now measures {n} iterations after --warmup (default 0); before, it ran "
-            f"{n} and dropped the first: that is --iterations {n - 1} --warmup 1",
-        )
 
 
 def study_command(ctx: click.Context) -> str:

@@ -1,7 +1,7 @@
 """The one ``--json`` layout of rrfp-sim and rrfp-run (schema version 3), its builders and a validator.
 
     {"schema_version": 3,
-     "config": {"rrfp_version": "0.1.0", "command": "rrfp-sim --stages 4 --json", ...},
+     "config": {"rrfp_version": "0.2.0", "command": "rrfp-sim --stages 4 --json", ...},
      "results": [{"trial": "rrfp/1f1b@2x", "policy": "rrfp", "hint": "1f1b", "memory_budget": "2x",
                   "iteration_time": {"mean", "ci_low", "ci_high"[, "median", "values"]}, ...}, ...],
      "speedups": [{"trial", "policy", "hint", "memory_budget",
