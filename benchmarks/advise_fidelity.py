@@ -21,6 +21,9 @@ on the profile; then, per trial, the predicted step time on the profile and on i
 the measured one (ratio = predicted / measured), the measured order, what advise says to run, and the
 load average before and after (quote it: the timings are this machine's, under whatever else runs; a
 load that changes between the profile and the trials moves every ratio of the second table alike).
+Measured is the median step. Last, PASS/MISS per goal (benchmarks/fidelity_goals.py): each of advise's
+top ``--top`` predicted within max(10%, the measured 95% CI half-width) of its measured median, their
+median |error| <= 5%, and advise's answer and top candidate never slower than fixed/1f1b beyond the CI.
 """
 
 from __future__ import annotations
@@ -136,7 +139,9 @@ def plan_trials(a: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
             "stages": r["stages"],
         }
         trials.setdefault((t["trial"], t["v"]), t)
-    for t in trials.values():
+    top = {(r["trial"], r["virtual_stages"]) for r in with_p["candidates"][: a.top]}
+    for key, t in trials.items():
+        t["top"] = key in top  # one of advise's top --top on the profile (the goal judges these)
         t.update(
             predicted=predict(profile, t, a), old=predict(bare, t, a), fixed_answer=with_p["fixed_answer"]
         )
@@ -189,7 +194,7 @@ def rank_main(rank: int, port: int, a: argparse.Namespace) -> None:
     if rank == 0:
         for k, t in enumerate(trials):
             per_step = [max(a_, b_) for a_, b_ in zip(gathered[0][k], gathered[1][k], strict=True)][1:]
-            t["measured"] = statistics.mean(per_step)
+            t["measured"], t["steps"] = statistics.median(per_step), per_step
         (out / "trials.json").write_text(json.dumps(trials, indent=1))
     dist.barrier()
     os._exit(0)  # as the test workers: no teardown of groups that closed pipelines' threads may block
@@ -228,6 +233,23 @@ def report(out: Path, load: tuple[float, ...], a: argparse.Namespace) -> None:
     ans = trials[0]["fixed_answer"]
     print(f"advise on the profile says: {'run ' + ans['trial'] if ans else 'run ' + name[0]}")
     print(f"load average before {load[0]:.2f}, after {os.getloadavg()[0]:.2f} (1 min)")
+    goals(trials, a)
+
+
+def goals(trials: list[dict[str, Any]], a: argparse.Namespace) -> None:
+    """PASS/MISS per goal (benchmarks/fidelity_goals.py): advise's top ``--top`` against their measured
+    steps, their median |error|, and advise's first pick against fixed/1f1b."""
+    from benchmarks.fidelity_goals import judge_candidate, judge_first_pick, judge_median
+
+    top = [t for t in trials if t["top"]]
+    rows = [judge_candidate(f"{t['trial']} v={t['v']}", t["predicted"], t["steps"]) for t in top]
+    for r in [*rows, judge_median("median |error| of the candidates", rows)]:
+        print(r.line())
+    base = next(t for t in trials if t["trial"] == "fixed/1f1b")
+    # advise's answer (trials[0]) may be fixed/1f1b itself, which passes trivially: its top candidate too
+    for what, t in (("advise's answer", trials[0]), ("advise's top candidate", top[0] if top else None)):
+        if t is not None and t is not base:
+            print(judge_first_pick(f"{what} {t['trial']} vs fixed/1f1b", t["steps"], base["steps"]).line())
 
 
 def main() -> None:

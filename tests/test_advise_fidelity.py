@@ -1,0 +1,53 @@
+"""advise_fidelity's goals judge a row: a right prediction passes, a deliberately wrong one misses."""
+
+import math
+
+import pytest
+
+from benchmarks.fidelity_goals import (
+    judge_candidate,
+    judge_first_pick,
+    judge_median,
+    judge_whatif,
+    median_ci,
+)
+
+STEADY = [0.100, 0.101, 0.099, 0.100, 0.102, 0.098]
+
+
+def test_median_ci_of_steady_steps_is_tight_and_one_step_says_nothing():
+    med, half = median_ci(STEADY)
+    assert med == pytest.approx(0.100)
+    assert 0 < half < 0.003
+    assert median_ci([0.1])[1] == math.inf
+
+
+def test_a_candidate_within_10_percent_passes_and_a_wrong_one_misses():
+    assert judge_candidate("good", 0.105, STEADY).ok
+    wrong = judge_candidate("wrong", 0.130, STEADY)
+    assert not wrong.ok and wrong.error == pytest.approx(0.30)
+    assert wrong.line().startswith("MISS wrong: error +30.0%")
+
+
+def test_a_noisy_measurement_widens_the_tolerance_to_its_ci():
+    noisy = [0.05, 0.15, 0.08, 0.14, 0.06, 0.12]
+    assert judge_candidate("noisy", 0.125, noisy).tol > 0.10
+
+
+def test_the_median_error_goal_fails_when_most_candidates_are_off():
+    rows = [judge_candidate(str(k), p, STEADY) for k, p in enumerate([0.107, 0.108, 0.101])]
+    assert not judge_median("median", rows).ok
+    rows = [judge_candidate(str(k), p, STEADY) for k, p in enumerate([0.102, 0.097, 0.108])]
+    assert judge_median("median", rows).ok
+
+
+def test_a_first_pick_slower_than_fixed_1f1b_misses():
+    assert judge_first_pick("pick", [s * 0.9 for s in STEADY], STEADY).ok
+    assert not judge_first_pick("pick", [s * 1.2 for s in STEADY], STEADY).ok
+
+
+def test_a_whatif_off_by_more_than_10_percent_misses():
+    assert judge_whatif("zb-h1", 0.095, 0.100).ok
+    assert not judge_whatif("zb-h1", 0.080, 0.100).ok
+    with pytest.raises(ValueError):
+        judge_whatif("zb-h1", 0.1, 0.0)
