@@ -1,9 +1,10 @@
 """Does advise's ranking hold on this machine? Profile, advise on the profile, run what it advises.
 
-    .venv/bin/python benchmarks/advise_fidelity.py                       # 2 gloo ranks, about a minute
+    .venv/bin/python benchmarks/advise_fidelity.py                       # 3 launches of 2 gloo ranks
     .venv/bin/python benchmarks/advise_fidelity.py --rounds 8 --width 512 --out results/advise_fidelity
 
-One launch of 2 gloo ranks (torch.multiprocessing, 127.0.0.1) on examples/train_mlp.py's residual MLP
+``--launches`` launches of 2 gloo ranks (torch.multiprocessing, 127.0.0.1; the first profiles and plans,
+each reruns the plan's trials, their steps pooled) on examples/train_mlp.py's residual MLP
 blocks (``--blocks`` in all, split into 2 stages at v = 1 or 4 at v = 2):
 
 1. ``rrfp.exec.profile`` on the v = 1 stages with the microbatches it will train -> ``OUT/profile.parquet``;
@@ -51,7 +52,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--blocks", type=int, default=4, help="MLP blocks in the whole model (a multiple of 4)")
     p.add_argument("--rounds", type=int, default=6)
-    p.add_argument("--top", type=int, default=3)
+    p.add_argument("--top", type=int, default=5)
+    p.add_argument("--launches", type=int, default=3, help="launches of 2 ranks; steps pooled over them")
     p.add_argument("--seeds", type=int, default=3, help="advise's --seeds")
     return p.parse_args()
 
@@ -148,7 +150,7 @@ def plan_trials(a: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     return list(trials.values())
 
 
-def rank_main(rank: int, port: int, a: argparse.Namespace) -> None:
+def rank_main(rank: int, port: int, a: argparse.Namespace, plan: list[dict[str, Any]] | None) -> None:
     import torch
     import torch.distributed as dist
     from torch import nn
@@ -166,11 +168,13 @@ def rank_main(rank: int, port: int, a: argparse.Namespace) -> None:
     ys = [torch.randn(rows, a.width, generator=gen) for _ in range(a.microbatches)]
     loss = nn.MSELoss()
     first, last = rank == 0, rank == 1
-    profile(stages_for(blocks, 1, "loop", rank), xs if first else None, ys if last else None, loss_fn=loss,
-            out=str(out / "profile.parquet"))  # fmt: skip
-    box: list[Any] = [plan_trials(a, out) if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    trials = box[0]
+    trials = plan
+    if trials is None:  # the first launch profiles and plans; later ones rerun its trials
+        profile(stages_for(blocks, 1, "loop", rank), xs if first else None, ys if last else None,
+                loss_fn=loss, out=str(out / "profile.parquet"))  # fmt: skip
+        box: list[Any] = [plan_trials(a, out) if rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        trials = box[0]
     scheds = []
     for t in trials:
         placement = "v" if "V placement" in t["stages"] else "loop"
@@ -194,8 +198,8 @@ def rank_main(rank: int, port: int, a: argparse.Namespace) -> None:
     if rank == 0:
         for k, t in enumerate(trials):
             per_step = [max(a_, b_) for a_, b_ in zip(gathered[0][k], gathered[1][k], strict=True)][1:]
-            t["measured"], t["steps"] = statistics.median(per_step), per_step
-        (out / "trials.json").write_text(json.dumps(trials, indent=1))
+            t["steps"] = per_step
+        (out / "launch.json").write_text(json.dumps(trials, indent=1))
     dist.barrier()
     os._exit(0)  # as the test workers: no teardown of groups that closed pipelines' threads may block
 
@@ -259,11 +263,22 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(rank_main, args=(port, a), nprocs=2, start_method="spawn")
+    plan: list[dict[str, Any]] | None = None
+    steps: list[list[float]] = []
+    for k in range(a.launches):  # a fresh pair of processes each: launch-to-launch spread is in the CI
+        before = os.getloadavg()[0]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(rank_main, args=(port, a, plan), nprocs=2, start_method="spawn")
+        plan = json.loads((out / "launch.json").read_text())
+        steps = [[*old, *t["steps"]] for old, t in zip(steps or [[] for _ in plan], plan, strict=True)]
+        after = os.getloadavg()[0]
+        print(f"\nlaunch {k + 1}/{a.launches}: load average {before:.2f} before, {after:.2f} after (1 min)")
+    for t, st in zip(plan or [], steps, strict=True):
+        t["steps"], t["measured"] = st, statistics.median(st)
+    (out / "trials.json").write_text(json.dumps(plan, indent=1))
     report(out, load, a)
 
 
