@@ -41,12 +41,15 @@ from typing import Any
 if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
     import _filerun  # noqa: F401
 
+from benchmarks.fidelity_models import MODELS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "results" / "advise_fidelity"))
+    p.add_argument("--model", choices=MODELS, default="mlp", help="benchmarks/fidelity_models.py")
     p.add_argument("--microbatches", "-m", type=int, default=8)
     p.add_argument("--batch", type=int, default=128, help="rows per step (split into the microbatches)")
     p.add_argument("--width", type=int, default=256)
@@ -153,20 +156,15 @@ def plan_trials(a: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
 def rank_main(rank: int, port: int, a: argparse.Namespace, plan: list[dict[str, Any]] | None) -> None:
     import torch
     import torch.distributed as dist
-    from torch import nn
 
-    from examples.train_mlp import make_blocks
+    from benchmarks.fidelity_models import build
     from rrfp.exec import ScheduleReadiness, profile
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     out = Path(a.out)
-    blocks = make_blocks(a.width, a.blocks, seed=0)
-    gen = torch.Generator().manual_seed(1)
-    rows = a.batch // a.microbatches
-    xs = [torch.randn(rows, a.width, generator=gen) for _ in range(a.microbatches)]
-    ys = [torch.randn(rows, a.width, generator=gen) for _ in range(a.microbatches)]
-    loss = nn.MSELoss()
+    model = build(a.model, a)
+    blocks, xs, ys, loss = model.blocks, model.xs, model.ys, model.loss
     first, last = rank == 0, rank == 1
     trials = plan
     if trials is None:  # the first launch profiles and plans; later ones rerun its trials

@@ -51,3 +51,29 @@ def test_a_whatif_off_by_more_than_10_percent_misses():
     assert not judge_whatif("zb-h1", 0.080, 0.100).ok
     with pytest.raises(ValueError):
         judge_whatif("zb-h1", 0.1, 0.0)
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv"])
+def test_each_model_runs_its_microbatches_through_its_blocks_to_a_loss(name):
+    import argparse
+
+    import torch
+
+    from benchmarks.fidelity_models import build
+
+    a = argparse.Namespace(width=32, blocks=4, batch=16, microbatches=4)
+    m = build(name, a)
+    assert len(m.blocks) == 4 and len(m.xs) == len(m.ys) == 4
+    out = m.xs[0]
+    for b in m.blocks:
+        out = b(out)
+    assert torch.isfinite(m.loss(out, m.ys[0]))
+
+
+def test_an_unknown_model_is_refused():
+    import argparse
+
+    from benchmarks.fidelity_models import build
+
+    with pytest.raises(ValueError, match="unknown model"):
+        build("gpt2-xl", argparse.Namespace(width=8, blocks=4, batch=8, microbatches=2))
