@@ -83,7 +83,6 @@ from rrfp.study.options import (
     TOKEN_SHARED,
     click_options,
     command_line,
-    deprecated,
     one_line_errors,
     split_list,
     with_options,
@@ -98,10 +97,6 @@ SHARED_NAMES = ("stages", "microbatches", "virtual_stages", "hints", "policies",
                 "gpu_memory", "send", "jitter", "cv", "seed", "iterations", "warmup", "json", "trace_out",
                 "progress", "version", *TOKEN_SHARED)  # fmt: skip
 """The options rrfp-run shares with rrfp-sim (rrfp.study.options.SHARED), in the order --help lists them."""
-LEGACY_JSON = (
-    "--json prints schema_version 3 (results[], speedups[]); its schema-1 keys -- trials[] and the first "
-    "trial's fields at the top level -- are kept for this release only"
-)
 JITTERED_BY = ("jitter",)
 """Options that ask for jitter: given, a real model's run needs --inject-ms (the preflight says so)."""
 
@@ -386,8 +381,6 @@ def main(**options: Any) -> None:
     except KeyboardInterrupt:  # Ctrl-C while checking a large pipeline: one line, like later on
         click.echo("rrfp-run: interrupted by SIGINT before any worker started", err=True)
         sys.exit(128 + signal.SIGINT)
-    if cfg.json and os.environ.get("RANK", "0") == "0":  # once per job, also inside torchrun
-        deprecated(PROG, LEGACY_JSON)
     code = join(cfg, dump_dir) if in_launcher_env() else launch_local(cfg, dump_dir)
     sys.exit(code)
 

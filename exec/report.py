@@ -24,9 +24,6 @@ either interval is taken on the log scale and exponentiated, so it never goes be
 same against the trial's best fixed order -- the fastest ``fixed`` trial *among those that ran* whose
 peak on every rank is within this trial's budget there (:func:`best_fixed_comparisons`; rrfp-sim also
 runs bfw's zero-bubble order, rrfp-run only what ``--trials`` lists).
-
-Deprecated, for this release only: the schema-1 keys -- ``trials`` (:func:`as_row` rows) and the first
-trial's fields at the top level (:func:`as_json`) -- ride along; the CLI says so on stderr.
 """
 
 from __future__ import annotations
@@ -179,14 +176,13 @@ def result_row(result: TrialResult) -> dict[str, Any]:
 
 
 def result_json(cfg: RunConfig, results: list[TrialResult]) -> dict[str, Any]:
-    """The ``--json`` object (module doc), with schema 1's keys for one more release."""
+    """The ``--json`` object (module doc); ``ok``: whether every trial that was checked passed."""
     rows = [result_row(r) for r in results]
     best = best_fixed_comparisons(cfg, results)
     command = cfg.command or "rrfp-run"
     doc = json_document(command, config_dict(cfg), rows, comparisons(cfg, results), best=best)
-    legacy = as_json([as_row(r) for r in results])  # deprecated: schema 1's keys
-    doc["ok"] = legacy.pop("ok")
-    return {**doc, **{k: v for k, v in legacy.items() if k not in doc}}
+    doc["ok"] = all(c is None or c.ok for c in (measures(r).check for r in results))
+    return doc
 
 
 def config_dict(cfg: RunConfig) -> dict[str, Any]:
@@ -205,27 +201,8 @@ def config_dict(cfg: RunConfig) -> dict[str, Any]:
     return out
 
 
-def as_row(result: TrialResult) -> dict[str, Any]:
-    """One trial's schema-1 row (deprecated: ``trials[]`` of the ``--json`` object, for one release)."""
-    trial, m = result.trial, measures(result)
-    return {
-        "label": trial.label,
-        "policy": trial.policy,
-        "hint": trial.hint,
-        "budget": trial.budget or "1x",
-        "iteration_time": {
-            "median": median_time(result),
-            "mean": result.mean_time,
-            "values": list(result.iteration_times),
-        },
-        "loss": {"first": m.loss_first, "last": m.loss_last},
-        "peak_activations": list(result.peaks),
-        **_loop_fields(m),
-    }
-
-
 def _loop_fields(m: ExecMeasures) -> dict[str, Any]:
-    """What the loop measured and checked, in both schemas' rows."""
+    """What the loop measured and checked, in a result's row."""
     return {
         "loop_overhead_us_per_task": m.loop_overhead_us,
         "calibration": None if m.calibration is None else dict(m.calibration),
@@ -245,14 +222,6 @@ def write_merged_trace(frames: list[Any], path: str) -> None:
         frame[col] = frame[col].clip(lower=0.0)
     frame = frame.sort_values(["run", "iteration", "rank", "start"], kind="stable").reset_index(drop=True)
     write_trace(frame, path)
-
-
-def as_json(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Schema 1's object from :func:`as_row` rows (deprecated): the first row's fields at the top
-    level, ``trials`` (every row) and ``ok``."""
-    first = dict(rows[0])
-    first["iteration_time"] = {k: v for k, v in first["iteration_time"].items() if k != "values"}
-    return {**first, "trials": rows, "ok": all(r["check"] is None or r["check"]["ok"] for r in rows)}
 
 
 def announce(cfg: RunConfig) -> None:
@@ -301,7 +270,7 @@ def table(cfg: RunConfig, results: list[TrialResult]) -> str:
             best_cell(best.get(r.trial), c.baseline if (c := vs_fixed.get(r.trial)) else None),
             *(speedup_cell(vs_torch.get((r.trial, b)), against=False) for b in torch),
             "-" if cfg.synthetic else f"{m.loss_first:.4f}", "-" if us is None else f"{us:.0f}",
-            byte_range(m.peak_bytes) if m.peak_bytes else peak_range(r.peaks), _check(as_row(r)),
+            byte_range(m.peak_bytes) if m.peak_bytes else peak_range(r.peaks), _check(measures(r).check),
         ])  # fmt: skip
     note = budget_note(comps, cfg.study.budget_labels())
     notes = [summary(footprints(cfg, results), _pairwise(cfg, results), best), *([note] if note else [])]
@@ -362,9 +331,8 @@ def _columns(cfg: RunConfig, torch: list[Any]) -> list[tuple[str, str]]:
             ("check", "--check: loss and gradients against a single-process reference")]  # fmt: skip
 
 
-def _check(row: dict[str, Any]) -> str:
-    c = row.get("check")
+def _check(c: Any) -> str:
     if c is None:
         return "-"
-    verdict = "ok" if c["ok"] else "FAILED"
-    return f"{verdict} (max rel diff {c['max_rel_diff']:.2e} at {c['worst']})"
+    verdict = "ok" if c.ok else "FAILED"
+    return f"{verdict} (max rel diff {c.max_rel_diff:.2e} at {c.worst})"

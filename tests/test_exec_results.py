@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from rrfp.exec.config import RunConfig
 from rrfp.exec.jobs.launch import EXIT_FAIL, EXIT_OK, exit_code
 from rrfp.exec.models.check import CheckResult
-from rrfp.exec.report import as_json, as_row, table
+from rrfp.exec.report import result_json, result_row, table
 from rrfp.exec.results import ExecMeasures, exec_result, measures, without_trace
 from rrfp.study.report import compact_json
 from rrfp.study.result import TrialResult
@@ -55,18 +55,17 @@ def test_a_result_is_the_shared_type_with_exec_measures_in_extra() -> None:
 
 
 def test_rows_keep_the_json_layout() -> None:
-    row = as_row(_result())
+    row = result_row(_result())
     assert list(row) == [
-        "label", "policy", "hint", "budget", "iteration_time", "loss", "peak_activations",
+        "trial", "policy", "hint", "memory_budget", "iteration_time", "loss", "peak_activations", "budget",
         "loop_overhead_us_per_task", "calibration", "check", "grad_digest",
     ]  # fmt: skip
-    assert row["budget"] == "2x" and row["peak_activations"] == [4, 1]
-    assert row["iteration_time"] == {"median": 0.5, "mean": 0.5, "values": [0.25, 0.75, 0.5]}
+    assert row["peak_activations"] == [4, 1] and row["iteration_time"]["values"] == [0.25, 0.75, 0.5]
+    assert row["iteration_time"]["median"] == 0.5 and row["iteration_time"]["mean"] == 0.5
     assert row["loss"] == {"first": 4.5, "last": 4.25} and row["check"]["ok"] is True
-    assert as_row(_result("fixed/1f1b"))["budget"] == "1x"
-    top = as_json([row, as_row(_result("torch:1F1B", ok=False))])
-    assert top["iteration_time"] == {"median": 0.5, "mean": 0.5} and len(top["trials"]) == 2
-    assert top["ok"] is False and top["trials"][1]["label"] == "torch:1F1B"
+    cfg = RunConfig(world=2, study=run_study(pp=2), baselines=("1F1B",))
+    assert result_json(cfg, [_result(), _result("torch:1F1B", ok=False)])["ok"] is False
+    assert result_json(cfg, [_result(), _result("torch:1F1B", ok=None)])["ok"] is True  # unchecked passes
     text = table(RunConfig(world=2, study=run_study(pp=2)), [_result()])
     assert text.splitlines()[2].startswith("rrfp/1f1b@2x") and "ok (max rel diff 1.00e-07 at loss)" in text
     # the mean with its 95% interval over the 3 iterations, on the log scale: the plain t-interval,

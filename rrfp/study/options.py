@@ -7,8 +7,8 @@ against this table). Where the two CLIs must differ, the entry says how and why
 
 Around the options, what both CLIs do alike: ``--version`` (:func:`version`), one stderr line
 ``<prog>: error: <message>`` and exit status 2 for every user error, click's usage errors included
-(:func:`one_line_errors`), the memory-budget grammar (:func:`parse_budgets`), a one-line deprecation
-note (:func:`deprecated`) and the command line a JSON ``config`` records (:func:`command_line`).
+(:func:`one_line_errors`), the memory-budget grammar (:func:`parse_budgets`) and the command line a
+JSON ``config`` records (:func:`command_line`).
 
 This module is plain data at import time; click is imported inside the functions that build options.
 """
@@ -326,11 +326,6 @@ def fail(prog: str, message: str, code: int = 2) -> None:
     line = " ".join(str(message).split())  # one line, whatever the exception held
     print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
     sys.exit(code)
-
-
-def deprecated(prog: str, message: str) -> None:
-    """One line on stderr: ``<prog>: deprecated: <message>`` (old spellings work for one release)."""
-    print(f"{prog}: deprecated: {' '.join(message.split())}", file=sys.stderr, flush=True)
 
 
 _OUTPUT_ERRNOS = frozenset({28, 32, 27, 30, 122, errno.EBADF})  # ENOSPC, EPIPE, EFBIG, EROFS, EDQUOT
