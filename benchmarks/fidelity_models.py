@@ -1,7 +1,9 @@
 """advise_fidelity's models: each a list of blocks (split evenly into stages), its microbatches and loss.
 
 ``mlp``: examples/train_mlp.py's residual MLP; ``conv``: Conv2d/BatchNorm/ReLU blocks over images, the
-last block's head pooling to class scores (cross-entropy).
+last block's head pooling to class scores (cross-entropy); ``gpt``: examples/train_gpt_varlen.py's
+GptStage one block each (the embedding on the first, the head on the last), causal over fixed-length
+rows of tokens, cross-entropy on the next token.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-MODELS = ("mlp", "conv")
+MODELS = ("mlp", "gpt", "conv")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +57,32 @@ def _conv(a: argparse.Namespace, rows: int) -> Model:
     return Model(blocks, xs, ys, nn.CrossEntropyLoss())
 
 
+def _gpt(a: argparse.Namespace, rows: int) -> Model:
+    import torch
+    from torch import nn
+
+    from examples.train_gpt_varlen import GptStage
+
+    vocab, seq, heads = 256, 64, 2
+    torch.manual_seed(0)  # the same blocks on every rank
+    n = a.blocks
+    blocks: list[Any] = [GptStage(i == 0, i == n - 1, 1, vocab, a.width, heads) for i in range(n)]
+    gen = torch.Generator().manual_seed(1)
+    toks = [torch.randint(0, vocab, (rows, seq + 1), generator=gen) for _ in range(a.microbatches)]
+
+    def loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    return Model(blocks, [t[:, :-1] for t in toks], [t[:, 1:] for t in toks], loss)
+
+
 def build(name: str, a: argparse.Namespace) -> Model:
     """``name``'s model at ``a``'s sizes (``--width``, ``--blocks``, ``--batch``, ``--microbatches``)."""
     rows = a.batch // a.microbatches
     if name == "mlp":
         return _mlp(a, rows)
+    if name == "gpt":
+        return _gpt(a, rows)
     if name == "conv":
         return _conv(a, rows)
     raise ValueError(f"unknown model {name!r}; one of {', '.join(MODELS)}")

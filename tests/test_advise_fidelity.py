@@ -53,7 +53,7 @@ def test_a_whatif_off_by_more_than_10_percent_misses():
         judge_whatif("zb-h1", 0.1, 0.0)
 
 
-@pytest.mark.parametrize("name", ["mlp", "conv"])
+@pytest.mark.parametrize("name", ["mlp", "gpt", "conv"])
 def test_each_model_runs_its_microbatches_through_its_blocks_to_a_loss(name):
     import argparse
 
