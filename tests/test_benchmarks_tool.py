@@ -61,6 +61,36 @@ def without_shim(texts: dict[str, str]) -> list[str]:
     return bad
 
 
+BENCHMARKS_MD = ROOT / "BENCHMARKS.md"
+HISTORY_MD = ROOT / "docs" / "history" / "BENCHMARKS-history.md"
+MAX_LINES = 650
+"""BENCHMARKS.md is today's numbers and how each is measured; the record lives in HISTORY_MD."""
+CITED = re.compile(r"BENCHMARKS(?:\.md)? §(\d+)")
+CITING = ("README.md", "docs", "traces", "rrfp", "sim", "exec", "benchmarks", "examples", "tests")
+
+
+def unmeasured(text: str, names: set[str]) -> set[str]:
+    """Registered benchmarks that ``text`` neither heads in bold nor gives a ``-m benchmarks`` command for."""
+    quoted = set(QUOTED.findall(text))
+    return {n for n in names if f"**{n}**" not in text or n not in quoted}
+
+
+def unresolved(citations: dict[str, str], text: str) -> list[str]:
+    """Every ``BENCHMARKS.md §N`` in ``citations`` whose section ``## N.`` ``text`` does not have."""
+    have = set(re.findall(r"^## (\d+)\. ", text, re.M))
+    return [f"{name}: §{n}" for name, t in citations.items() for n in CITED.findall(t) if n not in have]
+
+
+def citing_texts() -> dict[str, str]:
+    """The docs and sources that may cite a section of BENCHMARKS.md, by path."""
+    out = {}
+    for top in CITING:
+        path = ROOT / top
+        files = [path] if path.is_file() else [*path.rglob("*.py"), *path.rglob("*.md")]
+        out |= {str(f.relative_to(ROOT)): f.read_text(encoding="utf-8") for f in files}
+    return out
+
+
 def sources() -> dict[str, str]:
     return {p.name: p.read_text(encoding="utf-8") for p in sorted(BENCH.glob("*.py"))}
 
@@ -85,6 +115,34 @@ def test_a_package_import_without_the_guard_is_caught():
     assert without_shim({"x.py": "import os\nfrom benchmarks.simjson import sim_json\n"}) == ["x.py"]
     guarded = f"{SHIM}\n    import _filerun\n\nfrom benchmarks import regimes\n"
     assert without_shim({"x.py": guarded}) == []
+
+
+def test_an_unmeasured_benchmark_is_caught():
+    text = "- **a** -- A. `.venv/bin/python -m benchmarks a`\n- **b** -- B, no command.\nc in passing."
+    assert unmeasured(text, {"a", "b", "c"}) == {"b", "c"}
+
+
+def test_a_citation_of_a_missing_section_is_caught():
+    text = "# B\n## 1. One\n## 10. Ten\n"
+    cites = {"x.py": "(BENCHMARKS.md §10; BENCHMARKS §1) and BENCHMARKS.md §2"}
+    assert unresolved(cites, text) == ["x.py: §2"]
+
+
+# -- BENCHMARKS.md ---------------------------------------------------------------------------------------
+def test_benchmarks_md_measures_every_registered_benchmark_and_stays_short():
+    """Each registered benchmark has its section (name in bold, its command); the history is elsewhere."""
+    benchmarks, _ = registry()
+    text = BENCHMARKS_MD.read_text(encoding="utf-8")
+    assert unmeasured(text, set(benchmarks)) == set()
+    assert len(text.splitlines()) <= MAX_LINES
+    assert "docs/history/BENCHMARKS-history.md" in text and HISTORY_MD.is_file()
+
+
+def test_every_cited_section_of_benchmarks_md_resolves_here_and_in_the_record():
+    citations = citing_texts()
+    assert any(CITED.search(t) for t in citations.values()), "no citation: nothing checked"
+    assert unresolved(citations, BENCHMARKS_MD.read_text(encoding="utf-8")) == []
+    assert unresolved(citations, HISTORY_MD.read_text(encoding="utf-8")) == []
 
 
 # -- the tool --------------------------------------------------------------------------------------------
