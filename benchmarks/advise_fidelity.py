@@ -34,6 +34,7 @@ import json
 import os
 import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -46,10 +47,11 @@ from benchmarks.fidelity_models import MODELS
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def parse() -> argparse.Namespace:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(ROOT / "results" / "advise_fidelity"))
-    p.add_argument("--model", choices=MODELS, default="mlp", help="benchmarks/fidelity_models.py")
+    p.add_argument("--model", choices=[*MODELS, "all"], default="mlp", help="benchmarks/fidelity_models.py")
+    p.add_argument("--quick", action="store_true", help="a tiny form: 1 launch, 3 rounds, small models")
     p.add_argument("--microbatches", "-m", type=int, default=8)
     p.add_argument("--batch", type=int, default=128, help="rows per step (split into the microbatches)")
     p.add_argument("--width", type=int, default=256)
@@ -58,7 +60,14 @@ def parse() -> argparse.Namespace:
     p.add_argument("--top", type=int, default=5)
     p.add_argument("--launches", type=int, default=3, help="launches of 2 ranks; steps pooled over them")
     p.add_argument("--seeds", type=int, default=3, help="advise's --seeds")
-    return p.parse_args()
+    a = p.parse_args(argv)
+    if a.quick:  # under a minute a model on 2 cores: shows the structure, not a fidelity worth quoting
+        a.launches, a.rounds, a.width, a.batch, a.microbatches, a.seeds = 1, 3, 64, 32, 4, 1
+    if min(a.launches, a.rounds - 1, a.top, a.microbatches, a.seeds) < 1 or a.blocks % 4:
+        print(f"{p.prog}: error: launches, top, microbatches, seeds need >= 1, rounds >= 2, "
+              "blocks a multiple of 4", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
+    return a
 
 
 def stages_for(blocks: list[Any], v: int, placement: str, rank: int) -> list[Any]:
@@ -255,9 +264,16 @@ def goals(trials: list[dict[str, Any]], a: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    a = parse()
+    for name in MODELS if a.model == "all" else [a.model]:
+        print(f"=== model {name}", flush=True)
+        run_model(argparse.Namespace(**{**vars(a), "model": name, "out": str(Path(a.out) / name)}))
+
+
+def run_model(a: argparse.Namespace) -> None:
+    """One model: ``--launches`` launches, then the report."""
     import torch.multiprocessing as mp
 
-    a = parse()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg()

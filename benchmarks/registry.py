@@ -15,7 +15,7 @@ HERE = Path(__file__).resolve().parent
 
 BENCHMARKS: dict[str, str] = {
     # name: rough run time (BENCHMARKS.md's table or the script's docstring; "?": a guess from its size)
-    "advise_fidelity": "~1 min",
+    "advise_fidelity": "~1 min a model (--model all: ~3 min; --quick --model all: ~1 min)",
     "advise_time": "~1 min",
     "auto_g3": "~20 min (--every 10 --workers 2)",
     "auto_study": "~17 min (--final --workers 2)",

@@ -77,3 +77,33 @@ def test_an_unknown_model_is_refused():
 
     with pytest.raises(ValueError, match="unknown model"):
         build("gpt2-xl", argparse.Namespace(width=8, blocks=4, batch=8, microbatches=2))
+
+
+def test_quick_prints_each_launch_with_its_load_and_a_verdict_per_goal(tmp_path):
+    import re
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "advise_fidelity", "--quick", "--model", "conv",
+         "--top", "2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=170,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
+    assert "=== model conv" in out
+    assert re.search(r"launch 1/1: load average \d+\.\d\d before, \d+\.\d\d after", out)
+    verdicts = re.findall(r"^(PASS|MISS) (.+): error [+-]\d", out, re.M)
+    names = [n for _, n in verdicts]
+    assert len([n for n in names if " v=" in n and " vs " not in n]) == 2  # the top 2
+    assert "median |error| of the candidates" in names
+    assert (tmp_path / "conv" / "trials.json").exists()
+
+
+def test_bad_settings_are_one_line_and_exit_2():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "benchmarks", "advise_fidelity", "--launches", "0"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1
