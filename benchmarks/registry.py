@@ -48,7 +48,7 @@ BENCHMARKS: dict[str, str] = {
 }
 """Benchmark name -> rough run time ("?": not timed, a guess from its size)."""
 
-HELPERS = ("simjson", "registry", "_filerun")
+HELPERS = ("simjson", "registry", "_filerun", "fidelity_goals", "fidelity_models")
 """Modules of benchmarks/ that are not benchmarks: imported by benchmarks (``benchmarks.simjson``)."""
 
 
