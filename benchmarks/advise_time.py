@@ -1,4 +1,4 @@
-"""How long ``rrfp-sim advise`` takes on the issue-25 job (goal: <= 60 s on 2 cores).
+"""How long ``rrfp-sim advise`` takes on the default-policy job (goal: <= 60 s on 2 cores).
 
     .venv/bin/python benchmarks/advise_time.py              # the issue's command, once (50-75 s here)
     .venv/bin/python benchmarks/advise_time.py --repeat 3 -- --stages 8 -m 32   # another job

@@ -1,4 +1,4 @@
-"""Issue 25's third goal in full: on each cell, ``auto`` on its best hint against the best fixed order.
+"""auto's third goal in full: on each cell, ``auto`` on its best hint against the best fixed order.
 
 A *cell* is a regime of benchmarks/regimes.py without its hint: its pipeline, workload, jitter and memory
 budget. benchmarks/auto_study.py judges each regime on its one hint; here every cell runs every hint of

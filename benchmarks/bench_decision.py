@@ -1,4 +1,4 @@
-"""Cost of the scheduler's entry points, called as the simulator calls them (issue 15's decision-cost goal).
+"""Cost of the scheduler's entry points, called as the simulator calls them (goal: microseconds).
 
 Drives full iterations of a pp x m pipeline per (hint, policy) with the simulator's event loop
 (sim/model.py): the same-instant rule (every completion and arrival of an instant is applied before any

@@ -1,4 +1,4 @@
-"""Speedups with memory in bytes (issue 13): the scenarios of docs/scenarios.md at equal byte budget
+"""Speedups with memory in bytes: the scenarios of docs/scenarios.md at equal byte budget
 (1x, 2x of the hint order's own byte peak, per iteration) and at one device's capacity (``device``:
 ``--gpu-memory`` less each rank's weights, gradients and optimizer state).
 

@@ -1,4 +1,4 @@
-"""The paper's claims beside a Megatron-faithful baseline (issue 14): per scenario, fixed 1F1B with
+"""The paper's claims beside a Megatron-faithful baseline: per scenario, fixed 1F1B with
 Megatron-core's blocking P2P (``--send megatron``) and with eager sends, against rrfp and backfill on
 1f1b, bf and bfw, at equal byte budget (1x) and at one 80 GiB device.
 

@@ -1,4 +1,4 @@
-"""The fault table of rrfp-run (issue 16): inject each fault into a 4-worker ``--synthetic`` job and
+"""The fault table of rrfp-run: inject each fault into a 4-worker ``--synthetic`` job and
 report the time to exit, the exit code, the stderr line count and the last stderr line.
 
     .venv/bin/python benchmarks/exec_faults.py                 # every fault

@@ -1,4 +1,4 @@
-"""Executor overhead vs torch's pipelining (issue 19): repeatable numbers for the issue's three goals.
+"""Executor overhead vs torch's pipelining: repeatable numbers for its three goals.
 
     .venv/bin/python benchmarks/exec_overhead.py                      # pp 2, 3 launches (~3 min)
     .venv/bin/python benchmarks/exec_overhead.py --pp 4               # 4 ranks on this host's cores

@@ -1,4 +1,4 @@
-"""guarded against issue 15's goals on the study cells, scenarios, held-out grid and forward-heavy costs.
+"""guarded against its goals on the study cells, scenarios, held-out grid and forward-heavy costs.
 
 Runs BENCHMARKS.md §9's commands (each with ``--policy fixed,rrfp,backfill,guarded``) and prints one
 row per (cell, hint, budget): guarded's mean speedup over fixed and its 95% CI low, rrfp's and

@@ -1,4 +1,4 @@
-"""Size-aware microbatch order (issue 15): what sorting each iteration's microbatches by tokens gives
+"""Size-aware microbatch order: what sorting each iteration's microbatches by tokens gives
 fixed alone, and what readiness adds on top of a sorted fixed order.
 
     .venv/bin/python benchmarks/mb_order_study.py           # BENCHMARKS.md §9's order table (~2 min here)

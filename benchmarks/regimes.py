@@ -1,4 +1,4 @@
-"""Randomized simulator regimes with a fixed held-out split: where a default policy is judged (issue 25).
+"""Randomized simulator regimes with a fixed held-out split: where a default policy is judged.
 
 A *regime* is one ``rrfp-sim`` command line (its options, without ``--policy`` and ``--seeds``): one
 hint, one memory budget, one pipeline shape and one workload. Regime ``i`` is drawn from its own

@@ -1,4 +1,4 @@
-"""Scenario study (issue 12): each named scenario (rrfp.workload.scenarios) at its own size, fixed against
+"""Scenario study: each named scenario (rrfp.workload.scenarios) at its own size, fixed against
 rrfp and backfill on the 1f1b, bf and bfw hints -- the table of BENCHMARKS.md's "Scenarios" section.
 
     .venv/bin/python benchmarks/scenario_study.py              # 10 seeds (about 17 s here)
