@@ -13,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+if not __package__:  # run as a file: import benchmarks/ and examples/ as packages (benchmarks/_filerun.py)
+    import _filerun  # noqa: F401
+
 MODELS = ("mlp", "gpt", "conv")
 
 
