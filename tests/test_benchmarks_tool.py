@@ -136,6 +136,7 @@ def test_benchmarks_md_measures_every_registered_benchmark_and_stays_short():
     assert unmeasured(text, set(benchmarks)) == set()
     assert len(text.splitlines()) <= MAX_LINES
     assert "docs/history/BENCHMARKS-history.md" in text and HISTORY_MD.is_file()
+    assert not re.search(r"\b[Ii]ssues? #?\d+|\b[Rr]ound \d+\b", text), "tracker words: the record holds them"
 
 
 def test_every_cited_section_of_benchmarks_md_resolves_here_and_in_the_record():
