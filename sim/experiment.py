@@ -49,8 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from rrfp.dispatch.auto import Auto
-from rrfp.dispatch.backfill import Backfill, CostModel
+from rrfp.dispatch.backfill import CostModel
 from rrfp.dispatch.policies import Policy, get_policy
 from rrfp.plan.budget import InfeasibleBudget, resolve_budget
 from rrfp.plan.hints import Hint
@@ -270,7 +269,7 @@ def build_models(cfg: ExperimentConfig, plans: list[PlannedRun], step: Step | No
             "shapes_vary": variable_shapes(cfg.workload),  # megatron's shape handshake (rrfp.sim.megatron)
             "byte_budget": p.byte_budget,
         }
-        if isinstance(policy, Auto):  # switches between its arms' models at iteration boundaries
+        if not isinstance(policy, str) and policy.arms:  # a switch between its arms' models (auto)
             arms = [run_policy(cfg, p.hint, arm) for arm in policy.arms]
             p.model = AutoModel(p.hint, policy, arms, cfg.cluster, p.budget, **args)
         else:
@@ -302,15 +301,15 @@ def run_policy(cfg: ExperimentConfig, hint: Hint, name: str) -> str | Policy:
     (``guarded``), which plan with the workload's mean cost per (stage, op) and the mean message time
     (latency + bytes / bandwidth; comm multipliers have mean 1) -- expectations, never the realised
     durations they will meet."""
-    kind = type(get_policy(name))
-    if not issubclass(kind, Backfill):
+    policy = get_policy(name)
+    if not policy.needs_calibration:
         return name
     latency = cfg.cluster.transfer_time(mean_msg_bytes(cfg.workload, hint.spec))
     spec, workload = hint.spec, cfg.workload
     sized = None
-    if kind.sized_by_default and isinstance(workload, TokenWorkload):  # per microbatch, at its sizes
+    if policy.sized_by_default and isinstance(workload, TokenWorkload):  # per microbatch, at its sizes
         sized = workload.sized_costs(spec.pp, spec.num_stages, spec.microbatches)
-    return kind(expected=expected_cost_model(workload, spec), latency=latency, sized=sized)
+    return policy.with_costs(expected=expected_cost_model(workload, spec), latency=latency, sized=sized)
 
 
 def expected_cost_model(workload: Workload, spec: PipelineSpec) -> CostModel:

@@ -30,8 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from rrfp.dispatch.backfill import Backfill
-from rrfp.dispatch.policies import get_policy
+from rrfp.dispatch.policies import Policy, get_policy
 from rrfp.plan.budget import hint_peaks, resolve_budget
 from rrfp.plan.task import Op
 from rrfp.study.compare import Comparison, verdict
@@ -214,18 +213,19 @@ def replay_job(
     return ReplayRun(key, label, index == 0, list(out.iteration_times), stats), recorder
 
 
-def replay_policy(name: str, samples: list[list[list[IterationSample]]]) -> str | Backfill:
-    """The policy a replayed run uses: its name, except ``backfill``, which plans with the recorded
-    durations' mean per (stage, op) and the mean recorded message latency (``comm`` holds seconds)."""
-    kind = type(get_policy(name))
-    if not issubclass(kind, Backfill):  # backfill and the policies built on it plan with costs
+def replay_policy(name: str, samples: list[list[list[IterationSample]]]) -> str | Policy:
+    """The policy a replayed run uses: its name, except a policy that plans with costs (backfill and its
+    kin), which plans with the recorded durations' mean per (stage, op) and the mean recorded message
+    latency (``comm`` holds seconds)."""
+    policy = get_policy(name)
+    if not policy.needs_calibration:
         return name
     members = [per_tp[0] for per_dp in samples for per_tp in per_dp]  # every iteration and replica
     means = {op: np.mean([getattr(m, op) for m in members], axis=(0, 2)) for op in "FIW"}  # (stages,)
     means["B"] = means["I"] + means["W"]
     table = {op: [float(x) for x in means[op.value]] for op in Op}
     latency = float(np.mean([m.comm for m in members]))
-    return kind(expected=lambda t: table[t.op][t.stage], latency=latency)
+    return policy.with_costs(expected=lambda t: table[t.op][t.stage], latency=latency)
 
 
 def _calibrate(model: ClusterModel, rep: Replay) -> None:

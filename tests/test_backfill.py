@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 import rrfp
 from rrfp.dispatch.backfill import Backfill, BackfillError, unit_costs
-from rrfp.dispatch.policies import Policy, Rrfp
+from rrfp.dispatch.policies import Policy, PolicyError, Rrfp
 from rrfp.dispatch.scheduler import RankScheduler, SchedulerError
 from rrfp.plan.hints import SEQUENCE_HINTS
 from rrfp.plan.spec import PLACEMENTS
@@ -355,6 +355,9 @@ CAPABILITIES: dict[str, Callable[[object], bool]] = {
     "use_busy": lambda v: type(v) is bool,
     "announced_ops": lambda v: v is None or (isinstance(v, frozenset) and all(isinstance(o, Op) for o in v)),
     "sized": lambda v: v is None or callable(v),
+    "needs_calibration": lambda v: type(v) is bool,
+    "sized_by_default": lambda v: type(v) is bool,
+    "arms": lambda v: type(v) is tuple and all(isinstance(a, str) for a in v),
 }
 """Each capability the base declares, and what a policy may hold in it."""
 
@@ -377,6 +380,7 @@ def test_the_base_declares_every_capability_with_its_default() -> None:
     assert declared == set(CAPABILITIES), "a new capability needs its type in CAPABILITIES"
     base = Policy()
     assert (base.needs_clock, base.use_busy, base.announced_ops, base.sized) == (False, False, None, None)
+    assert (base.needs_calibration, base.sized_by_default, base.arms) == (False, False, ())
     assert base.knobs() == {}
 
 
@@ -388,8 +392,24 @@ def test_every_registered_policy_holds_each_capability_with_its_type() -> None:
     for name in names:
         assert capability_errors(rrfp.get_policy(name)) == [], name
     assert rrfp.get_policy("backfill").needs_clock and not rrfp.get_policy("rrfp").needs_clock
+    planners = {n for n in names if rrfp.get_policy(n).needs_calibration}
+    assert {"backfill", "guarded", "auto"} <= planners and not {"fixed", "rrfp"} & planners
+    assert [n for n in names if rrfp.get_policy(n).arms] == ["auto"]
+    assert all(rrfp.get_policy(a).arms == () for a in rrfp.get_policy("auto").arms)  # no nested switch
     assert Backfill(announced_ops=frozenset({Op.F})).announced_ops == frozenset({Op.F})
     assert Backfill(sized=lambda sizes: unit_costs).sized is not None
+
+
+def test_a_planning_policy_with_costs_keeps_its_kind_and_knobs() -> None:
+    import rrfp.dispatch.guarded as guarded
+
+    policy = guarded.Guarded(window=5, slack=0.25)
+    costed = policy.with_costs(lambda t: 3.0, latency=0.5, announce_delay=0.1, announced_ops=frozenset())
+    assert type(costed) is guarded.Guarded and costed.knobs() == policy.knobs()
+    assert (costed.latency, costed.announce_delay, costed.announced_ops) == (0.5, 0.1, frozenset())
+    assert costed.expected(Task(0, Op.F, 0)) == 3.0
+    with pytest.raises(PolicyError, match="plans with no costs"):
+        Rrfp().with_costs(unit_costs, latency=0.0)
 
 
 def test_the_capability_check_catches_a_wrong_kind_of_value() -> None:

@@ -8,6 +8,7 @@ graphs with a planted violation, so they cannot pass vacuously.
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,40 @@ def test_the_dispatch_driver_check_fails_on_a_planted_violation(planted: str, tm
     assert all(b.startswith("rrfp.exec.jobs.trials:") for b in bad)
     # The same text outside the driven rooms is not this check's business (the library builds them).
     assert driver_uses({"rrfp.exec.pipelining.engine": broken}) == []
+
+
+def policy_class_checks(known: dict[str, Path]) -> list[str]:
+    """``isinstance``/``issubclass`` against a registered policy's class in the interpreters (rrfp.sim,
+    rrfp.exec): they read a policy's capabilities (``needs_clock``, ``needs_calibration``, ``arms``, ...)
+    instead, so a new policy needs no interpreter change (docs/design.md §1)."""
+    import rrfp.dispatch.guarded  # registers guarded
+
+    kinds = {type(rrfp.get_policy(n)).__name__ for n in rrfp.policy_names()}
+    out = []
+    for module, path in known.items():
+        if not module.startswith(("rrfp.sim", "rrfp.exec")):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) == 2):
+                continue
+            if node.func.id in ("isinstance", "issubclass"):
+                named = {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node.args[1])
+                         if isinstance(n, (ast.Name, ast.Attribute))}  # fmt: skip
+                out += [f"{module}:{node.lineno} checks for {k}" for k in sorted(named & kinds)]
+    return out
+
+
+def test_the_interpreters_read_capabilities_not_policy_classes() -> None:
+    assert policy_class_checks(modules()) == []
+
+
+def test_the_policy_class_check_fails_on_a_planted_violation(tmp_path: Path) -> None:
+    broken = tmp_path / "engine.py"
+    broken.write_text("from rrfp.dispatch.auto import Auto\nSWITCH = isinstance(object(), (str, Auto))\n")
+    assert policy_class_checks({"rrfp.exec.pipelining.engine": broken}) == [
+        "rrfp.exec.pipelining.engine:2 checks for Auto"
+    ]
+    assert policy_class_checks({"rrfp.dispatch.decisions": broken}) == []  # the core knows its policies
 
 
 def test_no_import_cycle_even_inside_functions() -> None:

@@ -1,14 +1,15 @@
-"""Expected costs for ``backfill`` in the executor, measured on the run itself.
+"""Expected costs for a planning policy (backfill and its kin) in the executor, measured on the run itself.
 
-``backfill`` plans with mean task costs and the mean message time (rrfp.dispatch.backfill). In the simulator
-those come from the workload model; here they come from the warm-up: every rank meters its compute per
-(stage, op) and the send-to-arrival time of its incoming messages (:class:`CostMeter`, fed by the
-runtime loop), then :func:`calibrate` all-gathers the meters over the control group and builds one
-``Backfill`` with the merged means on every rank. A task's expected cost is its mean compute time plus
-the loop's mean per-task overhead (picking, delivering, posting sends): what a task really occupies a
-rank for, so a task moved into a wait is not costed short. Until then the runtime neither ticks nor announces,
-so backfill runs its no-clock rule (any awaited input may land at any moment: it only moves tasks in
-front of fillers), which is safe but cautious.
+``backfill`` plans with mean task costs and the mean message time (rrfp.dispatch.backfill). In the
+simulator those come from the workload model; here they come from the warm-up: every rank meters its
+compute per (stage, op) and the send-to-arrival time of its incoming messages (:class:`CostMeter`, fed by
+the runtime loop), then :func:`calibrate` all-gathers the meters over the control group and builds the
+policy (any that ``needs_calibration``) with the merged means on every rank -- for rrfp-run's trials and
+the library alike (rrfp.exec.pipelining.engine ``DriverSteps._calibrate_now``). A task's expected cost is
+its mean compute time plus the loop's mean per-task overhead (picking, delivering, posting sends): what a
+task really occupies a rank for, so a task moved into a wait is not costed short. Until then the runtime
+neither ticks nor announces, so backfill runs its no-clock rule (any awaited input may land at any
+moment: it only moves tasks in front of fillers), which is safe but cautious.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rrfp.dispatch.backfill import Backfill
+from rrfp.dispatch.policies import Policy
 from rrfp.errors import RunFailure
 from rrfp.plan.task import Op, Task
 
@@ -120,17 +121,17 @@ def cost_table(means: dict[tuple[int, str], float], num_stages: int, ops: set[Op
 def calibrate(
     meter: CostMeter,
     group: Any,
-    template: Backfill,
+    template: Policy,
     num_stages: int,
     ops: set[Op],
     announced_ops: frozenset[Op] | None = None,
     board: bool = False,
-) -> tuple[Backfill, dict[str, Any]]:
-    """Every rank's meter merged (a collective on ``group``); a Backfill like ``template`` planning with
-    the measured means plus the mean loop overhead (the same on every rank), and those costs in
-    milliseconds for the result row. ``announced_ops``: the ops whose starts the runtime announces (None:
-    all); ``board``: starts are read off the shared-memory board, which has no delay
-    (rrfp.exec.comm.board)."""
+) -> tuple[Policy, dict[str, Any]]:
+    """Every rank's meter merged (a collective on ``group``); ``template`` (a policy that
+    ``needs_calibration``) planning with the measured means plus the mean loop overhead (the same on
+    every rank), and those costs in milliseconds for the result row. ``announced_ops``: the ops whose
+    starts the runtime announces (None: all); ``board``: starts are read off the shared-memory board,
+    which has no delay (rrfp.exec.comm.board)."""
     world = dist.get_world_size(group)
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, meter.plain(), group=group)
@@ -140,12 +141,11 @@ def calibrate(
     overhead = merged.overhead
     means = {k: v + overhead for k, v in merged.means().items()}
     table = cost_table(means, num_stages, ops)
-    policy = type(template)(  # backfill, or a policy built on it (guarded): the same knobs
+    policy = template.with_costs(  # the template's kind and knobs (backfill, guarded, ...)
         expected=lambda t: table[t.op][t.stage],
         latency=merged.latency,
         announce_delay=0.0 if board else merged.latency,  # announcement messages travel like payloads
         announced_ops=announced_ops,
-        **template.knobs(),
     )
     info = {
         "latency_ms": 1e3 * merged.latency,

@@ -47,7 +47,6 @@ from typing import Any
 import torch.distributed as dist
 
 from rrfp.dispatch.auto import Auto, AutoError
-from rrfp.dispatch.backfill import Backfill
 from rrfp.dispatch.driver import run_reference
 from rrfp.dispatch.policies import Policy, get_policy
 from rrfp.errors import InternalError
@@ -160,16 +159,16 @@ class AutoSwitch:
         self.record.steps.append(self.record.arms[self.arm])
         return TaskMeter() if self.replaying else None
 
-    def end(self, meter: TaskMeter, backfill: Backfill) -> Policy | None:
+    def end(self, meter: TaskMeter, safe: Policy) -> Policy | None:
         """After a metered step (collective over the group): gather, replay every arm, append, check
         every rank replayed the same (every step: the z test or an early commit may end the replays
         after any of them, and ranks that disagreed there would part ways), and at the boundary return
-        the chosen arm's policy; before it, None. ``backfill``: the calibrated safe arm (what the
+        the chosen arm's policy; before it, None. ``safe``: the calibrated safe arm (what the
         scheduler runs now)."""
         t0 = time.perf_counter()
         gathered: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, meter.share(self.hint, self.rank), group=self.group)
-        arms = [backfill, *(get_policy(name) for name in self.record.arms[1:])]
+        arms = [safe, *(get_policy(name) for name in self.record.arms[1:])]
         self.record.history.append(self.replay(self.hint, arms, gathered, self.budget))
         chosen = None
         arm = self.arm

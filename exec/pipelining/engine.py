@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from rrfp.dispatch.auto import Auto
+from rrfp.dispatch.policies import Policy
 from rrfp.dispatch.protocol import SchedulerProtocol
 from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.dispatch.sizes import Sizes
@@ -159,7 +159,7 @@ class DriverSteps:
         self.auto: AutoSwitch | None = None
         """``auto``: its switch; it replays the iterations after calibration (over ``driver.costs``, so
         every replica and TP member switches with the pipeline)."""
-        if isinstance(policy, Auto):
+        if policy.arms:
             group = pipe.ctrl if driver.costs is None else driver.costs
             self.auto = AutoSwitch(policy, self.hint, pipe.pp_rank, budgets, group)
 
@@ -222,15 +222,29 @@ class DriverSteps:
         driver = self._driver
         if driver is None or not self.calibrating:
             raise PipeliningError("calibrate() is for a driven schedule of a clocked policy, once")
+        group = self.pipeline.ctrl if driver.costs is None else driver.costs
+        return self._calibrate_now(group, driver.announce, driver.announce == "board")
+
+    def _calibrate_now(self, group: Any, announce: str, board: bool) -> dict[str, Any]:
+        """The one calibration, for a driven schedule (rrfp-run's trials: :meth:`calibrate`) and the
+        library's ``step()`` alike: merge the metered costs over ``group`` (collective), build the
+        calibrated policy (priced per microbatch where the schedule is sized), and swap in a fresh
+        scheduler with it, whose clock the loop then ticks. ``announce``: how starts are heard from now
+        on (``board``: off the start board, no delay)."""
+        assert self._template is not None
         hint = self.hint
         ops = {t.op for order in hint.orders.values() for t in order}
-        group = self.pipeline.ctrl if driver.costs is None else driver.costs
         policy, info = calibrate(
             self.runtime.meter, group, self._template, hint.spec.num_stages, ops,
-            ANNOUNCED_OPS[driver.announce], board=driver.announce == "board",
+            ANNOUNCED_OPS[announce], board=board,
         )  # fmt: skip
-        info["announce"] = driver.announce
+        info["announce"] = announce
+        self._price_sized(policy, info, group)
         self.calibration = info
         self.sched = self._wrap(RankScheduler(hint, self.sched.rank, policy, self.budget))
         self.runtime.clock(self.sched)
         return info
+
+    def _price_sized(self, policy: Policy, info: dict[str, Any], group: Any) -> None:
+        """Per-microbatch pricing of the calibrated ``policy``, where the schedule prices by sizes
+        (ScheduleReadiness: ``sized=``, or the policy object's own sized model). Default: none."""

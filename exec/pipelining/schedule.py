@@ -46,14 +46,12 @@ import torch.distributed as dist
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _split_tensor
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 
-from rrfp.dispatch.auto import Auto
-from rrfp.dispatch.backfill import Backfill
 from rrfp.dispatch.policies import DEFAULT_POLICY, Policy, get_policy
 from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.exec.comm.board import StartBoard
 from rrfp.exec.comm.wire import one_line
 from rrfp.exec.faults import LostPeerError, WaitTimeoutError
-from rrfp.exec.loop.calibrate import ANNOUNCED_OPS, CostMeter, calibrate
+from rrfp.exec.loop.calibrate import CostMeter
 from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
 from rrfp.exec.loop.switch import AutoRecord, AutoSwitch, TaskMeter
 from rrfp.exec.pipelining.channels import ReadinessPipeline
@@ -219,7 +217,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
             )
         self._check_fsdp()
         policy_obj = get_policy(policy) if isinstance(policy, str) else policy
-        self._template = policy_obj if isinstance(policy_obj, Backfill) else None
+        self._template = policy_obj if policy_obj.needs_calibration else None
         budgets = resolve_budget(memory_budget, self.hint)
         self.budget = budgets[pipe.pp_rank]
         hosts = [v["host"] for v in self._views]
@@ -271,7 +269,7 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
                 "sized=True prices a planning policy per microbatch (backfill, guarded), "
                 f"not {self.policy_name!r}"
             )
-        if not isinstance(policy, Auto):
+        if not policy.arms:
             return None
         if self.sized:
             raise StageLayoutError("sized=True with policy 'auto' is not supported yet (unsized replay)")
@@ -631,30 +629,26 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         return self.runtime.sched.peak_bytes
 
     def _calibrate(self) -> None:
+        """The library's calibration (after the first training step): :meth:`_calibrate_now` over the
+        model replica's control group (TP members plan with the same costs)."""
+        self._calibrate_now(self.pipeline.model_ctrl, self.announce, self.board is not None)
+
+    def _price_sized(self, policy: Policy, info: dict[str, Any], group: Any) -> None:
+        """``sized=True``: price each task at its microbatch's tokens, fitted on the calibrating step;
+        else keep the user's own sized model (calibrate drops it)."""
         assert self._template is not None
-        hint = self.hint
-        ops = {t.op for order in hint.orders.values() for t in order}
-        group = self.pipeline.model_ctrl  # TP members plan with the same costs (rrfp-run: the world)
-        policy, info = calibrate(
-            self.runtime.meter, group, self._template, hint.spec.num_stages, ops,
-            ANNOUNCED_OPS[self.announce], board=self.board is not None,
-        )  # fmt: skip
-        info["announce"] = self.announce
         if self.sized:
             meter = self.runtime.meter
             assert isinstance(meter, SizedMeter)
             overhead = info["overhead_ms"] / 1e3
-            policy.sized, info["sized_ms"] = sized_model(meter, group, overhead, hint.spec.num_stages)
-        elif self._template.sized is not None:  # the user's own sized model (calibrate drops it)
+            policy.sized, info["sized_ms"] = sized_model(meter, group, overhead, self.hint.spec.num_stages)
+        elif self._template.sized is not None:
             policy.sized = self._template.sized
-        self.calibration = info
-        self.sched = RankScheduler(hint, self.sched.rank, policy, self.budget)
-        self.runtime.clock(self.sched)
 
     def _switch(self, meter: TaskMeter) -> None:
         """auto: this step replayed under every arm; at the boundary every rank runs the chosen arm."""
-        assert self.auto is not None and isinstance(self.sched.policy, Backfill)
-        policy = self.auto.end(meter, self.sched.policy)  # the safe arm: backfill as calibrated
+        assert self.auto is not None
+        policy = self.auto.end(meter, self.sched.policy)  # the safe arm as calibrated
         if policy is not None and policy is not self.sched.policy:
             self.sched = RankScheduler(self.hint, self.sched.rank, policy, self.budget)
             self.runtime.drive(self.sched)

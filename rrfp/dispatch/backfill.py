@@ -171,6 +171,23 @@ class Backfill(Policy):
         # replicas, a class hint and its reference); weak, so they go with the hint's plan.
         self._plans: WeakKeyDictionary[CompiledPlan, dict[int, _Plan]] = WeakKeyDictionary()
 
+    needs_calibration = True
+
+    def with_costs(
+        self,
+        expected: CostModel,
+        latency: float,
+        announce_delay: float = 0.0,
+        announced_ops: frozenset[Op] | None = None,
+        sized: SizedCostModel | None = None,
+    ) -> Backfill:
+        """A policy of this kind with these knobs, planning with the given costs (for its kin too:
+        guarded keeps its own knobs through :meth:`knobs`)."""
+        return type(self)(
+            expected=expected, latency=latency, announce_delay=announce_delay,
+            announced_ops=announced_ops, sized=sized, **self.knobs(),
+        )  # fmt: skip
+
     def knobs(self) -> dict[str, Any]:
         """The parameters that are the policy's own choice, not its cost model or its driver's
         announcements: what a calibrated copy keeps (``type(p)(expected=..., **p.knobs())``)."""

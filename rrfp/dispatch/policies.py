@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from rrfp.errors import UserError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from rrfp.dispatch.sizes import SizedCostModel, Sizes
     from rrfp.dispatch.view import SchedulerView
     from rrfp.plan.task import Op, Task
@@ -48,6 +50,32 @@ class Policy:
     """Given an iteration's :class:`~rrfp.dispatch.sizes.Sizes`, that iteration's expected seconds per
     task, if the policy prices iterations by their sizes; None: it does not. A decision log records each
     sized reset's costs so a replay plans with them (rrfp.dispatch.decisions)."""
+
+    needs_calibration: ClassVar[bool] = False
+    """True if the policy plans with measured costs: a driver meters its warm-up under the policy's
+    no-clock rule, then swaps in :meth:`with_costs` of the merged means (exec/loop/calibrate.py, for
+    rrfp-run and the library alike); the simulator hands it the workload's means. Read instead of the
+    policy's class, so a new planning policy needs no driver change."""
+    sized_by_default: ClassVar[bool] = False
+    """Should an interpreter that knows each iteration's sizes price this policy's plan per microbatch
+    (``with_costs(..., sized=...)``)? Read by the simulator (sim/experiment.py)."""
+    arms: ClassVar[tuple[str, ...]] = ()
+    """Non-empty: the policy is a choice between these registered policies (safe first), made by the
+    driver between iterations (exec/loop/switch.py ``AutoSwitch``, sim/auto.py ``AutoModel``); until a
+    driver switches, the policy runs as its safe arm."""
+
+    def with_costs(
+        self,
+        expected: Callable[[Task], float],
+        latency: float,
+        announce_delay: float = 0.0,
+        announced_ops: frozenset[Op] | None = None,
+        sized: SizedCostModel | None = None,
+    ) -> Policy:
+        """This policy (its :meth:`knobs`) planning with ``expected`` seconds per task and ``latency``
+        seconds per message (``announce_delay``, ``announced_ops``, ``sized``: as the policy takes
+        them); only for a policy that ``needs_calibration``."""
+        raise PolicyError(f"policy {self.name!r} plans with no costs")
 
     def knobs(self) -> dict[str, Any]:
         """The parameters that are the policy's own choice (plain values): ``type(p)(**p.knobs())`` builds
