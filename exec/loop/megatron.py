@@ -154,11 +154,7 @@ class MegatronRuntime(PipelineRuntime):
 
     def run_iteration(self, iteration: int) -> LoopStats:
         """Run this rank's program for ``iteration`` (the runner was begun by the caller)."""
-        sched, self.iteration, self.stats = self.sched, iteration, LoopStats()
-        sched.reset(self.sizes)
-        if self.memory is not None:
-            sched.use_bytes(*self.memory)
-        self.injector.begin(iteration, self.spec.num_stages, self.spec.microbatches)
+        sched = self._prologue(iteration)  # the readiness loop's: one iteration start for both
         t0 = time.monotonic()
         for pc, step in enumerate(self.program):
             self.pc = pc

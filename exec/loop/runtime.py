@@ -168,15 +168,7 @@ class PipelineRuntime:
     # -- one iteration --------------------------------------------------------------------------
     def run_iteration(self, iteration: int) -> LoopStats:
         """Run every task of this rank for ``iteration`` (the runner was begun by the caller)."""
-        sched, self.iteration, self.stats = self.sched, iteration, LoopStats()
-        sched.reset(self.sizes)
-        if self.memory is not None:
-            sched.use_bytes(*self.memory)
-        self._tag = board_tag(self.trial, iteration)
-        if self.clocked and self.ctx.board is not None:
-            sched.listen(self._board_since, None if self._busy is None else self._busy.busy)
-        if self.injector is not None:
-            self.injector.begin(iteration, self.spec.num_stages, self.spec.microbatches)
+        sched = self._prologue(iteration)
         t0 = time.monotonic()
         for arrival in self.ctx.early.pop((self.trial, iteration), []):
             self._accept(arrival)
@@ -195,6 +187,21 @@ class PipelineRuntime:
         self.stats.loop, self.stats.flush = t1 - t0, time.monotonic() - t1
         self.meter.loop(self.stats.overhead_per_task * self.stats.tasks, self.stats.tasks)
         return self.stats
+
+    def _prologue(self, iteration: int) -> SchedulerProtocol:
+        """An iteration's start, for this loop and the programs built on it (rrfp.exec.loop.megatron):
+        fresh stats, the scheduler reset with the iteration's sizes and byte budget, the start board
+        heard (clocked policies), the injected delays drawn. Returns the scheduler."""
+        sched, self.iteration, self.stats = self.sched, iteration, LoopStats()
+        sched.reset(self.sizes)
+        if self.memory is not None:
+            sched.use_bytes(*self.memory)
+        self._tag = board_tag(self.trial, iteration)
+        if self.clocked and self.ctx.board is not None:
+            sched.listen(self._board_since, None if self._busy is None else self._busy.busy)
+        if self.injector is not None:
+            self.injector.begin(iteration, self.spec.num_stages, self.spec.microbatches)
+        return sched
 
     def _execute(self, task: Task) -> None:
         sched, runner = self.sched, self.runner
