@@ -22,9 +22,16 @@ on the profile; then, per trial, the predicted step time on the profile and on i
 the measured one (ratio = predicted / measured), the measured order, what advise says to run, and the
 load average before and after (quote it: the timings are this machine's, under whatever else runs; a
 load that changes between the profile and the trials moves every ratio of the second table alike).
-Measured is the median step. Last, PASS/MISS per goal (benchmarks/fidelity_goals.py): each of advise's
-top ``--top`` predicted within max(10%, the measured 95% CI half-width) of its measured median, their
-median |error| <= 5%, and advise's answer and top candidate never slower than fixed/1f1b beyond the CI.
+Measured is the median step. Models (``--model``, benchmarks/fidelity_models.py): the residual MLP, the
+project's GPT, a BERT-style encoder of HF ``transformers`` layers on unpadded variable-length microbatches
+with attention masks (``kwarg_mbs``), a conv net; ``all`` runs each. Cross-hint what-ifs: every launch
+records fixed/1f1b and fixed/zb-h1 (``trace_out``); each trace less its warm-up step is replayed with the
+profile (``rrfp-sim --replay T --profile P``) as fixed/zb-h1 and rrfp/bfw@2x (from 1f1b) and as fixed/1f1b
+(from zb-h1), and fixed/zbv at v = 2 is predicted by the profile alone (a trace fixes its v), each against
+that trial's measured median: within 10%. Last, PASS/MISS per goal (benchmarks/fidelity_goals.py): each
+of advise's top ``--top`` predicted within max(10%, the measured 95% CI half-width) of its measured
+median, their median |error| <= 5%, and advise's answer and top candidate never slower than fixed/1f1b
+beyond the CI.
 """
 
 from __future__ import annotations
@@ -70,8 +77,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def stages_for(blocks: list[Any], v: int, placement: str, rank: int) -> list[Any]:
-    """This rank's PipelineStages over ``blocks`` at ``v`` (2 ranks): loop (r, r + 2) or V (r, 3 - r)."""
+def stages_for(blocks: list[Any], v: int, placement: str, rank: int, wrap: Any = None) -> list[Any]:
+    """This rank's PipelineStages over ``blocks`` at ``v`` (2 ranks): loop (r, r + 2) or V (r, 3 - r);
+    ``wrap``: a stage's module of its blocks (None: an nn.Sequential)."""
     import torch
     from torch import nn
     from torch.distributed.pipelining import PipelineStage
@@ -79,9 +87,8 @@ def stages_for(blocks: list[Any], v: int, placement: str, rank: int) -> list[Any
     n = 2 * v
     per = len(blocks) // n
     idx = [rank] if v == 1 else ([rank, 3 - rank] if placement == "v" else [rank, rank + 2])
-    return [
-        PipelineStage(nn.Sequential(*blocks[i * per : (i + 1) * per]), i, n, torch.device("cpu")) for i in idx
-    ]
+    wrap = wrap or (lambda bs: nn.Sequential(*bs))
+    return [PipelineStage(wrap(blocks[i * per : (i + 1) * per]), i, n, torch.device("cpu")) for i in idx]
 
 
 def _cli(args: list[str]) -> dict[str, Any]:
@@ -91,9 +98,11 @@ def _cli(args: list[str]) -> dict[str, Any]:
 
     from rrfp.sim.cli import main
 
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+    buf, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(err), contextlib.suppress(SystemExit):
         main(args)
+    if not buf.getvalue().strip():
+        raise RuntimeError(f"rrfp-sim {' '.join(args)}: {err.getvalue().strip()}")
     return json.loads(buf.getvalue())
 
 
@@ -110,9 +119,7 @@ def predict(profile: str, trial: dict[str, Any], a: argparse.Namespace) -> float
     doc = _cli(["--profile", profile, "-m", str(a.microbatches), "--seeds", str(a.seeds),
                 "-v", str(trial["v"]), "--hint", args["hint"], "--policy", args["policy"],
                 "--memory-budget", args["memory_budget"], "--json"])  # fmt: skip
-    label = trial["trial"].split("@")[0]
-    row = next(r for r in doc["results"] if r["trial"] == label or r["trial"].startswith(label + "@"))
-    return row["iteration_time"]["mean"]
+    return result_row(doc, trial["trial"])["iteration_time"]["mean"]
 
 
 def costs_only(out: Path) -> str:
@@ -140,8 +147,7 @@ def plan_trials(a: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     picked = [*with_p["candidates"][: a.top], old["candidates"][0]]
     if with_p["fixed_answer"] is not None:
         ans = with_p["fixed_answer"]
-        picked.insert(0, {"trial": ans["trial"], "virtual_stages": 1, "stages": "one PipelineStage a rank",
-                          "schedule_readiness": ans["schedule_readiness"]})  # fmt: skip
+        picked.insert(0, ans)
     fixed = {"hint": "1f1b", "policy": "fixed", "memory_budget": "1x"}
     picked.append({"trial": "fixed/1f1b", "virtual_stages": 1, "schedule_readiness": fixed, "stages": "one"})
     trials: dict[tuple[str, int], dict[str, Any]] = {}
@@ -153,6 +159,11 @@ def plan_trials(a: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
             "stages": r["stages"],
         }
         trials.setdefault((t["trial"], t["v"]), t)
+    for name, v in WHATIF_TARGETS:  # what the recorded traces' what-ifs are checked against
+        policy, hint, budget = split_name(name)
+        args = {"hint": hint, "policy": policy, "memory_budget": budget}
+        stages = "2 PipelineStages a rank (V placement)" if hint == "zbv" else "one"
+        trials.setdefault((name, v), {"trial": name, "v": v, "args": args, "stages": stages})
     top = {(r["trial"], r["virtual_stages"]) for r in with_p["candidates"][: a.top]}
     for key, t in trials.items():
         t["top"] = key in top  # one of advise's top --top on the profile (the goal judges these)
@@ -173,29 +184,33 @@ def rank_main(rank: int, port: int, a: argparse.Namespace, plan: list[dict[str, 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     out = Path(a.out)
     model = build(a.model, a)
-    blocks, xs, ys, loss = model.blocks, model.xs, model.ys, model.loss
+    blocks, xs, ys, loss, kws = model.blocks, model.xs, model.ys, model.loss, model.kwargs
     first, last = rank == 0, rank == 1
     trials = plan
     if trials is None:  # the first launch profiles and plans; later ones rerun its trials
-        profile(stages_for(blocks, 1, "loop", rank), xs if first else None, ys if last else None,
-                loss_fn=loss, out=str(out / "profile.parquet"))  # fmt: skip
+        mine = stages_for(blocks, 1, "loop", rank, model.stage)
+        profile(mine, xs if first else None, ys if last else None, loss_fn=loss, kwarg_mbs=kws,
+                out=str(out / "profile.parquet"))  # fmt: skip
         box: list[Any] = [plan_trials(a, out) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         trials = box[0]
     scheds = []
     for t in trials:
         placement = "v" if "V placement" in t["stages"] else "loop"
-        st = stages_for(blocks, t["v"], placement, rank)
+        st = stages_for(blocks, t["v"], placement, rank, model.stage)
         first_r = any(s.is_first for s in st)
         last_r = any(s.is_last for s in st)
-        scheds.append((ScheduleReadiness(st, a.microbatches, loss, **t["args"]), first_r, last_r))
+        traced = TRACED.get((t["trial"], t["v"]))  # the what-ifs' sources: a trace of every launch
+        trace = str(out / f"trace-{traced}-{a.launch}.parquet") if traced else None
+        sched = ScheduleReadiness(st, a.microbatches, loss, **t["args"], trace_out=trace)
+        scheds.append((sched, first_r, last_r))
     times: list[list[float]] = [[] for _ in trials]
     for _ in range(a.rounds):
         for k, (sched, f, lst) in enumerate(scheds):
             dist.barrier()
             t0 = time.monotonic()
             sched.step_microbatches(
-                arg_mbs=xs if f else None, target_mbs=ys if lst else None, return_outputs=False
+                arg_mbs=xs if f else None, target_mbs=ys if lst else None, kwarg_mbs=kws, return_outputs=False
             )
             times[k].append(time.monotonic() - t0)
     for sched, _, _ in scheds:
@@ -263,6 +278,76 @@ def goals(trials: list[dict[str, Any]], a: argparse.Namespace) -> None:
             print(judge_first_pick(f"{what} {t['trial']} vs fixed/1f1b", t["steps"], base["steps"]).line())
 
 
+TRACED = {("fixed/1f1b", 1): "1f1b", ("fixed/zb-h1", 1): "zb-h1"}
+"""The trials whose steps are recorded (``trace_out``) as the what-ifs' sources."""
+WHATIFS = {
+    "1f1b": (("fixed/zb-h1", 1), ("rrfp/bfw@2x", 1), ("fixed/zbv", 2)),
+    "zb-h1": (("fixed/1f1b", 1),),
+}
+"""Per source trace (fixed/<hint>): the trials (name, v) its replay predicts -- another hint, a readiness
+policy at twice the memory, v = 2 -- each also run and measured."""
+WHATIF_TARGETS = tuple(dict.fromkeys(t for ts in WHATIFS.values() for t in ts))
+
+
+def split_name(name: str) -> tuple[str, str, str]:
+    """``policy/hint[@budget]`` -> (policy, hint, budget)."""
+    head, _, budget = name.partition("@")
+    policy, hint = head.split("/", 1)
+    return policy, hint, budget or "1x"
+
+
+def whatifs(out: Path, a: argparse.Namespace, trials: list[dict[str, Any]]) -> None:
+    """Cross-hint what-ifs: each launch's trace of fixed/1f1b (and of fixed/zb-h1) replayed with the
+    profile (``rrfp-sim --replay T --profile P``) as another fixed order, its warm-up step dropped; the
+    median over launches against that order's measured median step."""
+    from benchmarks.fidelity_goals import judge_whatif
+
+    measured = {(t["trial"], t["v"]): t["measured"] for t in trials}
+    print("cross-hint what-ifs (a recorded fixed order replayed as another, on the profile):")
+    for source, targets in WHATIFS.items():
+        for target, v in targets:
+            traces = [trimmed(out / f"trace-{source}-{k}.parquet") for k in range(a.launches)]
+            preds = [replay(trace, out, target, v, a) for trace in traces]
+            name = f"fixed/{source} -> {target} v={v}" + ("" if v == 1 else " (the profile alone)")
+            print(judge_whatif(name, statistics.median(preds), measured[(target, v)]).line())
+
+
+def trimmed(trace: Path) -> str:
+    """``trace`` less its first (warm-up) step, as the measured steps are; beside it."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(trace)
+    kept = table.filter(pc.greater(table["iteration"], 0))
+    kept = kept.set_column(kept.schema.get_field_index("iteration"), "iteration",
+                           pc.subtract(kept["iteration"], 1))  # fmt: skip
+    path = trace.with_name(trace.stem + "-kept.parquet")
+    pq.write_table(kept, path)
+    return str(path)
+
+
+def replay(trace: str, out: Path, target: str, v: int, a: argparse.Namespace) -> float:
+    """The mean step time (s) rrfp-sim predicts for the trial ``target`` at ``v`` from ``trace`` (its
+    v = 1). A trace fixes its v (rrfp-sim refuses -v with --replay): at v = 2 the prediction is the
+    profile's alone, its per-stage costs divided by depth (rrfp-sim --profile -v 2)."""
+    policy, hint, budget = split_name(target)
+    if v != 1:
+        return predict(str(out / "profile.parquet"), {"trial": target, "v": v, "args": {
+            "hint": hint, "policy": policy, "memory_budget": budget}}, a)  # fmt: skip
+    doc = _cli(["--replay", trace, "--profile", str(out / "profile.parquet"), "--policy", policy,
+                "--hint", hint, "--memory-budget", budget, "--json"])  # fmt: skip
+    return result_row(doc, target)["iteration_time"]["mean"]
+
+
+def result_row(doc: dict[str, Any], name: str) -> dict[str, Any]:
+    """rrfp-sim's result row of the trial ``name`` (its label may carry the budget or not)."""
+    label = name.split("@")[0]
+    rows = [r for r in doc["results"] if r["trial"] in (name, label) or r["trial"].startswith(label + "@")]
+    if not rows:
+        raise RuntimeError(f"no result for {name} among {[r['trial'] for r in doc['results']]}")
+    return rows[0]
+
+
 def main() -> None:
     a = parse()
     for name in MODELS if a.model == "all" else [a.model]:
@@ -285,6 +370,7 @@ def run_model(a: argparse.Namespace) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        a.launch = k
         mp.start_processes(rank_main, args=(port, a, plan), nprocs=2, start_method="spawn")
         plan = json.loads((out / "launch.json").read_text())
         steps = [[*old, *t["steps"]] for old, t in zip(steps or [[] for _ in plan], plan, strict=True)]
@@ -294,6 +380,7 @@ def run_model(a: argparse.Namespace) -> None:
         t["steps"], t["measured"] = st, statistics.median(st)
     (out / "trials.json").write_text(json.dumps(plan, indent=1))
     report(out, load, a)
+    whatifs(out, a, plan or [])
 
 
 if __name__ == "__main__":

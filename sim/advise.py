@@ -491,7 +491,9 @@ def advice_json(
     searched = {"candidates": len(search.candidates), "seeds": search.schedule, "rounds": search.rounds,
                 "over_device": over_count(search)}  # fmt: skip
     fixed = None if answer is None else {"trial": answer.candidate.plan.key.label,
-                                         "schedule_readiness": readiness_args(answer)}  # fmt: skip
+                                         "virtual_stages": answer.candidate.v,
+                                         "schedule_readiness": readiness_args(answer),
+                                         "stages": stages_note(answer)}  # fmt: skip
     return {"config": {**config_head(command), "stages": cfg.study.pp, "microbatches": cfg.study.m},
             "search": searched, "costs": cost_lines(cfg, sorted({c.v for c in search.candidates})),
             "fixed_answer": fixed, "candidates": rows}  # fmt: skip

@@ -53,7 +53,7 @@ def test_a_whatif_off_by_more_than_10_percent_misses():
         judge_whatif("zb-h1", 0.1, 0.0)
 
 
-@pytest.mark.parametrize("name", ["mlp", "gpt", "conv"])
+@pytest.mark.parametrize("name", ["mlp", "gpt", "bert", "conv"])
 def test_each_model_runs_its_microbatches_through_its_blocks_to_a_loss(name):
     import argparse
 
@@ -64,9 +64,11 @@ def test_each_model_runs_its_microbatches_through_its_blocks_to_a_loss(name):
     a = argparse.Namespace(width=32, blocks=4, batch=16, microbatches=4)
     m = build(name, a)
     assert len(m.blocks) == 4 and len(m.xs) == len(m.ys) == 4
-    out = m.xs[0]
-    for b in m.blocks:
-        out = b(out)
+    kwargs = m.kwargs[0] if m.kwargs else {}
+    if name == "bert":  # unpadded: each microbatch its own length, and a mask every stage takes
+        assert len({x.shape[1] for x in m.xs}) > 1 and set(kwargs) == {"mask"}
+    stage = m.stage(m.blocks) if m.stage else torch.nn.Sequential(*m.blocks)
+    out = stage(m.xs[0], **kwargs)
     assert torch.isfinite(m.loss(out, m.ys[0]))
 
 
@@ -95,7 +97,9 @@ def test_quick_prints_each_launch_with_its_load_and_a_verdict_per_goal(tmp_path)
     assert re.search(r"launch 1/1: load average \d+\.\d\d before, \d+\.\d\d after", out)
     verdicts = re.findall(r"^(PASS|MISS) (.+): error [+-]\d", out, re.M)
     names = [n for _, n in verdicts]
-    assert len([n for n in names if " v=" in n and " vs " not in n]) == 2  # the top 2
+    assert len([n for n in names if " v=" in n and " vs " not in n and " -> " not in n]) == 2  # the top 2
+    whatifs = [n for n in names if " -> " in n]  # from fixed/1f1b: 3, from fixed/zb-h1 back: 1
+    assert len(whatifs) == 4 and sum(n.startswith("fixed/zb-h1 -> fixed/1f1b") for n in whatifs) == 1
     assert "median |error| of the candidates" in names
     assert (tmp_path / "conv" / "trials.json").exists()
 

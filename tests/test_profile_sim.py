@@ -195,7 +195,11 @@ def test_advise_answers_with_the_fixed_order_when_nothing_beats_it(
     assert f"hint='{answer[0].split('fixed/')[1].split(':')[0].split(' ')[0]}'" in calls[0]
     code, out, err = sim([*args, "--json"], capsys)
     assert code == 0, err
-    assert json.loads(out)["fixed_answer"]["schedule_readiness"]["policy"] == "fixed"
+    fixed = json.loads(out)["fixed_answer"]
+    assert fixed["schedule_readiness"]["policy"] == "fixed"
+    # what a user needs to build it: its stages per rank (interleaved orders need 2) and their layout
+    needs_two = fixed["schedule_readiness"]["hint"] in ("interleaved-1f1b", "zbv")
+    assert fixed["virtual_stages"] == (2 if needs_two else 1) and "PipelineStage" in fixed["stages"]
 
 
 def test_advise_keeps_the_candidates_when_readiness_wins(capsys: pytest.CaptureFixture[str]) -> None:
