@@ -7,6 +7,9 @@ the loop's time to the task before it). What a trace cannot say:
   split costs against B ((I + W) / B) from the profile's split run, and charges the second task its
   per-task overhead (B carried one, I and W carry one each); without a profile it assumes I = W = B/2
   and no extra cost, and says so;
+* what a split run's I and W cost as one B -- an unsplit what-if of a split trace runs each backward at
+  (I + W less their two overheads) / ((I + W) / B) plus one overhead (a split backward walks the graph
+  twice, so B is cheaper than I + W); without a profile it takes B = I + W, and says so;
 * what another policy class costs per task -- a clocked what-if (backfill, guarded, auto) of a fixed run
   is charged the profile's clocked-minus-fixed overhead on every task (and the other way round; a split
   order's overhead for a split hint).
@@ -51,8 +54,10 @@ def _split_ratio(profile: Profile, stage: int) -> float:
 def profiled_samples(
     rep: Replay, samples: list[list[list[IterationSample]]], split: bool, profile: Profile
 ) -> list[list[list[IterationSample]]]:
-    """``samples`` of an unsplit trace on a split hint with I and W from the profile (module docstring);
-    any other samples unchanged."""
+    """``samples`` of an unsplit trace on a split hint with I and W from the profile, and of a split trace
+    on an unsplit hint with B from the profile (module docstring); any other samples unchanged."""
+    if rep.spec.split and not split:
+        return _merged(rep, samples, profile)
     if rep.spec.split or not split:
         return samples
     share, ratio = (x[:, None] for x in _shares(rep, profile))  # (stages, 1) each
@@ -62,6 +67,22 @@ def profiled_samples(
         b = s.I + s.W
         work = np.maximum(b - o, 0.0) * ratio  # B's compute without its one overhead, split as measured
         return IterationSample(s.F, share * work + o, (1.0 - share) * work + o, s.comm)
+
+    return [[[one(s) for s in per_tp] for per_tp in per_dp] for per_dp in samples]
+
+
+def _merged(
+    rep: Replay, samples: list[list[list[IterationSample]]], profile: Profile
+) -> list[list[list[IterationSample]]]:
+    """A split trace's I and W scaled so that I + W is the B the profile measured against them."""
+    ratio = _shares(rep, profile)[1][:, None]
+    o = _overhead(profile, rep.policy, split=True)
+
+    def one(s: IterationSample) -> IterationSample:
+        both = s.I + s.W
+        b = np.maximum(both - 2 * o, 0.0) / ratio + o  # one task: its compute as B, one overhead
+        f = np.divide(b, both, out=np.ones_like(both), where=both > 0)
+        return IterationSample(s.F, s.I * f, s.W * f, s.comm)
 
     return [[[one(s) for s in per_tp] for per_tp in per_dp] for per_dp in samples]
 
@@ -77,8 +98,14 @@ def cost_notes(
 ) -> list[str]:
     """What the what-ifs assumed that the trace does not say (shown under the replay's header)."""
     split = not rep.spec.split and any(p[1].spec.split for p in planned)
+    merge = rep.spec.split and any(not p[1].spec.split for p in planned)
     other = any(_clocked(p[0].policy) != _clocked(rep.policy) for p in planned)
     notes = []
+    if merge:
+        notes.append(
+            "unsplit what-ifs of this split trace: B = I + W (no --profile)" if profile is None else
+            "unsplit what-ifs: each backward's I + W as the profile's B, by its (I + W) / B, one overhead"
+        )  # fmt: skip
     if split and profile is None:
         notes.append(
             "the trace has only B: split what-ifs assume I = W = B/2 and no runtime overhead for the extra "

@@ -179,6 +179,30 @@ def test_a_replay_split_what_if_takes_i_w_from_the_profile(
     assert after["fixed/zb-h1"] != before["fixed/zb-h1"]
 
 
+def test_a_replay_unsplit_what_if_of_a_split_trace_runs_b_as_the_profile_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """From a zb-h1 trace to 1f1b: I + W above B (split_cost) makes B cheaper than the trace's I + W."""
+    trace = "traces/gpt-rrfp-zb-h1.parquet"
+    args = ["--replay", trace, "--policy", "fixed", "--hint", "1f1b", "--json"]
+    code, plain, err = sim(args, capsys)
+    assert code == 0, err
+    assert any("B = I + W (no --profile)" in n for n in json.loads(plain)["replay"]["notes"])
+    times = {}
+    for cost in (0.0, 1.0):  # (I + W) / B = 1, then 2: the unsplit what-if's backward halves
+        path = make_profile(tmp_path / f"p{cost}.parquet", b=1.0, split_cost=cost / 2)
+        code, out, err = sim([*args, "--profile", str(path)], capsys)
+        assert code == 0, err
+        doc = json.loads(out)
+        assert any("I + W as the profile's B" in n for n in doc["replay"]["notes"])
+        times[cost] = next(r for r in doc["results"] if r["trial"].startswith("fixed/1f1b"))[
+            "iteration_time"
+        ]["mean"]
+    assert times[1.0] < times[0.0]
+    before = next(r for r in json.loads(plain)["results"] if r["trial"].startswith("fixed/1f1b"))
+    assert times[0.0] == pytest.approx(before["iteration_time"]["mean"], rel=1e-9)  # ratio 1: unchanged
+
+
 # -- advise ------------------------------------------------------------------------------------------------
 def test_advise_answers_with_the_fixed_order_when_nothing_beats_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
