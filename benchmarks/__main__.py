@@ -3,9 +3,11 @@
     .venv/bin/python -m benchmarks list                       # each benchmark, its run time, what it measures
     .venv/bin/python -m benchmarks library_fidelity --help    # one benchmark's own options
     .venv/bin/python -m benchmarks policy_table --seeds 5     # run one (as -m benchmarks.policy_table does)
+    .venv/bin/python -m benchmarks bench_sim --repeat 2       # an alias: sim_speed with bench_sim's defaults
 
 Run from the repository root (``-m`` puts the current folder on the import path). A benchmark runs as its
 own ``__main__``, exactly as ``python benchmarks/NAME.py`` runs it, so worker processes it spawns find it.
+An alias (benchmarks/registry.py's ALIASES) runs the script it names with its arguments before the caller's.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import runpy
 import sys
 
-from benchmarks.registry import BENCHMARKS, listing
+from benchmarks.registry import listing, resolve
 
 USAGE = "usage: python -m benchmarks list | python -m benchmarks NAME [ARGS...]"
 
@@ -27,11 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     if args[0] == "list":
         print("\n".join(listing()))
         return 0
-    name = args[0].removesuffix(".py").removeprefix("benchmarks/")
-    if name not in BENCHMARKS:
+    try:
+        name, rest = resolve(args[0].removesuffix(".py").removeprefix("benchmarks/"), args[1:])
+    except KeyError:
         print(f"benchmarks: no benchmark {args[0]!r}; see `python -m benchmarks list`", file=sys.stderr)
         return 2
-    sys.argv = [f"benchmarks/{name}.py", *args[1:]]  # runpy puts the module's file in sys.argv[0]
+    sys.argv = [f"benchmarks/{name}.py", *rest]  # runpy puts the module's file in sys.argv[0]
     runpy.run_module(f"benchmarks.{name}", run_name="__main__", alter_sys=True)
     return 0
 

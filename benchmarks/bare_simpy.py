@@ -9,7 +9,8 @@ rank. No scheduler, no memory budget, no readiness arbitration, no trace -- so t
     .venv/bin/python benchmarks/bare_simpy.py --pp 16 --microbatches 64
 
 It is independent of rrfp on purpose (it builds its own 1F1B order), so the two also cross-check each
-other: at constant durations both must report the same makespan (``benchmarks/bench_sim.py`` asserts it).
+other: at constant durations both must report the same makespan (``benchmarks/sim_speed.py --durations
+constant`` checks it).
 """
 
 from __future__ import annotations
