@@ -10,7 +10,7 @@ import torch
 
 import rrfp
 from rrfp.dispatch.backfill import Backfill
-from rrfp.exec.comm.board import BoardError, StartBoard, board_tag, shared_dir
+from rrfp.exec.comm.board import StartBoard, board_tag, shared_dir
 from rrfp.exec.comm.transport import Arrival
 from rrfp.exec.jobs.worker import resolve_announce
 from rrfp.exec.loop.runtime import PipelineRuntime, RankContext, board_slots
@@ -203,12 +203,22 @@ def _cfg(announce: str, policy: str = "backfill", pp: int = 4) -> SimpleNamespac
 
 
 def test_announce_auto_takes_the_board_on_one_host_for_backfill_only() -> None:
-    assert resolve_announce(_cfg("auto"), one_host=True) == "board"  # type: ignore[arg-type]
-    assert resolve_announce(_cfg("auto"), one_host=False) == "all"  # type: ignore[arg-type]
-    assert resolve_announce(_cfg("auto", policy="rrfp"), one_host=True) == "all"  # type: ignore[arg-type]
-    assert resolve_announce(_cfg("none"), one_host=True) == "none"  # type: ignore[arg-type]
-    with pytest.raises(BoardError, match="one host"):
-        resolve_announce(_cfg("board"), one_host=False)  # type: ignore[arg-type]
+    one, two = ["h", "h"], ["h", "g"]
+    assert resolve_announce(_cfg("auto"), one) == "board"  # type: ignore[arg-type]
+    assert resolve_announce(_cfg("auto"), two) == "all"  # type: ignore[arg-type]
+    assert resolve_announce(_cfg("auto", policy="rrfp"), one) == "all"  # type: ignore[arg-type]
+    assert resolve_announce(_cfg("none"), one) == "none"  # type: ignore[arg-type]
+
+
+def test_board_across_hosts_is_one_error_kind_in_rrfp_run_and_the_library() -> None:
+    from rrfp.exec.pipelining import StageLayoutError
+    from rrfp.exec.pipelining.starts import resolve_announce as library_resolve
+
+    with pytest.raises(StageLayoutError, match="one host") as run:
+        resolve_announce(_cfg("board"), ["h", "g"])  # type: ignore[arg-type]
+    with pytest.raises(StageLayoutError, match="one host") as library:
+        library_resolve("board", ["h", "g"], True, 4)
+    assert str(run.value) == str(library.value) and isinstance(run.value, rrfp.errors.UserError)
 
 
 BUSY_POLICY = """

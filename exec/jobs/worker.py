@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from rrfp.exec import faults
 from rrfp.exec.comm import liveness
-from rrfp.exec.comm.board import BoardError, open_board
+from rrfp.exec.comm.board import open_board
 from rrfp.exec.comm.topology import CTRL_MIN_TIMEOUT_S, Topology, build_groups, pick_backend, pick_device
 from rrfp.exec.comm.topology import topology_from_env as _topology_from_env
 from rrfp.exec.comm.transport import Transport
@@ -39,6 +39,7 @@ from rrfp.exec.jobs.trials import RrfpTrial, TrialContext, TrialOutcome
 from rrfp.exec.loop.decision_log import write_decision_log
 from rrfp.exec.loop.runtime import RankContext
 from rrfp.exec.models.check import Reference, compare_run, reference
+from rrfp.exec.pipelining import starts
 from rrfp.exec.pipelining.channels import ReadinessPipeline
 from rrfp.exec.report import announce, emit
 from rrfp.exec.results import ExecMeasures, exec_result
@@ -116,12 +117,12 @@ class Worker:
         if cfg.study.pp > 1:
             to_global = self.topo.global_rank
             self.transport = Transport(self.groups.channels, self.topo.pp_rank, to_global, self.device)
-        one_host = same_host(self.groups.ctrl)
-        self.offset = 0.0 if one_host else _ping_pong(self.groups.ctrl, 8)
+        hosts = host_names(self.groups.ctrl)
+        self.offset = 0.0 if len(set(hosts)) == 1 else _ping_pong(self.groups.ctrl, 8)
         if self.transport is not None:
             self.transport.offset = self.offset  # times on the wire are on rank 0's clock
         self.pipeline_ctrl = pipeline_ctrl(self.topo, cfg.timeout)
-        self.announce = resolve_announce(cfg, one_host)
+        self.announce = resolve_announce(cfg, hosts)
         self.board, self.board_base, self.board_running = None, 0, -1
         if self.announce == "board":
             codes = board_slots_per_pipeline(cfg)
@@ -361,22 +362,19 @@ def pipeline_ctrl(topo: Topology, timeout_s: float) -> Any:
     return mine
 
 
-def same_host(group: Any) -> bool:
-    """Do all ranks of ``group`` run on this host (a collective)?"""
+def host_names(group: Any) -> list[str]:
+    """The host name of every rank of ``group``, by group rank (a collective)."""
     hosts: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(hosts, socket.gethostname(), group=group)
-    return len(set(hosts)) == 1
+    return hosts
 
 
-def resolve_announce(cfg: RunConfig, one_host: bool) -> str:
-    """--announce with ``auto`` decided: the start board when every rank is on one host and some trial
-    runs backfill, else announcement messages; ``board`` across hosts is an error."""
-    if cfg.announce == "board" and not one_host:
-        raise BoardError("--announce board needs every rank on one host; use all, backward or none")
-    if cfg.announce != "auto":
-        return cfg.announce
+def resolve_announce(cfg: RunConfig, hosts: list[str]) -> str:
+    """--announce with ``auto`` decided by the library's rule (rrfp.exec.pipelining.starts): the start
+    board when every rank is on one host and some trial runs a clocked policy, else announcement
+    messages; ``board`` across hosts is the library's StageLayoutError (a user error), as there."""
     clocked = any(clocked_policy(t.policy) for t in cfg.trials if not t.is_baseline)
-    return "board" if one_host and clocked and cfg.study.pp > 1 else "all"
+    return starts.resolve_announce(cfg.announce, hosts, clocked, cfg.study.pp)
 
 
 def board_slots_per_pipeline(cfg: RunConfig) -> int:
