@@ -24,8 +24,8 @@ launches). ("2x" is twice the hint's own peak per rank, capped by the microbatch
 ZB-H2 at 2x may hold all 8 on every rank, 1F1B at 2x holds 8, 6, 4, 2 -- the result rows'
 ``peak_activations`` say what each trial held.) backfill runs its no-clock rule in the warm-up, is then
 calibrated on the warm-up's measured mean costs and message time (rrfp/exec/calibrate.py), and runs
-clocked from then on: it reads producers' starts off the same-host start board (``--announce auto``,
-rrfp/exec/board.py) or from announcement messages. ``vs_fixed``: the paired rate against fixed on the
+clocked from then on: it reads producers' starts off the same-host start board (rrfp-run's ``--announce
+auto``, rrfp/exec/board.py) or from announcement messages. ``vs_fixed``: the paired rate against fixed on the
 same hint in the same launch.
 
 Per trial: median and mean iteration time over ``--iterations`` (after ``--warmup``); the rate relative
@@ -129,7 +129,7 @@ def model_flags(args: argparse.Namespace) -> list[str]:
 def launches(args: argparse.Namespace) -> dict[str, list[str]]:
     """The study's launches by name: the rrfp-run flags of each."""
     it = ["--iterations", str(args.iterations), "--warmup", str(args.warmup), "--seed", "0"]
-    it += ["--announce", args.announce]
+    it += ["--announce", args.announce] if args.announce else []  # rrfp-run refuses it without backfill
     trials = args.trials or TRIALS
     real = [*model_flags(args), "--trials", trials, "--baseline", TORCH, *it]
     jitter = ["--jitter", "lognormal", "--cv", str(args.cv), "--inject-ms", str(args.inject_ms)]
@@ -443,7 +443,9 @@ def parser() -> argparse.ArgumentParser:
     add("--only", default=None, help="study: comma list of launch names (see above)")
     trials = f"rrfp-run --trials of real, real-jitter, synthetic; --overhead: {OVERHEAD_TRIALS} + torch:1F1B"
     add("--trials", default=None, help=trials)
-    add("--announce", default="auto", help="study: rrfp-run --announce (auto, board, all, ...)")
+    add(
+        "--announce", default=None, help="study: rrfp-run --announce (auto, board, all, ...; default its own)"
+    )
     add("--timeout", type=float, default=900.0, help="seconds per launch")
     add("--out", type=Path, default=Path("results/exec_study"))
     add("--tabulate", action="store_true", help="study: re-read --out's launches instead of running")

@@ -228,7 +228,7 @@ OLD_DEFAULTS = {
     "bench_exec": ("exec_study", {"only": "real,real-jitter", "overhead": False, "pp": 4, "iterations": 30,
                                   "warmup": 3, "hidden": 128, "seq_len": 64, "microbatch_size": 4,
                                   "microbatches": 8, "layers": 8, "inject_ms": 20.0, "cv": 0.5,
-                                  "timeout": 1800.0,
+                                  "timeout": 1800.0, "announce": None,
                                   "trials": "fixed/1f1b,rrfp/1f1b,rrfp/1f1b@2x,fixed/zb-h1,rrfp/zb-h1@2x"}),
     "exec_overhead": ("exec_study", {"overhead": True, "pp": 2, "iterations": 30, "microbatches": 8,
                                      "launches": 3, "trials": "fixed/1f1b,rrfp/1f1b", "jitter": False,
