@@ -6,7 +6,8 @@
   replays), and that the bound's checker catches a chooser that commits to the wrong arm;
 * the simulator: each iteration of ``--policy auto`` is its chosen arm's iteration on the same sample
   (what benchmarks/auto_study.py composes), the choice is next_arm's on the measured times, a traced
-  run records every iteration after the one before, and a driver that does not switch runs backfill.
+  run records every iteration after the one before, and a driver that does not switch runs backfill:
+  auto holds its safe arm (it is no Backfill) and every pick, candidate list and logged cost is its.
 """
 
 from __future__ import annotations
@@ -260,6 +261,91 @@ def test_a_driver_that_does_not_switch_runs_backfill():
     ]
     assert runs[0].log == runs[1].log
     assert isinstance(rrfp.get_policy("auto"), Auto)
+
+
+def test_auto_holds_its_safe_arm_and_declares_what_it_needs() -> None:
+    """``auto`` is no Backfill: it holds one, built from its own (Backfill's) parameters, and declares
+    the capabilities a driver feeds that arm; its cost model reads and writes through to it."""
+    import inspect
+
+    from rrfp.dispatch.backfill import Backfill, BackfillError
+
+    assert not issubclass(Auto, Backfill) and issubclass(Auto, rrfp.Policy)
+    assert Auto.arms[0] == Backfill.name
+    assert inspect.signature(Auto).parameters == inspect.signature(Backfill).parameters
+    ops = frozenset({rrfp.Op.F})
+    auto = Auto(
+        expected=lambda t: 3.0, latency=0.5, window=5, margin=0.2, announce_delay=0.1, announced_ops=ops
+    )
+    safe = auto.safe
+    assert type(safe) is Backfill and auto.knobs() == safe.knobs() == {"window": 5, "margin": 0.2}
+    for cap in ("needs_clock", "use_busy", "needs_calibration", "sized_by_default", "announced_ops", "sized"):
+        assert getattr(auto, cap) == getattr(safe, cap), cap
+    assert (auto.latency, auto.announce_delay, auto.expected(rrfp.Task(0, rrfp.Op.F, 0))) == (0.5, 0.1, 3.0)
+    auto.sized = sized = lambda sizes: safe.expected  # a driver's sized model lands on the arm
+    assert safe.sized is sized
+    costed = auto.with_costs(lambda t: 2.0, latency=0.25, announced_ops=frozenset())
+    assert type(costed) is Auto and costed.knobs() == auto.knobs() and costed.safe is not safe
+    assert (costed.latency, costed.announced_ops, costed.sized) == (0.25, frozenset(), None)
+    with pytest.raises(BackfillError, match="window"):
+        Auto(window=0)
+
+
+def test_a_non_switching_auto_decides_and_logs_as_its_safe_arm(monkeypatch) -> None:
+    """Every pick and candidate list (``next``/``ready``), every sized reset and the logged cost model
+    of a non-switching driver's auto are backfill's with the same parameters, and its log replays."""
+    import json
+
+    from rrfp.dispatch import driver
+    from rrfp.dispatch.backfill import Backfill
+    from rrfp.dispatch.decisions import DecisionRecorder, replay
+    from rrfp.dispatch.scheduler import RankScheduler
+    from rrfp.dispatch.sizes import Sizes
+
+    hint = rrfp.make_hint("zb-h1", pp=3, microbatches=6)
+    sizes = Sizes(
+        tuple(100 + 37 * m for m in range(6)), (0,) * 6, tuple((100 + 37 * m) ** 2 for m in range(6))
+    )
+    mean = {"F": 1.0, "B": 2.0, "I": 1.5, "W": 0.5}
+
+    def expected(t: rrfp.Task) -> float:
+        return mean[t.op.value] * (1.0 + 0.1 * t.stage)
+
+    def sized(s: Sizes) -> Callable[[rrfp.Task], float]:
+        return lambda t: expected(t) * s.tokens[t.mb] / 300
+
+    def logged(policy: rrfp.Policy) -> dict[int, list[dict[str, Any]]]:
+        logs: dict[int, list[dict[str, Any]]] = {}
+
+        def factory(hint, rank, pol, budget):
+            logs[rank] = []
+            s = DecisionRecorder(lambda ev, r=rank: logs[r].append(json.loads(json.dumps(ev)))).attach(
+                RankScheduler(hint, rank, pol, budget)
+            )
+            s.reset(sizes=sizes)
+            nxt = s.next
+            s.next = lambda s=s, nxt=nxt: (s.ready(), nxt())[1]
+            return s
+
+        monkeypatch.setattr(driver, "RankScheduler", factory)
+        duration = {
+            t: expected(t) * (0.6 + 0.1 * ((t.mb * 7 + t.stage) % 9)) for o in hint.orders.values() for t in o
+        }
+        driver.run_reference(hint, policy, duration, budget=rrfp.resolve_budget("2x", hint), latency=0.05)
+        return logs
+
+    args = {"expected": expected, "latency": 0.05, "window": 6, "margin": 0.1, "announce_delay": 0.02}
+    ours, theirs = logged(Auto(**args, sized=sized)), logged(Backfill(**args, sized=sized))
+    for rank, events in ours.items():
+        assert (
+            events[0]["policy"].pop("name") == "auto" and theirs[rank][0]["policy"].pop("name") == "backfill"
+        )
+        assert "costs" in events[0]["policy"] and any("costs" in ev for ev in events if ev["ev"] == "reset")
+        assert events == theirs[rank], rank
+        assert sum(ev["ev"] in ("next", "ready") for ev in events) > 20
+    events = logged(Auto(**args))[1]
+    result = replay(events)
+    assert result.first_mismatch is None and result.matches == result.total
 
 
 def test_module_doctest():

@@ -59,8 +59,10 @@ replays each arm on them (rrfp.run_reference with the measured durations and mes
 deterministic, so every rank computes the same numbers) and appends the arms' times to ``history``.
 Every rank then picks the same arm; once committed (after ``rounds`` iterations, or early) nothing
 more is measured or exchanged. A driver that does none of this runs ``auto`` as its safe arm:
-:class:`Auto` *is* a :class:`~rrfp.dispatch.backfill.Backfill` (same parameters, same decisions), so
-it is correct everywhere and only a switching driver adds the choice.
+:class:`Auto` takes :class:`~rrfp.dispatch.backfill.Backfill`'s parameters, builds its safe arm from
+them and hands it every decision (same decisions), so it is correct everywhere and only a switching
+driver adds the choice. It holds that arm rather than being one: what drivers read off it -- clock,
+calibration, arms -- it declares itself, so no driver needs to know what ``auto`` is made of.
 
     >>> from rrfp.dispatch.auto import next_arm
     >>> next_arm([])                                  # nothing replayed yet: the safe arm
@@ -87,11 +89,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from rrfp.dispatch.backfill import Backfill
-from rrfp.dispatch.policies import register_policy
+from rrfp.dispatch.backfill import Backfill, CostModel
+from rrfp.dispatch.policies import Policy, register_policy
 from rrfp.errors import UserError
+
+if TYPE_CHECKING:
+    from rrfp.dispatch.sizes import SizedCostModel, Sizes
+    from rrfp.dispatch.view import SchedulerView
+    from rrfp.plan.task import Op, Task
 
 ARMS: tuple[str, ...] = ("backfill", "rrfp")
 """The arms, safe first: the policies the choice is between."""
@@ -232,9 +239,15 @@ def replaying(
 
 
 @register_policy
-class Auto(Backfill):
+class Auto(Policy):
     """``backfill`` (the safe arm) to a driver that does not switch; a switching driver runs the arms
-    iteration by iteration as :func:`next_arm` says (rrfp.sim.auto)."""
+    iteration by iteration as :func:`next_arm` says (rrfp.sim.auto, rrfp.exec.loop.switch).
+
+    The safe arm is held, not inherited: :attr:`safe` is a :class:`Backfill` built from this policy's
+    parameters, and :meth:`begin_iteration`, :meth:`pick` and :meth:`candidates` are its. The
+    capabilities are declared here, as the safe arm's (a non-switching driver runs that arm, so it
+    must feed it what it needs; tests/test_auto.py holds them equal), and the cost model reads through
+    to the safe arm, so calibration and decision logs treat ``auto`` as the planner it runs."""
 
     name = "auto"
     arms: ClassVar[tuple[str, ...]] = ARMS
@@ -243,7 +256,32 @@ class Auto(Backfill):
     early: ClassVar[float | None] = EARLY
     z: ClassVar[float | None] = Z
     early_from: ClassVar[int] = EARLY_FROM
+    needs_clock: ClassVar[bool] = True
+    """The safe arm plans with the clock: drivers tick and announce while it runs."""
+    use_busy: ClassVar[bool] = False
+    needs_calibration: ClassVar[bool] = True
+    """The safe arm plans with measured costs: :meth:`with_costs` calibrates it."""
+    sized_by_default: ClassVar[bool] = False
 
+    def __init__(
+        self,
+        expected: CostModel | None = None,
+        latency: float = 0.0,
+        window: int = 32,
+        margin: float = 0.0,
+        announce_delay: float = 0.0,
+        announced_ops: frozenset[Op] | None = None,
+        sized: SizedCostModel | None = None,
+    ) -> None:
+        """:class:`Backfill`'s parameters, for the safe arm (checked there: a bad one is a
+        :class:`~rrfp.dispatch.backfill.BackfillError`)."""
+        self.safe = Backfill(
+            expected=expected, latency=latency, window=window, margin=margin,
+            announce_delay=announce_delay, announced_ops=announced_ops, sized=sized,
+        )  # fmt: skip
+        """The safe arm: every decision of a driver that does not switch is its."""
+
+    # -- the choice between the arms ---------------------------------------------------------
     def choose(self, history: Sequence[Replayed]) -> int:
         """The arm of the next iteration (:func:`next_arm` with this policy's parameters)."""
         return next_arm(
@@ -255,3 +293,59 @@ class Auto(Backfill):
         return replaying(
             history, len(self.arms), self.rounds, self.choice_margin, self.early, self.z, self.early_from
         )
+
+    # -- calibration: the safe arm's cost model, read and replaced through this policy ------------
+    def with_costs(
+        self,
+        expected: CostModel,
+        latency: float,
+        announce_delay: float = 0.0,
+        announced_ops: frozenset[Op] | None = None,
+        sized: SizedCostModel | None = None,
+    ) -> Auto:
+        """This policy's kind (a subclass keeps its own choice rule) and knobs, its safe arm planning
+        with the given costs."""
+        return type(self)(
+            expected=expected, latency=latency, announce_delay=announce_delay,
+            announced_ops=announced_ops, sized=sized, **self.knobs(),
+        )  # fmt: skip
+
+    def knobs(self) -> dict[str, Any]:
+        """The safe arm's knobs (the choice's parameters are class attributes, not knobs)."""
+        return self.safe.knobs()
+
+    @property
+    def expected(self) -> CostModel:
+        """The safe arm's expected seconds per task (decision logs record it)."""
+        return self.safe.expected
+
+    @property
+    def latency(self) -> float:
+        return self.safe.latency
+
+    @property
+    def announce_delay(self) -> float:
+        return self.safe.announce_delay
+
+    @property
+    def announced_ops(self) -> frozenset[Op] | None:  # type: ignore[override]
+        return self.safe.announced_ops
+
+    @property
+    def sized(self) -> SizedCostModel | None:  # type: ignore[override]
+        return self.safe.sized
+
+    @sized.setter
+    def sized(self, model: SizedCostModel | None) -> None:
+        """A driver that prices iterations by their sizes hands the model to the arm that plans."""
+        self.safe.sized = model
+
+    # -- dispatch: the safe arm's ------------------------------------------------------------
+    def begin_iteration(self, s: SchedulerView, sizes: Sizes | None) -> None:
+        self.safe.begin_iteration(s, sizes)
+
+    def pick(self, s: SchedulerView) -> Task | None:
+        return self.safe.pick(s)
+
+    def candidates(self, s: SchedulerView) -> list[Task]:
+        return self.safe.candidates(s)

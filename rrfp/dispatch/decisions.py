@@ -8,7 +8,7 @@ policy are untouched, so a run without a log pays nothing). It hands its sink on
 
 * ``scheduler`` -- once per attach: the hint (:func:`hint_spec`, rebuilt by :func:`rebuild_hint`), the
   pipeline rank (``pp_rank``), its slot budget, the rank's order, and the policy (:func:`policy_spec`:
-  its registered name and ``knobs()``; for backfill and the policies built on it the expected cost of
+  its registered name and ``knobs()``; for a planning policy (``needs_calibration``) the expected cost of
   every position and of every position's cross-rank producer, the latency, announce delay and announced
   ops);
 * ``reset`` (with ``sizes`` when given, as ``dataclasses.asdict``), ``bytes`` (``use_bytes``),
@@ -29,7 +29,6 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from rrfp.dispatch.backfill import Backfill
 from rrfp.dispatch.policies import Policy, get_policy
 from rrfp.dispatch.scheduler import RankScheduler
 from rrfp.errors import UserError
@@ -78,10 +77,11 @@ def rebuild_hint(d: Mapping[str, Any]) -> Hint:
 
 
 def policy_spec(policy: Policy, sched: SchedulerProtocol) -> Event:
-    """The policy's registered name and knobs; for backfill and its kin, its cost model on this rank
-    (``sized``: it prices each iteration by its sizes, and every reset with sizes logs those costs)."""
+    """The policy's registered name and knobs; for a planning policy (``needs_calibration``: backfill,
+    its kin and auto), its cost model on this rank (``sized``: it prices each iteration by its sizes,
+    and every reset with sizes logs those costs)."""
     out: Event = {"name": policy.name, "knobs": dict(policy.knobs())}
-    if isinstance(policy, Backfill):
+    if policy.needs_calibration:
         ops = policy.announced_ops
         out.update(
             cost_lists(policy.expected, sched),
@@ -120,10 +120,10 @@ def rebuild_policy(
     producers: Sequence[Task | None],
     sized: Callable[[Any], Callable[[Task], float]] | None = None,
 ) -> Policy:
-    """A fresh policy of the logged kind; backfill's kin plan with the logged costs (by task) and, for
-    a sized policy, ``sized`` (the replay's: each reset's logged costs)."""
+    """A fresh policy of the logged kind; a planning policy (``needs_calibration``) plans with the
+    logged costs (by task) and, for a sized one, ``sized`` (the replay's: each reset's logged costs)."""
     cls = type(get_policy(d["name"]))
-    if not issubclass(cls, Backfill):
+    if not cls.needs_calibration:
         return cls(**d["knobs"])
     ops = d["announced_ops"]
     extra = {"sized": sized} if d.get("sized") else {}

@@ -55,7 +55,10 @@ class Policy:
     """True if the policy plans with measured costs: a driver meters its warm-up under the policy's
     no-clock rule, then swaps in :meth:`with_costs` of the merged means (exec/loop/calibrate.py, for
     rrfp-run and the library alike); the simulator hands it the workload's means. Read instead of the
-    policy's class, so a new planning policy needs no driver change."""
+    policy's class, so a new planning policy needs no driver change. Such a policy takes ``expected``,
+    ``latency``, ``announce_delay``, ``announced_ops`` and ``sized`` in its constructor beside its
+    :meth:`knobs` and holds the first three as attributes: a decision log records and rebuilds them
+    (rrfp.dispatch.decisions)."""
     sized_by_default: ClassVar[bool] = False
     """Should an interpreter that knows each iteration's sizes price this policy's plan per microbatch
     (``with_costs(..., sized=...)``)? Read by the simulator (sim/experiment.py)."""
