@@ -112,7 +112,7 @@ def test_a_closed_stdout_is_one_line_and_a_failure(prog: str, args: list[str], t
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1, r.stderr
     why = "cannot write output: [Errno 9] stdout is closed, so the result has nowhere to go"
-    assert lines[-1] == f"{prog}: error: {why}", r.stderr
+    assert lines == [f"{prog}: error: {why}"], r.stderr  # one line
     assert "Traceback" not in r.stderr
     ok = _run([str(BIN / prog), *args], tmp_path)  # the same command with a stdout: it prints, exit 0
     assert ok.returncode == 0 and ok.stdout, ok.stderr

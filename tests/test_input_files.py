@@ -156,8 +156,10 @@ def test_input_file_refuses_anything_else_naming_it(
     path = tmp_path / "x.csv"
     make(path)
     for check in (input_file, read_bytes):
+        start = time.monotonic()
         with pytest.raises(HintError, match=f"^{path}: {words.replace('(', '[(]').replace(')', '[)]')}"):
             check(path, "schedule CSV", error=HintError)
+        assert time.monotonic() - start < 1.0  # refused within a second (the CLIs add their start-up)
     with pytest.raises(HintError):
         load_orders_csv(path)
 

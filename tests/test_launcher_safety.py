@@ -82,6 +82,10 @@ def test_a_one_host_job_listens_on_loopback_only(tmp_path: Path) -> None:
     seen: set[tuple[int, str, int]] = set()
     try:
         ranks = [wait_for_rank(proc, r).pid for r in (0, 1)]
+        # gloo listens where the host name resolves unless told: on a host whose name is not loopback
+        # (this one's may be), only GLOO_SOCKET_IFNAME keeps the ranks' sockets local -- check it is set
+        lo = os.environ.get("GLOO_SOCKET_IFNAME", stores.loopback_interface())
+        ifnames = [psutil.Process(r).environ().get("GLOO_SOCKET_IFNAME") for r in ranks]
         deadline = time.monotonic() + 8.0
         while time.monotonic() < deadline and proc.poll() is None:
             seen |= listeners([p.pid for p in session_procs(proc.pid)])
@@ -95,6 +99,18 @@ def test_a_one_host_job_listens_on_loopback_only(tmp_path: Path) -> None:
     assert any(pid == proc.pid for pid, _, _ in seen), f"the launcher's store was not seen: {seen}"
     assert all(any(pid == r for pid, _, _ in seen) for r in ranks), f"a rank's sockets were not seen: {seen}"
     assert not beyond_loopback(seen), f"listening beyond loopback: {sorted(beyond_loopback(seen))}"
+    assert lo is not None and ifnames == [lo, lo], ifnames
+
+
+def test_gloo_and_nccl_sockets_stay_on_loopback_unless_the_user_names_an_interface() -> None:
+    lo = stores.loopback_interface()
+    assert lo is not None
+    env: dict[str, str] = {}
+    stores.keep_sockets_local(env)
+    assert env == {"GLOO_SOCKET_IFNAME": lo, "NCCL_SOCKET_IFNAME": lo}
+    env = {"GLOO_SOCKET_IFNAME": "eth7"}  # the user's choice (a job across hosts) is kept
+    stores.keep_sockets_local(env)
+    assert env == {"GLOO_SOCKET_IFNAME": "eth7", "NCCL_SOCKET_IFNAME": lo}
 
 
 def test_store_helpers_listen_on_loopback_and_join_only_the_job_s_store() -> None:

@@ -364,6 +364,22 @@ def test_without_process_group_one_line_error() -> None:
         ScheduleReadiness([torch.nn.Linear(2, 2)], 4)
 
 
+def test_trace_out_is_checked_before_any_step(tmp_path: Path) -> None:
+    """What the constructor refuses on every rank (the ERRORS cases above launch suffix and /dev/full):
+    a path under /proc, a folder, an unknown suffix -- not only in close()."""
+    from rrfp.exec.pipelining.checks import trace_problem
+
+    assert trace_problem(None) is None and trace_problem(str(tmp_path / "t.parquet")) is None
+    for bad, words in (
+        ("t.txt", "unknown suffix '.txt'"),
+        ("/dev/full", "exists and is not a regular file"),
+        ("/proc/t.parquet", "its folder /proc is not writable"),
+        (str(tmp_path), "exists and is not a regular file"),
+    ):
+        found = trace_problem(bad)
+        assert found is not None and words in found and "\n" not in found, (bad, found)
+
+
 def test_the_disagreement_cases_cover_every_agreed_argument() -> None:
     from rrfp.exec.pipelining.schedule import AGREED
 
