@@ -7,12 +7,16 @@
 each reruns the plan's trials, their steps pooled) on examples/train_mlp.py's residual MLP
 blocks (``--blocks`` in all, split into 2 stages at v = 1 or 4 at v = 2):
 
-1. ``rrfp.exec.profile`` on the v = 1 stages with the microbatches it will train -> ``OUT/profile.parquet``;
-2. rank 0 runs ``rrfp-sim advise --profile OUT/profile.parquet -m M`` in process, and the same on the
-   profile's stage costs alone (``OUT/costs-only.parquet``: no runtime overhead, free messages, I = W =
-   B/2 -- what advise assumed before profiles), and takes the profile's top ``--top`` candidates, the
+1. ``rrfp.exec.profile`` on the v = 1 stages with the microbatches it will train -> ``OUT/profile.parquet``,
+   and on the v = 2 stages (two a rank) in the loop and the V placement -> ``OUT/profile-v2.parquet``,
+   ``OUT/profile-v2v.parquet``;
+2. rank 0 runs ``rrfp-sim advise --profile OUT/profile.parquet,OUT/profile-v2.parquet,...`` in process
+   (each depth and placement priced by its own profile), and the same on the v = 1 profile's stage costs alone
+   (``OUT/costs-only.parquet``: no runtime overhead, free messages, I = W = B/2 -- what advise assumed
+   before profiles), and takes the profile's top ``--top`` candidates, the
    fixed order it answers with if any, the costs-only advice's top one and fixed/1f1b, each predicted
-   by ``rrfp-sim --profile`` on both files (its ``--seeds``);
+   by ``rrfp-sim --profile`` on both profiles, on the v = 1 profile alone (v = 2 derived by depth) and
+   on the costs alone (its ``--seeds``);
 3. every rank builds each trial's ``ScheduleReadiness`` (its v's stages over the same blocks) and trains
    ``--rounds`` rounds, every trial one step a round (interleaved, so each sees the same load), timing
    each step on every rank (the slowest rank's, the first round dropped).
@@ -27,7 +31,7 @@ project's GPT, a BERT-style encoder of HF ``transformers`` layers on unpadded va
 with attention masks (``kwarg_mbs``), a conv net; ``all`` runs each. Cross-hint what-ifs: every launch
 records fixed/1f1b and fixed/zb-h1 (``trace_out``); each trace less its warm-up step is replayed with the
 profile (``rrfp-sim --replay T --profile P``) as fixed/zb-h1 and rrfp/bfw@2x (from 1f1b) and as fixed/1f1b
-(from zb-h1), and fixed/zbv at v = 2 is predicted by the profile alone (a trace fixes its v), each against
+(from zb-h1), and fixed/zbv at v = 2 is predicted by the v = 2 profile (a trace fixes its v), each against
 that trial's measured median: within 10%. Last, PASS/MISS per goal (benchmarks/fidelity_goals.py): each
 of advise's top ``--top`` predicted within max(10%, the measured 95% CI half-width) of its measured
 median, their median |error| <= 5%, and advise's answer and top candidate never slower than fixed/1f1b
@@ -106,6 +110,16 @@ def _cli(args: list[str]) -> dict[str, Any]:
     return json.loads(buf.getvalue())
 
 
+PROFILES = ((1, "loop", "profile.parquet"), (2, "loop", "profile-v2.parquet"),
+            (2, "v", "profile-v2v.parquet"))  # fmt: skip
+"""(v, placement, file) of every profile the first launch measures."""
+
+
+def profiles(out: Path) -> str:
+    """``--profile``'s value: the job profiled with one and with two stages a rank (both placements)."""
+    return ",".join(str(out / name) for _, _, name in PROFILES)
+
+
 def advise_rows(profile: str, a: argparse.Namespace) -> dict[str, Any]:
     """rrfp-sim advise's JSON on ``profile``."""
     return _cli(
@@ -142,7 +156,7 @@ def plan_trials(a: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     """Rank 0: advise on the profile and on its costs alone; the trials to run -- the profile's top
     ``--top``, its fixed answer if any, the costs-only advice's top one, fixed/1f1b -- each predicted on
     both."""
-    profile, bare = str(out / "profile.parquet"), costs_only(out)
+    profile, bare = profiles(out), costs_only(out)
     with_p, old = advise_rows(profile, a), advise_rows(bare, a)
     picked = [*with_p["candidates"][: a.top], old["candidates"][0]]
     if with_p["fixed_answer"] is not None:
@@ -167,9 +181,9 @@ def plan_trials(a: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     top = {(r["trial"], r["virtual_stages"]) for r in with_p["candidates"][: a.top]}
     for key, t in trials.items():
         t["top"] = key in top  # one of advise's top --top on the profile (the goal judges these)
-        t.update(
-            predicted=predict(profile, t, a), old=predict(bare, t, a), fixed_answer=with_p["fixed_answer"]
-        )
+        one = predict(str(out / "profile.parquet"), t, a) if t["v"] != 1 else None  # v = 2 derived by depth
+        t.update(predicted=predict(profile, t, a), v1=one, old=predict(bare, t, a),
+                 fixed_answer=with_p["fixed_answer"])  # fmt: skip
     return list(trials.values())
 
 
@@ -185,12 +199,13 @@ def rank_main(rank: int, port: int, a: argparse.Namespace, plan: list[dict[str, 
     out = Path(a.out)
     model = build(a.model, a)
     blocks, xs, ys, loss, kws = model.blocks, model.xs, model.ys, model.loss, model.kwargs
-    first, last = rank == 0, rank == 1
     trials = plan
     if trials is None:  # the first launch profiles and plans; later ones rerun its trials
-        mine = stages_for(blocks, 1, "loop", rank, model.stage)
-        profile(mine, xs if first else None, ys if last else None, loss_fn=loss, kwarg_mbs=kws,
-                out=str(out / "profile.parquet"))  # fmt: skip
+        for v, placement, name in PROFILES:  # one profile per depth and placement
+            mine = stages_for(blocks, v, placement, rank, model.stage)
+            has_first, has_last = any(s.is_first for s in mine), any(s.is_last for s in mine)
+            profile(mine, xs if has_first else None, ys if has_last else None, loss_fn=loss, kwarg_mbs=kws,
+                    out=str(out / name))  # fmt: skip
         box: list[Any] = [plan_trials(a, out) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         trials = box[0]
@@ -231,26 +246,29 @@ def self_fidelity(out: Path, a: argparse.Namespace) -> None:
     load), against the simulator's prediction on the profile."""
     from rrfp.traces.cost_profile import read_profile
 
-    prof = read_profile(out / "profile.parquet")
-    print("the profile's own settings (measured while profiling):")
-    for label, name in prof.meta["settings"].items():
-        policy, hint = name.split("/", 1)
-        t = {"trial": name, "v": prof.v, "args": {"hint": hint, "policy": policy, "memory_budget": "1x"}}
-        pred, meas = predict(str(out / "profile.parquet"), t, a), prof.meta["step_s"][label]
-        ms = f"measured {1e3 * meas:8.2f} ms  predicted {1e3 * pred:8.2f} ms"
-        print(f"  {name:<20} {ms}  ratio {pred / meas:.2f}")
+    print("the profiles' own settings (measured while profiling):")
+    for _, _, file in PROFILES:
+        prof = read_profile(out / file)
+        for label, name in prof.meta["settings"].items():
+            policy, hint = name.split("/", 1)
+            t = {"trial": name, "v": prof.v, "args": {"hint": hint, "policy": policy, "memory_budget": "1x"}}
+            pred, meas = predict(profiles(out), t, a), prof.meta["step_s"][label]
+            ms = f"measured {1e3 * meas:8.2f} ms  predicted {1e3 * pred:8.2f} ms"
+            print(f"  {name:<20} v={prof.v} {ms}  ratio {pred / meas:.2f}")
 
 
 def report(out: Path, load: tuple[float, ...], a: argparse.Namespace) -> None:
     self_fidelity(out, a)
     trials = json.loads((out / "trials.json").read_text())
     print("advise's picks, run after the profile:")
-    print(f"{'trial':<22} {'v':>2} {'measured ms':>12} {'profile ms':>11} {'ratio':>6} {'costs-only ms':>14} "
-          f"{'ratio':>6}")  # fmt: skip
+    print(f"{'trial':<22} {'v':>2} {'measured ms':>12} {'profiles ms':>11} {'ratio':>6} {'v1 only':>8} "
+          f"{'ratio':>6} {'costs-only ms':>14} {'ratio':>6}")  # fmt: skip
     for t in trials:
         old = f"{1e3 * t['old']:>14.2f} {t['old'] / t['measured']:>6.2f}"
+        one = t.get("v1")
+        v1 = f"{'':>8} {'':>6}" if one is None else f"{1e3 * one:>8.2f} {one / t['measured']:>6.2f}"
         print(f"{t['trial']:<22} {t['v']:>2} {1e3 * t['measured']:>12.2f} {1e3 * t['predicted']:>11.2f} "
-              f"{t['predicted'] / t['measured']:>6.2f} {old}")  # fmt: skip
+              f"{t['predicted'] / t['measured']:>6.2f} {v1} {old}")  # fmt: skip
     name = [t["trial"] + f" v={t['v']}" for t in trials]
     by_pred = [name[i] for i in sorted(range(len(trials)), key=lambda i: trials[i]["predicted"])]
     by_meas = [name[i] for i in sorted(range(len(trials)), key=lambda i: trials[i]["measured"])]
@@ -308,7 +326,7 @@ def whatifs(out: Path, a: argparse.Namespace, trials: list[dict[str, Any]]) -> N
         for target, v in targets:
             traces = [trimmed(out / f"trace-{source}-{k}.parquet") for k in range(a.launches)]
             preds = [replay(trace, out, target, v, a) for trace in traces]
-            name = f"fixed/{source} -> {target} v={v}" + ("" if v == 1 else " (the profile alone)")
+            name = f"fixed/{source} -> {target} v={v}" + ("" if v == 1 else " (its v = 2 profile)")
             print(judge_whatif(name, statistics.median(preds), measured[(target, v)]).line())
 
 
@@ -329,10 +347,10 @@ def trimmed(trace: Path) -> str:
 def replay(trace: str, out: Path, target: str, v: int, a: argparse.Namespace) -> float:
     """The mean step time (s) rrfp-sim predicts for the trial ``target`` at ``v`` from ``trace`` (its
     v = 1). A trace fixes its v (rrfp-sim refuses -v with --replay): at v = 2 the prediction is the
-    profile's alone, its per-stage costs divided by depth (rrfp-sim --profile -v 2)."""
+    v = 2 profile's (rrfp-sim --profile V1,V2 -v 2)."""
     policy, hint, budget = split_name(target)
     if v != 1:
-        return predict(str(out / "profile.parquet"), {"trial": target, "v": v, "args": {
+        return predict(profiles(out), {"trial": target, "v": v, "args": {
             "hint": hint, "policy": policy, "memory_budget": budget}}, a)  # fmt: skip
     doc = _cli(["--replay", trace, "--profile", str(out / "profile.parquet"), "--policy", policy,
                 "--hint", hint, "--memory-budget", budget, "--json"])  # fmt: skip

@@ -53,6 +53,9 @@ class AutoModel:
         self.coords = self.models[0].coords
         self.chosen: list[int] = []
         """The arm of each iteration of the last run."""
+        self.replay_cost = 0.0
+        """Seconds each replayed iteration takes beyond its arm's (the runtime's exchange and replay
+        after the step: a profile's, rrfp.traces.cost_profile.RuntimeCosts.replay)."""
 
     def run(self, samples: Samples, recorder: TraceRecorder | None = None) -> ModelRun:
         """Simulate the iterations back to back, each on the arm chosen from the ones before it."""
@@ -60,20 +63,23 @@ class AutoModel:
         outs: list[ModelRun] = []
         self.chosen = []
         start, msgs = 0.0, 0
+        took: list[float] = []
         for it, sample in enumerate(samples):
             arm = self.choice.choose(history)
             inner = None if recorder is None else _recorder_like(recorder)
             out = self.models[arm].run([sample], inner)
             if recorder is not None and inner is not None:
                 msgs += _shift_into(recorder, inner, it, start, msgs)
+            took.append(out.iteration_times[0])
             if self.choice.replaying(history):  # every arm on this iteration's durations
                 times = [out if a == arm else m.run([sample]) for a, m in enumerate(self.models)]
                 history.append([o.iteration_times[0] for o in times])
+                took[-1] += self.replay_cost
             self.chosen.append(arm)
             outs.append(out)
-            start += out.iteration_times[0]
+            start += took[-1]
         return ModelRun(
-            [o.iteration_times[0] for o in outs],
+            took,
             np.concatenate([o.busy for o in outs]),
             [max(p) for p in zip(*(o.peaks for o in outs), strict=True)],
             np.concatenate([o.finish for o in outs]),

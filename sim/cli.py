@@ -162,7 +162,8 @@ class CliError(UserError):
 PROFILE_OPTION = click.option(
     "--profile", type=str, default=None, metavar="FILE",
     help="A measured cost model of your runtime (rrfp.exec.profile's .parquet): per-stage F/B/I/W, per-task "
-    "overhead and message cost instead of the workload options (rrfp.sim.profiled).",
+    "overhead and message cost instead of the workload options (rrfp.sim.profiled). FILE,FILE: the same job "
+    "profiled at several depths (one and two stages a rank), each pricing its own.",
 )  # fmt: skip
 
 
@@ -336,7 +337,9 @@ def _replay(
 def _read_profile(path: str) -> Any:
     from rrfp.traces.cost_profile import read_profile
 
-    return read_profile(path)
+    from .profiled import one_profile
+
+    return read_profile(one_profile(path, "--replay"))
 
 
 def _write_trace_outputs(recorders: list[Any], trace_out: str | None, plot: str | None) -> None:

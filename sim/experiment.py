@@ -279,10 +279,16 @@ def build_models(cfg: ExperimentConfig, plans: list[PlannedRun], step: Step | No
 
 def charge_runtime(model: Any, workload: Workload) -> None:
     """A profiled workload's runtime costs (rrfp.traces.cost_profile.RuntimeCosts) onto ``model`` (each arm of
-    auto's): every task its policy class's overhead, every flush the per-step cost; nothing otherwise."""
+    auto's): every task its policy class's overhead, every flush the per-step cost; nothing otherwise. With
+    profiles at several depths, the costs of the one measured at the model's depth and placement."""
+    at_depth = getattr(workload, "at_depth", None)
+    if at_depth is not None:
+        workload = at_depth(model.hint.spec.num_stages, model.hint.spec.placement)
     runtime = getattr(workload, "runtime", None)
     if runtime is None:
         return
+    if hasattr(model, "replay_cost"):  # auto: its exchange and replay after each replayed iteration
+        model.replay_cost = runtime.replay
     for m in getattr(model, "models", [model]):
         m.task_overhead = runtime.per_task(m.clocked, m.hint.spec.split)
         if m.hint.spec.split:
@@ -314,7 +320,10 @@ def run_policy(cfg: ExperimentConfig, hint: Hint, name: str) -> str | Policy:
 
 def expected_cost_model(workload: Workload, spec: PipelineSpec) -> CostModel:
     """Mean seconds per task of ``workload`` on ``spec``'s stages (a fit: its per-stage means, mapped
-    onto the new stages the way :meth:`FittedWorkload.sample` maps them)."""
+    onto the new stages the way :meth:`FittedWorkload.sample` maps them; profiles at several depths: the
+    one measured at ``spec``'s)."""
+    if hasattr(workload, "at_depth"):
+        workload = workload.at_depth(spec.num_stages, spec.placement)
     means = workload.mean_costs(spec.pp, spec.num_stages, spec.microbatches)
     extra = getattr(getattr(workload, "runtime", None), "clocked", 0.0)  # a profile's: as calibrate adds it
     table = {op: [float(x) + extra for x in means[op.value]] for op in Op}

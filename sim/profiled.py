@@ -5,11 +5,14 @@ stage's F/B/I/W as measured (scaled by the microbatch's tokens where sizes varie
 the runtime's overhead for its policy class (a clocked policy's own), every message the measured
 latency + bytes / bandwidth. A run at another pipeline depth than profiled (v = 2 from a v = 1 profile)
 derives per-layer costs by depth and says so in the header, as every run says where its costs came
-from. In token mode (``--lengths``/``--scenario``) each drawn microbatch is priced by the profile's fit
-at its tokens (rrfp.sim.profiled_tokens), the header saying when the drawn sizes extrapolate it.
+from -- unless a profile of that depth is given too (``--profile v1.parquet,v2.parquet``: the same job
+profiled with one and with two stages a rank), which then prices it. In token mode
+(``--lengths``/``--scenario``) each drawn microbatch is priced by the profile's fit at its tokens
+(rrfp.sim.profiled_tokens), the header saying when the drawn sizes extrapolate it.
 
     rrfp-sim --profile my.profile.parquet --hint 1f1b,zb-h1 --policy fixed,rrfp
     rrfp-sim advise --profile my.profile.parquet --stages 2 -m 8
+    rrfp-sim advise --profile v1.parquet,v2.parquet -m 8                  # v = 2 priced by its own profile
     rrfp-sim --replay run.parquet --profile my.profile.parquet --hint zb-h1   # I/W from the profile
 """
 
@@ -46,7 +49,8 @@ def profiled_config(values: dict[str, Any], given: Collection[str], path: str) -
         raise ProfileOptionError(
             f"{_flags(clash)} cannot be combined with --profile: the profile replaces it"
         )
-    prof = read_profile(path)
+    profs = read_profiles(path)
+    prof = profs[0][0]
     v = dict(values)
     if "stages" not in given:
         v["stages"] = prof.pp
@@ -54,7 +58,22 @@ def profiled_config(values: dict[str, Any], given: Collection[str], path: str) -
         v["comm_latency"] = prof.latency
     if "bandwidth" not in given:
         v["bandwidth"] = prof.bandwidth
-    return from_options(v, workload=ProfiledWorkload.of(prof, path))
+    return from_options(v, workload=ProfiledWorkload.of_set(profs))
+
+
+def read_profiles(spec: str) -> list[tuple[Profile, str]]:
+    """``--profile FILE[,FILE...]``: each profile with its file (one per depth of the same job)."""
+    paths = [p for p in spec.split(",") if p]
+    if not paths:
+        raise ProfileOptionError("--profile needs a file")
+    return [(read_profile(p), p) for p in paths]
+
+
+def one_profile(spec: str, where: str) -> str:
+    """``spec`` where only one profile applies (``where``: the mode), else one line."""
+    if "," in spec:
+        raise ProfileOptionError(f"--profile {spec!r}: {where} takes one profile, not one per depth")
+    return spec
 
 
 def token_profiled(cfg: ExperimentConfig, given: Collection[str], profile: str | None) -> ExperimentConfig:
@@ -68,7 +87,8 @@ def token_profiled(cfg: ExperimentConfig, given: Collection[str], profile: str |
         raise ProfileOptionError(
             f"{_flags(clash)} cannot be combined with --profile: the profile replaces it"
         )
-    return with_profile(cfg, read_profile(profile), profile, frozenset(given))
+    path = one_profile(profile, "token mode")
+    return with_profile(cfg, read_profile(path), path, frozenset(given))
 
 
 def cost_lines(cfg: ExperimentConfig, vs: Iterable[int] = ()) -> list[str]:
@@ -90,12 +110,18 @@ def cost_lines(cfg: ExperimentConfig, vs: Iterable[int] = ()) -> list[str]:
         ]
     lines = [f"costs: {prof.describe()} ({cfg.workload.source})", *token_cost_lines(cfg)]
     depths = sorted({cfg.study.pp * v for v in (vs or [cfg.study.virtual_stages or 1])})
+    measured = {w.key: w for w in getattr(cfg.workload, "placements", ())}
     for n in depths:
+        here = sorted(k for k in measured if k[0] == n)
+        for key in here:
+            own = measured[key]
+            lines.append(f"costs at {n} stages, {key[1]} placement: {own.profile.describe()} ({own.source})")
         if n != prof.num_stages:
+            other = f" (in any other placement than {', '.join(k[1] for k in here)})" if here else ""
             lines.append(
-                f"costs: derived per layer at {n} stages from the profile's {prof.num_stages} (pp={prof.pp} "
-                f"v={prof.v}): each stage's cost x {prof.num_stages / n:.3g}, by depth; its runtime "
-                f"overhead per task and message cost as measured"
+                f"costs: derived per layer at {n} stages{other} from the profile's {prof.num_stages} "
+                f"(pp={prof.pp} v={prof.v}): each stage's cost x {prof.num_stages / n:.3g}, by depth; its "
+                f"runtime overhead per task and message cost as measured"
             )
     unsplit = [s for s in range(prof.num_stages) if not prof.split.get(s, True)]
     if unsplit:

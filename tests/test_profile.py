@@ -58,6 +58,7 @@ def test_varying_sizes_get_a_fit_on_tokens(launched: tuple[Path, list[dict[str, 
 def test_runtime_costs_are_measured(launched: tuple[Path, list[dict[str, Any]]]) -> None:
     prof = _profile(launched, "slow_w")
     assert all(0 < prof.overhead[k] < 0.05 for k in ("fixed", "split", "clocked"))
+    assert 0 < prof.overhead["replay"] < 0.5  # auto's exchange and replay of its arms, timed as it runs
     assert prof.overhead["step"] >= 0
     assert 0 <= prof.latency < 1.0 and prof.msg_bytes > 0
     assert prof.latency == max(0.0, prof.meta["message_fit"]["posted_to_usable_s"] - prof.overhead["fixed"])

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from rrfp.sim import experiment
@@ -36,20 +37,22 @@ from cases import DATA, cases, run_case
 def make_profile(
     path: Path, *, f: float = 1.0, b: float = 2.0, w_share: float = 0.5, overhead: float = 0.0,
     step: float = 0.0, latency: float = 0.0, cv: float = 0.0, pp: int = 2, slow_w: float = 0.0,
-    split: bool = True, split_cost: float = 0.0,
+    split: bool = True, split_cost: float = 0.0, v: int = 1, replay: float = 0.0,
 ) -> Path:  # fmt: skip
     """A profile file with constant per-stage costs (a measured one's layout, chosen numbers)."""
     ops = {}
-    for s in range(pp):
-        bb = b + (slow_w if s == pp - 1 else 0.0)
-        w = b * w_share + (slow_w if s == pp - 1 else 0.0)
+    n = pp * v
+    for s in range(n):
+        bb = b + (slow_w if s == n - 1 else 0.0)
+        w = b * w_share + (slow_w if s == n - 1 else 0.0)
         for op, mean in (("F", f), ("B", bb), ("I", bb - w + split_cost), ("W", w + split_cost)):
             ops[s, op] = OpCost(8, mean, cv, mean, 0.0, math.nan)
     prof = Profile(
-        pp=pp, v=1, placement="loop", microbatches=4, ops=ops, split=dict.fromkeys(range(pp), split),
-        tokens=[64] * 4, overhead={**dict.fromkeys(("fixed", "split", "clocked"), overhead), "step": step},
+        pp=pp, v=v, placement="loop", microbatches=4, ops=ops, split=dict.fromkeys(range(n), split),
+        tokens=[64] * 4, overhead={**dict.fromkeys(("fixed", "split", "clocked"), overhead), "step": step,
+                                   "replay": replay},
         latency=latency,
-        bandwidth=math.inf, msg_bytes=256.0, act_bytes=[1024.0] * pp, meta={"split_notes": []},
+        bandwidth=math.inf, msg_bytes=256.0, act_bytes=[1024.0] * n, meta={"split_notes": []},
     )  # fmt: skip
     write_profile(prof, path)
     return path
@@ -105,6 +108,36 @@ def test_overhead_and_step_cost_add_exactly_their_share(
     assert charged == pytest.approx((m + pp - 1) * (3.0 + 2 * o) + step)
 
 
+def test_auto_pays_its_replay_on_the_iterations_it_replays(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A profile's replay cost lands on auto's replayed iterations only: between 1 and ROUNDS of them."""
+    from rrfp.dispatch.auto import ROUNDS
+
+    n, r = 10, 0.5
+    args = ["-m", "4", "--hint", "1f1b", "--policy", "auto", "--seeds", "1", "--warmup", "0",
+            "--iterations", str(n), "--json"]  # fmt: skip
+    times = []
+    for name, replay in (("a.parquet", 0.0), ("b.parquet", r)):
+        code, out, err = sim(["--profile", str(make_profile(tmp_path / name, replay=replay)), *args], capsys)
+        assert code == 0, err
+        times.append(json.loads(out)["results"][0]["iteration_time"]["mean"])
+    replayed = (times[1] - times[0]) * n / r
+    assert 1 <= round(replayed) <= ROUNDS and replayed == pytest.approx(round(replayed))
+
+
+def test_a_profile_without_a_replay_cost_reads_as_zero(tmp_path: Path) -> None:
+    """A profile written before auto's replay was measured still reads (its replay costs nothing)."""
+    import pyarrow.parquet as pq
+
+    path = make_profile(tmp_path / "p.parquet", replay=0.25)
+    table = pq.read_table(path)
+    meta = json.loads(table.schema.metadata[b"rrfp.profile"])
+    del meta["overhead_s"]["replay"]
+    pq.write_table(table.replace_schema_metadata({b"rrfp.profile": json.dumps(meta).encode()}), path)
+    assert read_profile(path).overhead["replay"] == 0.0
+
+
 def test_message_cost_is_charged_as_the_analytic_latency(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -132,6 +165,73 @@ def test_v2_from_a_v1_profile_halves_stages_and_pays_the_extra_tasks(
     assert code == 0, err
     assert "costs: derived per layer at 4 stages from the profile's 2 (pp=2 v=1)" in out
     assert "each stage's cost x 0.5" in out
+
+
+def test_a_profile_of_each_depth_prices_its_own(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--profile V1,V2``: v = 2 in the loop placement runs on the v = 2 loop profile as measured (its
+    stages did not halve, its runtime cost more a task), v = 1 on the v = 1 profile, zbv (v placement)
+    derived from v = 1; the header says which priced what."""
+    one = make_profile(tmp_path / "v1.parquet", overhead=0.05)
+    two = make_profile(tmp_path / "v2.parquet", f=0.8, b=1.6, overhead=0.2, v=2)  # not half of v1's
+    both = f"{one},{two}"
+    inter = ["-m", "4", "--hint", "interleaved-1f1b", "-v", "2"]
+    on_two = fixed_time(two, capsys, *inter)
+    assert fixed_time(Path(both), capsys, *inter) == pytest.approx(on_two)
+    derived = fixed_time(one, capsys, *inter)
+    assert derived < on_two  # by depth: each stage half its v = 1 cost, the cheaper overhead
+    plain = ["-m", "4", "--hint", "1f1b"]
+    assert fixed_time(Path(both), capsys, *plain) == pytest.approx(fixed_time(one, capsys, *plain))
+    code, out, err = sim(["--profile", both, *inter, "--seeds", "1"], capsys)
+    assert code == 0, err
+    assert "costs at 4 stages, loop placement: profile pp=2 v=2" in out
+    assert "derived per layer at 4 stages (in any other placement than loop)" in out
+    zbv = ["-m", "4", "--hint", "zbv"]  # v placement: not the loop profile's, derived from v = 1
+    assert fixed_time(Path(both), capsys, *zbv) == pytest.approx(fixed_time(one, capsys, *zbv))
+
+
+@pytest.mark.parametrize("what", ["same-depth", "other-pp", "replay", "token-mode"])
+def test_profiles_that_cannot_go_together_are_one_line(
+    what: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    one = make_profile(tmp_path / "v1.parquet")
+    other = {
+        "same-depth": make_profile(tmp_path / "again.parquet"),
+        "other-pp": make_profile(tmp_path / "pp4.parquet", pp=4, v=1),
+    }.get(what, make_profile(tmp_path / "v2.parquet", v=2))
+    args = ["--profile", f"{one},{other}"]
+    if what == "replay":
+        args += ["--replay", "traces/gpt-fixed-1f1b.parquet", "--hint", "zb-h1"]
+    else:
+        args += ["--seeds", "1"]
+    if what == "token-mode":
+        args += ["--lengths", "docs/samples.csv"]
+    code, out, err = sim(args, capsys)
+    assert code == 2 and out == "", err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "profile" in err
+
+
+def test_spread_a_fit_on_tokens_explains_is_not_charged_again_as_jitter(tmp_path: Path) -> None:
+    """Sizes that vary: a task's CV is mostly its microbatch's size, which the fit already prices. Only
+    the residual spread, cv * sqrt(1 - R^2), is jitter: none at R^2 = 1, all of it without a fit."""
+    from rrfp.workload import rng as rngs
+
+    def workload(r2: float, slope: float) -> ProfiledWorkload:
+        tokens = [32, 64, 96, 256]
+        ops = {(s, op): OpCost(16, 1.0, 0.8, 1.0 - slope * 112, slope, r2) for s in range(2) for op in "FBIW"}
+        prof = Profile(
+            pp=2, v=1, placement="loop", microbatches=4, ops=ops, split={0: True, 1: True}, tokens=tokens,
+            overhead=dict.fromkeys(("fixed", "split", "clocked", "step", "replay"), 0.0), latency=0.0,
+            bandwidth=math.inf, msg_bytes=1.0, act_bytes=[1.0, 1.0], meta={},
+        )  # fmt: skip
+        return ProfiledWorkload.of(prof, "p.parquet")
+
+    exact = workload(1.0, 1.0 / 112).sample(2, 2, 64, rngs.stream(0, 0, "t", 0))
+    per_token = exact.F / exact.tokens  # F at R^2 = 1: exactly the fit at each drawn size, no multiplier
+    assert np.allclose(per_token, 1.0 / 112)
+    half = workload(0.75, 1.0 / 112).ops[0, "F"]
+    assert half.cv == pytest.approx(0.8 * 0.5) and half.family == "lognorm"
+    assert workload(math.nan, 0.0).ops[0, "F"].cv == pytest.approx(0.8)  # no fit: the raw spread
 
 
 def test_a_slow_w_in_the_profile_is_slow_in_the_simulator(tmp_path: Path) -> None:

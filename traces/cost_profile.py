@@ -12,9 +12,14 @@ fixed order and under a clocked policy; the message cost by bytes on the real tr
 :class:`ProfiledWorkload` samples the profiled stage costs (stages remapped by depth, as a trace fit is:
 at twice the stages -- v = 2 from a v = 1 profile -- each virtual stage costs half its stage), and
 :class:`RuntimeCosts` charges each task its policy class's overhead and each message its measured cost.
+Several profiles of one job at different depths or placements (``--profile v1.parquet,v2.parquet``: the
+same ranks, one or two stages each) price each (depth, placement) by its own profile -- what does not
+halve with the layers (a stage's fixed costs, the runtime's per task) is then measured, not derived; a
+(depth, placement) none measured is derived from the first profile.
 
     prof = read_profile("my.profile.parquet")      # ProfileError (one line) on a bad file
-    workload = ProfiledWorkload.of(prof)
+    workload = ProfiledWorkload.of(prof, "my.profile.parquet")
+    both = ProfiledWorkload.of_set([(prof, "v1.parquet"), (read_profile("v2.parquet"), "v2.parquet")])
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import json
 import math
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,8 +45,10 @@ from rrfp.workload.model import IterationSample
 SCHEMA_VERSION = 1
 META_KEY = b"rrfp.profile"
 OPS = ("F", "B", "I", "W")
-OVERHEADS = ("fixed", "split", "clocked", "step")
+OVERHEADS = ("fixed", "split", "clocked", "step", "replay")
 """The runtime overheads a profile holds (seconds; :attr:`Profile.overhead`)."""
+SINCE = {"replay": 0.0}
+"""Overheads a profile written before they were measured lacks: read as this (seconds)."""
 ROW_COLUMNS = ("stage", "op", "n", "mean_s", "cv", "intercept_s", "slope_s_per_token", "r2")
 
 
@@ -85,7 +93,8 @@ class Profile:
     """Seconds of runtime overhead per task: ``fixed`` (a fixed unsplit order), ``split`` (a fixed split
     order: its W tasks send nothing) and ``clocked`` (a policy that ticks a clock and hears producer
     starts, after calibration); ``step``: seconds per step outside the dispatch loop (the slowest
-    rank's)."""
+    rank's); ``replay``: seconds ``auto`` adds after each step it replays (its exchange and replay of
+    the arms, rrfp.exec.loop.switch)."""
     latency: float
     """Seconds a message takes at zero bytes (posted to usable on the receiver)."""
     bandwidth: float
@@ -123,8 +132,8 @@ class Profile:
         return (
             f"profile pp={self.pp} v={self.v} {self.placement} m={self.microbatches}: per-task overhead "
             f"{1e3 * o['fixed']:.3g} ms (split {1e3 * o['split']:.3g}, clocked {1e3 * o['clocked']:.3g}) + "
-            f"{1e3 * o['step']:.3g} ms a "
-            f"step, messages "
+            f"{1e3 * o['step']:.3g} ms a step (auto's replay {1e3 * o['replay']:.3g} ms a replayed step), "
+            f"messages "
             f"{1e3 * self.latency:.3g} ms + bytes/{bw} ({self.msg_bytes:.0f} B)"
         )
 
@@ -203,7 +212,7 @@ def _profile(meta: dict[str, Any], cols: dict[str, list[Any]]) -> Profile:
     if missing:
         raise ValueError(f"no cost for {', '.join(missing)}")
     given = meta.pop("overhead_s")
-    overhead = {k: float(given[k]) for k in OVERHEADS}
+    overhead = {k: float(given[k] if k in given or k not in SINCE else SINCE[k]) for k in OVERHEADS}
     bw = meta.pop("bandwidth_Bps")
     numbers = [*overhead.values(), float(meta["latency_s"]), float(meta["msg_bytes"])]
     if not all(math.isfinite(x) and x >= 0 for x in numbers):
@@ -231,6 +240,8 @@ class RuntimeCosts:
     """Seconds every iteration spends outside the dispatch loop, charged at its flush."""
     split: float = 0.0
     split_extra: tuple[tuple[float, float], ...] = ()
+    replay: float = 0.0
+    """Seconds ``auto`` adds after each iteration it replays (sim.auto.AutoModel charges it)."""
     """Per profiled stage: seconds an I and a W task take beyond their share of the measured B (a split
     backward walks the graph twice: I + W > B), charged on split hints only."""
 
@@ -260,6 +271,9 @@ class ProfiledWorkload(FittedWorkload):
 
     profile: Profile | None = None
     runtime: RuntimeCosts = RuntimeCosts()
+    placements: tuple[ProfiledWorkload, ...] = ()
+    """Profiles of the same job at other depths or placements (:meth:`of_set`): a run at one of their
+    (depth, placement) samples that profile, and charges its runtime costs (:meth:`at_depth`)."""
 
     @classmethod
     def of(cls, prof: Profile, source: str) -> ProfiledWorkload:
@@ -272,9 +286,39 @@ class ProfiledWorkload(FittedWorkload):
             fits[s, "I"] = _fit(dataclasses.replace(b, mean=b.mean * share))
             fits[s, "W"] = _fit(dataclasses.replace(b, mean=b.mean * (1.0 - share)))
         o = prof.overhead
-        runtime = RuntimeCosts(o["fixed"], o["clocked"], o["step"], o["split"], _split_extra(prof))
+        extra = _split_extra(prof)
+        runtime = RuntimeCosts(o["fixed"], o["clocked"], o["step"], o["split"], extra, o["replay"])
         return cls(source, "profile", prof.num_stages, prof.pp, True, fits, None, prof.msg_bytes,
                    profile=prof, runtime=runtime)  # fmt: skip
+
+    @classmethod
+    def of_set(cls, profs: Sequence[tuple[Profile, str]]) -> ProfiledWorkload:
+        """One workload of several profiles (each with its file) of one job: the same ``pp``, each at
+        its own (depth, placement); the first one prices every one none of them measured (derived by
+        depth)."""
+        first, *rest = [cls.of(p, source) for p, source in profs]
+        keys = [w.key for w in (first, *rest)]
+        if len(set(keys)) < len(keys):
+            raise ProfileError(
+                f"--profile: two profiles of the same stages and placement ({keys}); give one each"
+            )
+        pps = {w.pp for w in (first, *rest)}
+        if len(pps) > 1:
+            raise ProfileError(f"--profile: profiles of one job have one pp, got {sorted(pps)}")
+        return dataclasses.replace(first, placements=tuple(rest))
+
+    @property
+    def key(self) -> tuple[int, str]:
+        """(stages, placement) of the profile: what it prices as measured."""
+        assert self.profile is not None
+        return self.num_stages, self.profile.placement if self.num_stages > self.pp else "loop"
+
+    def at_depth(self, num_stages: int, placement: str = "loop") -> ProfiledWorkload:
+        """The profile measured at ``num_stages`` stages in ``placement``, else this one (costs derived
+        by depth). A v = 2 profile of one placement does not price the other: the ranks' stage pairs,
+        local edges and split orders differ (a loop profile priced zbv 18-37% slow, BENCHMARKS.md)."""
+        key = (num_stages, placement if num_stages > self.pp else "loop")
+        return next((w for w in self.placements if w.key == key), self)
 
     @property
     def preset(self) -> str:
@@ -288,6 +332,9 @@ class ProfiledWorkload(FittedWorkload):
         self, pp: int, num_stages: int, microbatches: int, rng: np.random.Generator | rngs.Streams, *,
         placement: str = "loop",
     ) -> IterationSample:  # fmt: skip
+        own = self.at_depth(num_stages, placement)
+        if own is not self:
+            return own.sample(pp, num_stages, microbatches, rng, placement=placement)
         base = super().sample(pp, num_stages, microbatches, rng, placement=placement)
         prof = self.profile
         if prof is None or not prof.sizes_vary:
@@ -322,8 +369,13 @@ def _split_extra(prof: Profile) -> tuple[tuple[float, float], ...]:
 
 
 def _fit(c: OpCost) -> Fit:
-    """A unit-mean lognormal multiplier of the measured CV (none when constant or too few values)."""
-    if c.n < 5 or c.cv < 1e-9 or c.mean <= 0:
-        return Fit(c.n, c.mean, c.cv, "none", (), math.nan, math.nan, {})
-    sigma = math.sqrt(math.log1p(c.cv**2))
-    return Fit(c.n, c.mean, c.cv, "lognorm", (sigma, 0.0, math.exp(-(sigma**2) / 2)), math.nan, math.nan, {})
+    """A unit-mean lognormal multiplier of the measured CV left after the fit on tokens (none when
+    constant or too few values). Where sizes varied, most of a task's spread is its microbatch's size,
+    which :meth:`ProfiledWorkload.sample` already charges through the fit: only the residual spread,
+    ``cv * sqrt(1 - R^2)``, is jitter (charging the raw CV too priced a variable-length BERT's own
+    settings 12-15% slow)."""
+    cv = c.cv * math.sqrt(max(0.0, 1.0 - c.r2)) if math.isfinite(c.r2) and c.slope != 0 else c.cv
+    if c.n < 5 or cv < 1e-9 or c.mean <= 0:
+        return Fit(c.n, c.mean, cv, "none", (), math.nan, math.nan, {})
+    sigma = math.sqrt(math.log1p(cv**2))
+    return Fit(c.n, c.mean, cv, "lognorm", (sigma, 0.0, math.exp(-(sigma**2) / 2)), math.nan, math.nan, {})

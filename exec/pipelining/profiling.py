@@ -110,10 +110,13 @@ def profile(
         todo = settings(v, placement)
         show = progress and pipe.pp_rank == 0
         found = _measure(pipe, stage_list, todo, mbs, loss_fn, (len(tokens), steps, warmup), show)
+    clocked = found["clocked"]
+    replay_s = _replay_cost(pipe, clocked["setting"].hint, v, len(tokens), clocked["ranks"])
     prof, failed = None, [None]
     if pipe.pp_rank == 0:
         try:
             prof = _build(found, pipe.pp, v, placement, tokens, warmup)
+            prof.overhead["replay"] = replay_s
             write_profile(prof, out)
         except Exception as e:  # every rank raises it (none waits on the first rank)
             failed[0] = f"profile: cannot write {out!r}: {type(e).__name__}: {e}"
@@ -123,6 +126,43 @@ def profile(
     if failed[0] is not None:
         raise ProfileWriteError(failed[0])
     return prof
+
+
+REPLAYS = 4
+"""How many times :func:`_replay_cost` runs auto's switch; the first is not timed (it builds what later
+replays reuse, as the first replay of a run does once)."""
+
+
+def _replay_cost(pipe: _Group, hint_name: str, v: int, n: int, ranks: list[dict[str, Any]]) -> float:
+    """Seconds ``auto`` spends after each step it replays (rrfp.exec.loop.switch.AutoSwitch.end: the
+    all-gather of every rank's durations, the replay of both arms, the agreement): the switch itself run
+    :data:`REPLAYS` times on the measured mean costs (``ranks``: every rank's clocked setting, merged
+    as a calibration merges them, so every rank's safe arm plans alike), every rank at once
+    (collective); the slowest rank's mean."""
+    from rrfp.dispatch.policies import get_policy
+    from rrfp.exec.loop.switch import AutoSwitch, TaskMeter
+    from rrfp.plan.sources import make_hint
+
+    hint = make_hint(hint_name, pipe.pp, n, v)
+    merged = CostMeter()
+    for r in ranks:
+        merged.merge(CostMeter.from_plain(r["meter"]))
+    means = merged.means()
+
+    def cost(t: Any) -> float:
+        return means.get((t.stage, t.op.value), 0.0)
+
+    auto = get_policy("auto")
+    safe = get_policy(auto.arms[0]).with_costs(expected=cost, latency=0.0)
+    switch = AutoSwitch(auto, hint, pipe.pp_rank, dict.fromkeys(range(pipe.pp)), pipe.ctrl)  # type: ignore[arg-type]
+    for _ in range(REPLAYS):
+        meter = TaskMeter()
+        for t in hint.orders[pipe.pp_rank]:
+            meter.task(t, cost(t))
+        switch.end(meter, safe)
+    every: list[Any] = [None] * pipe.pp
+    dist.all_gather_object(every, float(np.mean(switch.record.cost_s[1:])), group=pipe.ctrl)
+    return max(every)
 
 
 class ProfileWriteError(PipeliningError):
