@@ -3,23 +3,24 @@
     .venv/bin/python benchmarks/advise_fidelity.py                       # 3 launches of 2 gloo ranks
     .venv/bin/python benchmarks/advise_fidelity.py --rounds 8 --width 512 --out results/advise_fidelity
 
-``--launches`` launches of 2 gloo ranks (torch.multiprocessing, 127.0.0.1; the first profiles and plans,
-each reruns the plan's trials, their steps pooled) on examples/train_mlp.py's residual MLP
-blocks (``--blocks`` in all, split into 2 stages at v = 1 or 4 at v = 2):
+``--launches`` launches of 2 gloo ranks (torch.multiprocessing, 127.0.0.1; each profiles first, the first
+also plans, each runs the plan's trials, their steps pooled) on the model's blocks (``--blocks`` in all,
+split into 2 stages at v = 1 or 4 at v = 2):
 
 1. ``rrfp.exec.profile`` on the v = 1 stages with the microbatches it will train -> ``OUT/profile.parquet``,
    and on the v = 2 stages (two a rank) in the loop and the V placement -> ``OUT/profile-v2.parquet``,
-   ``OUT/profile-v2v.parquet``;
-2. rank 0 runs ``rrfp-sim advise --profile OUT/profile.parquet,OUT/profile-v2.parquet,...`` in process
-   (each depth and placement priced by its own profile), and the same on the v = 1 profile's stage costs alone
-   (``OUT/costs-only.parquet``: no runtime overhead, free messages, I = W = B/2 -- what advise assumed
-   before profiles), and takes the profile's top ``--top`` candidates, the
-   fixed order it answers with if any, the costs-only advice's top one and fixed/1f1b, each predicted
-   by ``rrfp-sim --profile`` on both profiles, on the v = 1 profile alone (v = 2 derived by depth) and
-   on the costs alone (its ``--seeds``);
+   ``OUT/profile-v2v.parquet`` (launch k > 0: in ``OUT/launch-k/``);
+2. the first launch's rank 0 runs ``rrfp-sim advise --profile OUT/profile.parquet,OUT/profile-v2.parquet,...``
+   in process (each depth and placement priced by its own profile), and the same on the v = 1 profile's
+   stage costs alone (``OUT/costs-only.parquet``: no runtime overhead, free messages, I = W = B/2 -- what
+   advise assumed before profiles), and takes the profile's top ``--top`` candidates, the fixed order it
+   answers with if any, the costs-only advice's top one and fixed/1f1b;
 3. every rank builds each trial's ``ScheduleReadiness`` (its v's stages over the same blocks) and trains
    ``--rounds`` rounds, every trial one step a round (interleaved, so each sees the same load), timing
-   each step on every rank (the slowest rank's, the first round dropped).
+   each step on every rank (the slowest rank's, the first round dropped);
+4. each trial is predicted by ``rrfp-sim --profile`` (its ``--seeds``) on every launch's profiles, the
+   mean over launches (a launch's profile sees that launch's machine, as a user profiles right before
+   training), and on the first launch's v = 1 profile alone (v = 2 derived by depth) and costs alone.
 
 Prints the profile's own settings' measured steps (interleaved while profiling) against the prediction
 on the profile; then, per trial, the predicted step time on the profile and on its costs alone against
@@ -115,6 +116,11 @@ PROFILES = ((1, "loop", "profile.parquet"), (2, "loop", "profile-v2.parquet"),
 """(v, placement, file) of every profile the first launch measures."""
 
 
+def launch_dir(out: Path, k: int) -> Path:
+    """Where launch ``k`` writes its profiles (the first one's beside the report)."""
+    return out if k == 0 else out / f"launch-{k}"
+
+
 def profiles(out: Path) -> str:
     """``--profile``'s value: the job profiled with one and with two stages a rank (both placements)."""
     return ",".join(str(out / name) for _, _, name in PROFILES)
@@ -200,12 +206,12 @@ def rank_main(rank: int, port: int, a: argparse.Namespace, plan: list[dict[str, 
     model = build(a.model, a)
     blocks, xs, ys, loss, kws = model.blocks, model.xs, model.ys, model.loss, model.kwargs
     trials = plan
-    if trials is None:  # the first launch profiles and plans; later ones rerun its trials
-        for v, placement, name in PROFILES:  # one profile per depth and placement
-            mine = stages_for(blocks, v, placement, rank, model.stage)
-            has_first, has_last = any(s.is_first for s in mine), any(s.is_last for s in mine)
-            profile(mine, xs if has_first else None, ys if has_last else None, loss_fn=loss, kwarg_mbs=kws,
-                    out=str(out / name))  # fmt: skip
+    for v, placement, name in PROFILES:  # every launch profiles first: one per depth and placement
+        mine = stages_for(blocks, v, placement, rank, model.stage)
+        has_first, has_last = any(s.is_first for s in mine), any(s.is_last for s in mine)
+        profile(mine, xs if has_first else None, ys if has_last else None, loss_fn=loss, kwarg_mbs=kws,
+                out=str(launch_dir(out, a.launch) / name))  # fmt: skip
+    if trials is None:  # the first launch plans; later ones rerun its trials
         box: list[Any] = [plan_trials(a, out) if rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         trials = box[0]
@@ -315,9 +321,9 @@ def split_name(name: str) -> tuple[str, str, str]:
 
 
 def whatifs(out: Path, a: argparse.Namespace, trials: list[dict[str, Any]]) -> None:
-    """Cross-hint what-ifs: each launch's trace of fixed/1f1b (and of fixed/zb-h1) replayed with the
-    profile (``rrfp-sim --replay T --profile P``) as another fixed order, its warm-up step dropped; the
-    median over launches against that order's measured median step."""
+    """Cross-hint what-ifs: each launch's trace of fixed/1f1b (and of fixed/zb-h1) replayed with that
+    launch's profile (``rrfp-sim --replay T --profile P``) as another fixed order, its warm-up step
+    dropped; the median over launches against that order's measured median step."""
     from benchmarks.fidelity_goals import judge_whatif
 
     measured = {(t["trial"], t["v"]): t["measured"] for t in trials}
@@ -325,7 +331,7 @@ def whatifs(out: Path, a: argparse.Namespace, trials: list[dict[str, Any]]) -> N
     for source, targets in WHATIFS.items():
         for target, v in targets:
             traces = [trimmed(out / f"trace-{source}-{k}.parquet") for k in range(a.launches)]
-            preds = [replay(trace, out, target, v, a) for trace in traces]
+            preds = [replay(trace, launch_dir(out, k), target, v, a) for k, trace in enumerate(traces)]
             name = f"fixed/{source} -> {target} v={v}" + ("" if v == 1 else " (its v = 2 profile)")
             print(judge_whatif(name, statistics.median(preds), measured[(target, v)]).line())
 
@@ -384,6 +390,7 @@ def run_model(a: argparse.Namespace) -> None:
     plan: list[dict[str, Any]] | None = None
     steps: list[list[float]] = []
     for k in range(a.launches):  # a fresh pair of processes each: launch-to-launch spread is in the CI
+        launch_dir(out, k).mkdir(exist_ok=True)
         before = os.getloadavg()[0]
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -396,6 +403,9 @@ def run_model(a: argparse.Namespace) -> None:
         print(f"\nlaunch {k + 1}/{a.launches}: load average {before:.2f} before, {after:.2f} after (1 min)")
     for t, st in zip(plan or [], steps, strict=True):
         t["steps"], t["measured"] = st, statistics.median(st)
+        # each launch's own profiles predict its steps: the machine's drift between launches is in both
+        t["by_launch"] = [predict(profiles(launch_dir(out, k)), t, a) for k in range(a.launches)]
+        t["predicted"] = statistics.fmean(t["by_launch"])
     (out / "trials.json").write_text(json.dumps(plan, indent=1))
     report(out, load, a)
     whatifs(out, a, plan or [])

@@ -116,7 +116,8 @@ def cost_lines(cfg: ExperimentConfig, vs: Iterable[int] = ()) -> list[str]:
         for key in here:
             own = measured[key]
             lines.append(f"costs at {n} stages, {key[1]} placement: {own.profile.describe()} ({own.source})")
-        if n != prof.num_stages:
+        placements = {"loop", "v"} if n == 2 * prof.pp else {"loop"}  # the V placement has two a rank
+        if n != prof.num_stages and not placements <= {k[1] for k in here}:
             other = f" (in any other placement than {', '.join(k[1] for k in here)})" if here else ""
             lines.append(
                 f"costs: derived per layer at {n} stages{other} from the profile's {prof.num_stages} "
