@@ -4,7 +4,8 @@
 
 Every rank steps ScheduleReadiness (policy fixed, ``timeout=TIMEOUT``); rank STOPPED stops itself before
 its third step (MODE ``stop``: SIGSTOP) or ends its script there (``fewer``: it ran two steps fewer);
-with ``dead-close`` it runs every step, then dies (no exit-time end), and the others then call close().
+with ``dead-close`` it runs every step, then dies (no exit-time end), and the others then call close();
+``hung-close`` the same, but it hangs (SIGSTOP) instead of dying.
 Each other rank prints one line: ``raised <type> after <seconds> s: <message>``, the
 seconds counted from the start of the step that failed.
 """
@@ -36,7 +37,7 @@ def main() -> None:
     sched = ScheduleReadiness(stage, 4, loss_fn, policy="fixed", timeout=timeout, trace_out=trace)
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     for step in range(4):
-        if rank == stopped and step == 2 and mode != "dead-close":
+        if rank == stopped and step == 2 and not mode.endswith("-close"):
             print(f"rank {rank} stops", flush=True)
             if mode == "fewer":
                 return  # the script ends: its pipeline ends at exit
@@ -51,9 +52,11 @@ def main() -> None:
                 sched.close()  # after a failed step: this rank's completed steps, to a file of its own
                 print(f"rank {rank} closed", flush=True)
             sys.exit(3)  # as a script ends on an error (the exit-time end of the channels included)
-    if mode == "dead-close":
-        if rank == stopped:
+    if mode.endswith("-close"):
+        if rank == stopped and mode == "dead-close":
             os._exit(0)  # dies: its channels end without a close message
+        if rank == stopped:
+            os.kill(os.getpid(), signal.SIGSTOP)  # hangs: its channels stay open, silent
         time.sleep(3.0)
         start = time.monotonic()
         try:

@@ -64,6 +64,34 @@ def test_a_stopped_rank_ends_the_others_within_the_timeout(world: int, timeout: 
         assert "terminate called" not in log, log[-2000:]
 
 
+def test_close_with_a_hung_peer_ends_within_the_timeout() -> None:
+    """Every step ran; then rank 1 hangs (SIGSTOP) and rank 0 calls close(): one StageFailed line within
+    timeout + 10 s, as a step's wait would end."""
+    timeout = 10
+    port, env = str(free_port()), {**os.environ, "OMP_NUM_THREADS": "1"}
+    opts = {"env": env, "start_new_session": True, "stdout": subprocess.PIPE, "stderr": subprocess.STDOUT}
+    args = ["2", port, str(timeout), "1", "hung-close"]
+    cmd = [sys.executable, str(SCRIPT)]
+    procs = [subprocess.Popen([*cmd, str(r), *args], text=True, **opts) for r in (0, 1)]
+    try:
+        log = procs[0].communicate(timeout=timeout + 150)[0]  # set-up and four steps first
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"rank 0 did not end within {timeout + 150} s")
+    finally:
+        for p in procs:
+            for sig in (signal.SIGKILL, signal.SIGCONT):  # the hung rank's session, or what is left
+                try:
+                    os.killpg(p.pid, sig)
+                except ProcessLookupError:
+                    pass
+            p.communicate()
+            assert_no_leftovers(p.pid)
+    found = re.search(r"close raised (\w+) after ([\d.]+) s: (.*)", log)
+    assert found and procs[0].returncode == 4, log[-2000:]
+    assert found.group(1) == "StageFailed" and "\n" not in found.group(3), found.group(0)
+    assert float(found.group(2)) <= timeout + 10, found.group(0)
+
+
 def run_both(args: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
     """Both ranks of the script with ``args`` after (rank, world, port), each in its own session; their
     outputs, once both ended (at most 200 s)."""

@@ -266,13 +266,16 @@ class Transport:
             except Exception:  # gone, or not reading: it stops at its own timeout instead
                 continue
 
-    def close(self, timeout: float) -> None:
-        """Tell every peer this rank sends nothing more, and wait for the receiver threads to finish."""
+    def close(self, timeout: float) -> list[int]:
+        """Tell every peer this rank sends nothing more, and wait up to ``timeout`` for the receiver
+        threads to finish (each ends on its peer's own close). Returns the peers whose close did not
+        come by then (hung, or not closing): empty when every channel ended."""
         self.flush(timeout)
         deadline = time.monotonic() + timeout
         for work in self._post_close(strict=True):  # a peer that takes nothing fails it at the deadline
             work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
         self._join(deadline)
+        return [int(t.name.rsplit("-", 1)[1]) for t in self._threads if t.is_alive()]
 
     def shutdown(self, timeout: float) -> bool:
         """End this rank's side without a collective and without raising (a process that ends without

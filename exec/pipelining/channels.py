@@ -216,7 +216,9 @@ class ReadinessPipeline:
                 peer, why = next(iter(gone.items()))
                 raise StageFailed(f"rank {peer} is gone, the pipeline's channels cannot close: {why}")
             try:
-                self.transport.close(self.timeout)
+                silent = self.transport.close(self.timeout)
+                if silent:  # the barrier would wait out the control group's longer timeout in vain
+                    raise TimeoutError(f"rank {silent[0]} sent no close within {self.timeout:g} s (hung?)")
                 dist.barrier(group=self.ctrl)  # every peer's threads took our close before the groups go
             except Exception as e:  # a peer gone or stuck: end our side alone, then say so in one line
                 self.transport.shutdown(min(self.timeout, 5.0))
