@@ -38,7 +38,7 @@ def main() -> None:
     x, y = torch.randn(8, 8), torch.randn(8, 8)
     for step in range(4):
         if rank == stopped and step == 2 and not mode.endswith("-close"):
-            print(f"rank {rank} stops", flush=True)
+            print(f"rank {rank} stops at {time.monotonic():.3f}", flush=True)  # one clock for every process
             if mode == "fewer":
                 return  # the script ends: its pipeline ends at exit
             os.kill(os.getpid(), signal.SIGSTOP)
