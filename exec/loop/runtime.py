@@ -290,6 +290,11 @@ class PipelineRuntime:
         closed = getattr(transport, "closed_peers", None)
         if not closed:
             return
+        # A peer's receiver thread queues its last messages before it marks the peer closed: with the
+        # mark seen, an arrival not yet taken may be the very input waited for (its step ended after
+        # sending it). Take it first; the next wait checks again.
+        if not transport.inbox.empty():
+            return
         waiting, suspects = self.waiting_summary()
         for peer in suspects:
             if peer in closed:
