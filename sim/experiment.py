@@ -281,10 +281,7 @@ def charge_runtime(model: Any, workload: Workload) -> None:
     """A profiled workload's runtime costs (rrfp.traces.cost_profile.RuntimeCosts) onto ``model`` (each arm of
     auto's): every task its policy class's overhead, every flush the per-step cost; nothing otherwise. With
     profiles at several depths, the costs of the one measured at the model's depth and placement."""
-    at_depth = getattr(workload, "at_depth", None)
-    if at_depth is not None:
-        workload = at_depth(model.hint.spec.num_stages, model.hint.spec.placement)
-    runtime = getattr(workload, "runtime", None)
+    runtime = getattr(measured_at(workload, model.hint.spec), "runtime", None)
     if runtime is None:
         return
     if hasattr(model, "replay_cost"):  # auto: its exchange and replay after each replayed iteration
@@ -294,6 +291,13 @@ def charge_runtime(model: Any, workload: Workload) -> None:
         if m.hint.spec.split:
             m.op_extra = runtime.split_table(m.hint.spec.num_stages)
         m.allreduce_cost = m.allreduce_cost + runtime.per_step  # at every flush
+
+
+def measured_at(workload: Workload, spec: PipelineSpec) -> Workload:
+    """The workload that measured ``spec``'s stages and placement: with profiles at several depths
+    (rrfp.traces.cost_profile.ProfiledWorkload.at_depth) the one of that depth, else ``workload``."""
+    at_depth = getattr(workload, "at_depth", None)
+    return workload if at_depth is None else at_depth(spec.num_stages, spec.placement)
 
 
 def mean_msg_bytes(workload: Workload, spec: PipelineSpec) -> float:
@@ -322,8 +326,7 @@ def expected_cost_model(workload: Workload, spec: PipelineSpec) -> CostModel:
     """Mean seconds per task of ``workload`` on ``spec``'s stages (a fit: its per-stage means, mapped
     onto the new stages the way :meth:`FittedWorkload.sample` maps them; profiles at several depths: the
     one measured at ``spec``'s)."""
-    if hasattr(workload, "at_depth"):
-        workload = workload.at_depth(spec.num_stages, spec.placement)
+    workload = measured_at(workload, spec)
     means = workload.mean_costs(spec.pp, spec.num_stages, spec.microbatches)
     extra = getattr(getattr(workload, "runtime", None), "clocked", 0.0)  # a profile's: as calibrate adds it
     table = {op: [float(x) + extra for x in means[op.value]] for op in Op}

@@ -125,11 +125,12 @@ class Transport:
         self._polled: Any = None  # CUDA: the polled inbox (rrfp.exec.comm.cuda_recv), no receiver threads
         if device.type == "cuda" and cuda_receive() == "event":
             self._polled = self.inbox = _polled_inbox(channels, me, to_global, device, inbound, self)
-        endpoints = [] if self._polled is not None else inbound.values()
+        endpoints = [] if self._polled is not None else list(inbound.values())
         self._threads = [
             threading.Thread(target=self._receive, args=ep, name=f"rrfp-recv-{ep[0]}", daemon=True)
             for ep in endpoints
         ]
+        self._thread_peers = [ep[0] for ep in endpoints]  # global rank each receiver thread reads from
         for t in self._threads:
             t.start()
 
@@ -275,7 +276,7 @@ class Transport:
         for work in self._post_close(strict=True):  # a peer that takes nothing fails it at the deadline
             work.wait(timedelta(seconds=max(0.001, deadline - time.monotonic())))
         self._join(deadline)
-        return [int(t.name.rsplit("-", 1)[1]) for t in self._threads if t.is_alive()]
+        return [peer for peer, t in zip(self._thread_peers, self._threads, strict=True) if t.is_alive()]
 
     def shutdown(self, timeout: float) -> bool:
         """End this rank's side without a collective and without raising (a process that ends without
