@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, str] = {
     "fidelity": "~1-2 min",
     "foresight_study": "~20 s-1 min",
     "gpu_check": "~1 min (CUDA only)",
+    "gpu_library": "~1 min (CUDA only; --device cpu runs the logic)",
     "guarded_goals": "~25 s-2 min",
     "library_fidelity": "~5-7.5 min",
     "library_vs_torch": "~3-5 min ?",

@@ -26,10 +26,10 @@ force either. With NCCL, posting is an enqueue on
 the NCCL stream, so the compute thread posts it.
 
 With NCCL no thread blocks in a receive: each inbound channel keeps one receive posted on its own CUDA
-stream and the runtime loop's inbox calls poll the CUDA events recorded after them (rrfp.exec.comm.cuda_recv,
-:func:`cuda_receive`; not yet run on a GPU), so a pending receive never makes the compute stream wait,
-and a payload is fully written before the runtime sees it. ``RRFP_CUDA_RECV=thread`` keeps receiver
-threads (on their own streams) instead.
+stream and the runtime loop's inbox calls poll the CUDA events recorded after them
+(rrfp.exec.comm.cuda_recv, :func:`cuda_receive`; its inbox ran on one GPU, NCCL between ranks has not),
+so a pending receive never makes the compute stream wait, and a payload is fully written before the
+runtime sees it. ``RRFP_CUDA_RECV=thread`` keeps receiver threads (on their own streams) instead.
 A peer that dies closes the connection: the channel's thread reports a :class:`ChannelFailure`.
 
 Announcements (for policies that plan with a clock, e.g. ``backfill``): :meth:`Transport.announce` sends
@@ -397,7 +397,7 @@ def send_thread() -> bool:
 def cuda_receive() -> str:
     """How CUDA receives complete: ``event`` (the default: posted receives polled through CUDA events by
     the runtime loop, rrfp.exec.comm.cuda_recv) or ``thread`` (a receiver thread blocked in NCCL per channel,
-    as on gloo); ``RRFP_CUDA_RECV`` picks one. Neither has run on a GPU yet (README)."""
+    as on gloo); ``RRFP_CUDA_RECV`` picks one. Neither has run between GPUs yet (docs/usage.md §2)."""
     text = os.environ.get("RRFP_CUDA_RECV", "event").strip().lower()
     if text not in ("event", "thread"):
         raise TransportError(f"RRFP_CUDA_RECV must be event or thread, got {text!r}")

@@ -246,8 +246,16 @@ def _launch_config(
     every interface). SIGINT and SIGTERM are this launcher's (:meth:`JobStore.on_signal`): it tells the
     workers why before torch's agent stops them. ``grouped``: one of ``nodes`` launch groups of ``nproc``
     workers, SIGINT/SIGTERM the agent's."""
+    import dataclasses
+
     from torch.distributed.launcher.api import LaunchConfig
 
+    # torch 2.11's LaunchConfig has neither knob (it takes SIGINT/SIGTERM and waits its own 30 s)
+    known = {f.name for f in dataclasses.fields(LaunchConfig)}
+    extra = {
+        "signals_to_handle": "SIGINT,SIGTERM,SIGHUP,SIGQUIT" if grouped else "SIGHUP,SIGQUIT",
+        "shutdown_timeout": SHUTDOWN_S,
+    }
     return LaunchConfig(
         min_nodes=nodes,
         max_nodes=nodes,
@@ -262,8 +270,7 @@ def _launch_config(
         max_restarts=0,
         monitor_interval=0.1,
         start_method=cfg.start_method or default_start_method(),
-        signals_to_handle="SIGINT,SIGTERM,SIGHUP,SIGQUIT" if grouped else "SIGHUP,SIGQUIT",
-        shutdown_timeout=SHUTDOWN_S,
+        **{k: v for k, v in extra.items() if k in known},
     )
 
 

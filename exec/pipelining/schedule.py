@@ -543,7 +543,9 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
             if meter is not None:
                 self._switch(meter)
         except Exception as e:
+            self.compute.end()
             self._fail(e)
+        self.compute.end()
         if training:
             for stage in self._stages:
                 stage.perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)
