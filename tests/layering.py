@@ -294,3 +294,38 @@ if __name__ == "__main__":
     print("exec rooms:", *room_violations(found) or ["none"], sep="\n  ")
     print("dispatch drivers:", *driver_violations() or ["none"], sep="\n  ")
     print("cycles:", *[" <-> ".join(c) for c in cycles(found)] or ["none"], sep="\n  ")
+
+
+RUNNERS = {
+    ("rrfp.exec.pipelining.compute", "StageCompute"),  # every model's tasks: the library's and rrfp-run's
+    ("rrfp.exec.models.synthetic", "SyntheticRunner"),  # rrfp-run --synthetic: sleeps, no model
+}
+"""The classes allowed to implement the runtime loop's Runner protocol (one engine)."""
+
+
+def runner_classes(known: dict[str, Path] | None = None) -> list[tuple[str, str]]:
+    """(module, class) of every class in the package with the Runner protocol's methods (``run``,
+    ``finish``, ``held_tasks``), the protocol aside: a compute side the runtime loop could drive."""
+    known = modules() if known is None else known
+    out = []
+    for module, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, ast.ClassDef) or "Protocol" in _base_names(node):
+                continue  # the Runner protocol itself is no engine
+            methods = {f.name for f in node.body if isinstance(f, ast.FunctionDef)}
+            if {"run", "finish", "held_tasks"} <= methods:
+                out.append((module, node.name))
+    return out
+
+
+def _base_names(node: ast.ClassDef) -> list[str]:
+    return [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+
+
+def runner_violations(found: list[tuple[str, str]] | None = None) -> list[str]:
+    """Compute sides besides the library's StageCompute (and --synthetic's sleeper)."""
+    return [
+        f"{m}.{c}: a second compute engine (models run through rrfp.exec.pipelining.compute.StageCompute)"
+        for m, c in (runner_classes() if found is None else found)
+        if (m, c) not in RUNNERS
+    ]

@@ -51,7 +51,7 @@ Log = list  # what ran, in order: a Task (a compute) or ("shape" | "tensor", ((p
 
 
 class FakeRunner:
-    """Stands in for StageRunner. ``vary``: each output's length names its microbatch, so shapes change
+    """Stands in for StageCompute. ``vary``: each output's length names its microbatch, so shapes change
     per message (a handshake must carry them); else every message is (2, 1)."""
 
     def __init__(self, last: int, log: Log, vary: bool) -> None:

@@ -12,10 +12,13 @@ import time
 from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from execkit import run_study
+from torch.distributed.pipelining import PipelineStage
 
 import rrfp
 from rrfp.exec.comm.transport import ChannelFailure, TransportError, decode_header, encode_header
@@ -25,10 +28,11 @@ from rrfp.exec.jobs.launch import failure_report
 from rrfp.exec.loop.runtime import PipelineRuntime, RankContext
 from rrfp.exec.models.check import compare, reference
 from rrfp.exec.models.data import make_batch
-from rrfp.exec.models.layers import ColumnParallelLinear, RowParallelLinear, TPContext, WeightStash
-from rrfp.exec.models.model import build_stage, partition, unit_generator
-from rrfp.exec.models.stage import StageRunner
+from rrfp.exec.models.layers import ColumnParallelLinear, RowParallelLinear, TPContext
+from rrfp.exec.models.model import StageModule, build_stage, partition, unit_generator
 from rrfp.exec.models.synthetic import Injector, SyntheticRunner
+from rrfp.exec.pipelining.compute import StageCompute
+from rrfp.plan.spec import PipelineSpec
 from rrfp.plan.task import Op, Task
 from rrfp.workload import rng as rngs
 from rrfp.workload.model import WorkloadConfig, sample_iteration
@@ -50,51 +54,70 @@ def test_stages_compose_to_the_whole_model(cfg: ModelConfig) -> None:
         assert torch.equal(h, whole(None, mb))
 
 
-def _grads(module: torch.nn.Module, loss: torch.Tensor, wrt: list, split: bool) -> dict[str, torch.Tensor]:
-    names = {p: n for n, p in module.named_parameters()}
-    stash = WeightStash()
-    with stash if split else torch.enable_grad():
-        got = torch.autograd.grad(loss, wrt, allow_unused=True)
-    out = {names[p]: g for p, g in zip(wrt, got, strict=True) if g is not None}
-    out.update({names[p]: g for p, g in stash.weight_grads().items()})
-    return out
+@pytest.fixture
+def one_rank() -> Any:
+    """A one-rank gloo group in this process (a PipelineStage needs one), destroyed after the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _compute(cfg: ModelConfig, m: int, split: bool, ordered: bool) -> tuple[StageCompute, Any]:
+    """rrfp-run's compute on one whole-model stage (as its trials build it), begun on ``m`` microbatches."""
+    model = build_stage(cfg, 0, 1, seed=2, microbatches=m)
+    stage = PipelineStage(StageModule(model), 0, 1, torch.device("cpu"))
+    spec = PipelineSpec(pp=1, microbatches=m, split=split)
+    compute = StageCompute({0: stage}, spec, 0, loss_fn=lambda out, _t: out, fork_rng=False, ordered=ordered)
+    kwargs = [
+        {"tokens": mb.tokens, "labels": mb.labels, "images": mb.images} for mb in make_batch(cfg, 2, 0, 0, m)
+    ]
+    compute.begin([()] * m, kwargs, [0] * m, None, training=True, outputs=False, seed=0, step=0)
+    return compute, model
+
+
+def _grads_after(cfg: ModelConfig, m: int, backwards: list[Task], split: bool, ordered: bool) -> dict:
+    compute, model = _compute(cfg, m, split, ordered)
+    for mb in range(m):
+        compute.run(Task(0, Op.F, mb))
+    for task in backwards:
+        compute.run(task)
+    compute.finish()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("cfg", [SMALL, SMALL_MM], ids=["gpt", "multimodal"])
-def test_input_then_weight_backward_equals_full_backward(cfg: ModelConfig) -> None:
-    """I (input + cheap parameters, weights stashed) then W gives B's gradients, bit for bit."""
-    model = build_stage(cfg, 0, 1, seed=1, microbatches=2)
-    for mb in make_batch(cfg, 1, 0, 0, 2):
-        full = _grads(model, model(None, mb), list(model.parameters()), split=False)
-        split = _grads(model, model(None, mb), model.input_phase_params(), split=True)
-        assert full.keys() == split.keys()
-        for name in full:
-            assert torch.equal(full[name], split[name]), name
+def test_input_then_weight_backward_equals_full_backward(one_rank: Any, cfg: ModelConfig) -> None:
+    """The library's I then W on rrfp-run's model (its DeferredLinear layers, images on some
+    microbatches) gives B's gradients bit for bit, summed in microbatch order."""
+    m = 4
+    full = _grads_after(cfg, m, [Task(0, Op.B, mb) for mb in range(m)], split=False, ordered=True)
+    both = [Task(0, op, mb) for mb in range(m) for op in (Op.I, Op.W)]
+    split = _grads_after(cfg, m, both, split=True, ordered=True)
+    assert full.keys() == split.keys()
+    for name in full:
+        assert torch.equal(full[name], split[name]), name
 
 
-def _run_backwards(order: list[int], deterministic: bool) -> dict[str, torch.Tensor]:
-    model = build_stage(SMALL, 0, 1, seed=2, microbatches=8)
-    runner = StageRunner({0: model}, num_stages=1, deterministic=deterministic)
-    runner.begin(make_batch(SMALL, 2, 0, 0, 8))
-    for m in range(8):
-        runner.run(Task(0, Op.F, m))
-    for m in order:
-        runner.run(Task(0, Op.B, m))
-    runner.finish()
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
-def test_deterministic_mode_adds_in_microbatch_order_whatever_the_completion_order() -> None:
-    in_order = _run_backwards(list(range(8)), deterministic=True)
-    shuffled = list(range(8))
+def test_ordered_mode_adds_in_microbatch_order_whatever_the_completion_order(one_rank: Any) -> None:
+    m = 8
+    in_order = _grads_after(SMALL, m, [Task(0, Op.B, mb) for mb in range(m)], split=False, ordered=True)
+    shuffled = list(range(m))
     random.Random(0).shuffle(shuffled)
     assert shuffled != sorted(shuffled)
-    same = _run_backwards(shuffled, deterministic=True)
+    tasks = [Task(0, Op.B, mb) for mb in shuffled]
+    same = _grads_after(SMALL, m, tasks, split=False, ordered=True)
     assert all(torch.equal(in_order[n], same[n]) for n in in_order)
-    # Without it, fp32 sums follow completion order: some gradient's bits change.
-    loose = _run_backwards(shuffled, deterministic=False)
+    # Unordered, torch adds into .grad in completion order: some gradient's bits change.
+    loose = _grads_after(SMALL, m, tasks, split=False, ordered=False)
     assert any(not torch.equal(in_order[n], loose[n]) for n in in_order)
     assert all(torch.allclose(in_order[n], loose[n], rtol=1e-5, atol=1e-7) for n in in_order)  # ~1 ulp
+    # I and W interleaved across microbatches (W of a later one first) still sum in order.
+    split_tasks = [Task(0, Op.I, mb) for mb in range(m)] + [Task(0, Op.W, mb) for mb in reversed(range(m))]
+    a = _grads_after(SMALL, m, split_tasks, split=True, ordered=True)
+    b = _grads_after(SMALL, m, [Task(0, op, mb) for mb in range(m) for op in (Op.I, Op.W)], True, True)
+    assert all(torch.equal(a[n], b[n]) for n in a)
 
 
 def test_tp_shards_are_slices_of_the_full_weights() -> None:

@@ -18,6 +18,7 @@ from layering import (
     ALLOWED,
     EXEC_ROOMS,
     LAYERS,
+    RUNNERS,
     Edge,
     cycles,
     driver_uses,
@@ -27,6 +28,8 @@ from layering import (
     modules,
     room_of,
     room_violations,
+    runner_classes,
+    runner_violations,
     violations,
 )
 
@@ -71,6 +74,28 @@ def test_rrfp_run_trials_dispatch_only_through_schedule_readiness() -> None:
     text = trials.read_text()
     # What it builds instead: the library's schedule, and Megatron's runtime for the Megatron baseline.
     assert "ScheduleReadiness.with_options(" in text and "MegatronRuntime(" in text
+
+
+def test_rrfp_run_computes_with_the_library_and_nothing_else() -> None:
+    """One engine: rrfp-run's trials run their model through the library's StageCompute (as
+    PipelineStages), and no other compute side exists but --synthetic's."""
+    assert runner_violations() == []
+    assert sorted(runner_classes()) == sorted(RUNNERS)
+    trial_imports = {e.target for e in edges() if e.source == "rrfp.exec.jobs.trials"}
+    assert "rrfp.exec.pipelining.compute" in trial_imports
+    assert "rrfp.exec.pipelining.channels" in trial_imports  # the library's pipeline (set-up)
+    text = modules()["rrfp.exec.jobs.trials"].read_text()
+    assert "StageCompute(" in text and "PipelineStage(" in text
+
+
+def test_the_engine_check_fails_on_a_planted_compute_side(tmp_path: Path) -> None:
+    broken = tmp_path / "mine.py"
+    broken.write_text(
+        "class Mine:\n    def run(self, task):\n        return []\n\n    def finish(self):\n        pass\n\n"
+        "    def held_tasks(self):\n        return []\n"
+    )
+    bad = runner_violations(runner_classes({"rrfp.exec.models.mine": broken}))
+    assert len(bad) == 1 and "a second compute engine" in bad[0] and "Mine" in bad[0]
 
 
 @pytest.mark.parametrize(

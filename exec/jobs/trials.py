@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining import PipelineStage
 
 from rrfp.exec import faults
 from rrfp.exec.comm import liveness
@@ -40,10 +41,10 @@ from rrfp.exec.models.check import digest, local_grads
 from rrfp.exec.models.data import run_batch
 from rrfp.exec.models.layers import TPContext
 from rrfp.exec.models.memory import batch_act_bytes
-from rrfp.exec.models.model import Stage, build_stage
-from rrfp.exec.models.stage import StageRunner
+from rrfp.exec.models.model import Stage, StageModule, build_stage
 from rrfp.exec.models.synthetic import Injector, SyntheticRunner
 from rrfp.exec.pipelining.channels import ReadinessPipeline
+from rrfp.exec.pipelining.compute import StageCompute
 from rrfp.exec.pipelining.engine import DriverHooks, RuntimeFactory, ScheduleOptions, driver_stages
 from rrfp.exec.pipelining.schedule import ScheduleReadiness
 from rrfp.plan.budget import ByteBudget, parse_byte_item, resolve_budget
@@ -177,7 +178,17 @@ class RrfpTrial:
             s: build_stage(cfg.model, s, spec.num_stages, seed, m, tp).to(device)
             for s in spec.stages_of(topo.pp_rank)
         }
-        runner = StageRunner(stages, spec.num_stages, cfg.deterministic, measure=cfg.tokens is not None)
+        # The library's compute on the stages as PipelineStages (one engine: what a user's ScheduleReadiness
+        # runs). --deterministic sums each stage's gradients in microbatch order (the same bits under
+        # every policy); Megatron's P2P calls send the bare tensors.
+        group = self.ctx.pipeline.ctrl  # the pipeline's ranks: a PipelineStage's group has at most pp
+        n = spec.num_stages
+        pipe_stages = {s: PipelineStage(StageModule(m), s, n, device, group=group) for s, m in stages.items()}
+        megatron = cfg.send == "megatron" and self.trial.policy == "fixed"
+        runner = StageCompute(
+            pipe_stages, spec, topo.pp_rank, loss_fn=_stage_loss, fork_rng=False,
+            ordered=cfg.deterministic, raw=megatron, count_saved=cfg.tokens is not None,
+        )  # fmt: skip
         return stages, runner
 
     def step(self, it: int) -> None:
@@ -191,6 +202,7 @@ class RrfpTrial:
         t0 = time.monotonic()
         act = self._act if self.bytes is not None else None
         stats = schedule.run_iteration(it, sizes=sizes, act_bytes=act)
+        fill_grads(self.stages)
         with liveness.waiting(f"the DP all-reduce ({self.trial.label}, iteration {it})"):
             self._dp_allreduce(it)
         keep_grads(out, self.stages, it, cfg)
@@ -241,7 +253,13 @@ class RrfpTrial:
         if self.bytes is not None:
             num_stages = self.schedule.hint.spec.num_stages
             self._act = batch_act_bytes(self.cfg.model, batch, num_stages, self.cfg.tp)
-        self.runner.begin([mb.to(ctx.device) for mb in batch])
+        moved = [mb.to(ctx.device) for mb in batch]
+        kwargs = [{"tokens": mb.tokens, "labels": mb.labels, "images": mb.images} for mb in moved]
+        # The last stage's output is the microbatch's loss already (_stage_loss passes it through).
+        self.runner.begin(
+            [()] * len(batch), kwargs, [0] * len(batch), None,
+            training=True, outputs=False, seed=self.cfg.study.seed, step=it,
+        )  # fmt: skip
         return None if sizes is None else self.cfg.tokens.known_sizes(sizes)
 
     def _dp_allreduce(self, it: int) -> None:
@@ -262,6 +280,20 @@ class RrfpTrial:
         if self.recorder is not None:
             o, rank = self.ctx.origin, self.ctx.topo.rank
             self.recorder.add("allreduce", it, rank, None, start - o, time.monotonic() - o, nbytes=nbytes)
+
+
+def _stage_loss(out: torch.Tensor, _target: Any) -> torch.Tensor:
+    """The GPT's last stage returns its microbatch's (scaled) loss: the loss is the output."""
+    return out
+
+
+def fill_grads(stages: dict[int, Any]) -> None:
+    """Zeros for the parameters no microbatch reached (an image encoder on a text-only batch): the DP
+    all-reduce and --check take every parameter's gradient."""
+    for module in stages.values():
+        for p in module.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
 
 
 def byte_item(cfg: RunConfig, trial: TrialId) -> ByteBudget | None:

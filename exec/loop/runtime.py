@@ -50,7 +50,8 @@ from rrfp.traces.trace import TraceRecorder
 
 
 class Runner(Protocol):
-    """What the loop needs from the compute side (StageRunner or SyntheticRunner)."""
+    """What the loop needs from the compute side (rrfp.exec.pipelining.compute's StageCompute, or
+    rrfp-run's SyntheticRunner)."""
 
     inputs: dict[Task, torch.Tensor]
 

@@ -1,11 +1,9 @@
-"""Linear layers with a deferrable weight gradient, and Megatron-style tensor parallelism.
+"""Linear layers of rrfp-run's models, and Megatron-style tensor parallelism.
 
-The Zero-Bubble split runs a stage's backward in two tasks: ``I`` (gradients w.r.t. the stage input,
-which the previous stage waits for) and later ``W`` (weight gradients, which nobody waits for). Every
-weight matrix of the model lives in a :class:`DeferredLinear`; its autograd function computes the
-input gradient (and the cheap bias gradient) at once, and -- while a :class:`WeightStash` is active --
-only *records* ``(layer, x, grad_y)`` instead of computing ``grad_W = grad_y^T x``. ``W`` later
-replays the stash. Without a stash (full ``B``, the reference model) it computes everything at once.
+Every weight matrix lives in a :class:`DeferredLinear`, whose autograd function computes only the
+gradients autograd asks for: the Zero-Bubble split (torch's ``stage_backward_input`` then
+``stage_backward_weight``, run by rrfp.exec.pipelining.compute) asks for the input gradient at ``I`` and
+for ``grad_W = grad_y^T x`` at ``W``; a full backward ``B`` asks for both at once.
 
 Tensor parallelism follows Megatron: a column-parallel linear splits output features (its input
 passes through ``f``: identity forward, all-reduce backward); a row-parallel linear splits input
@@ -28,36 +26,6 @@ from torch.nn import functional as F
 INIT_STD = 0.02
 
 
-class _State:
-    # Process-wide, not thread-local: with CUDA the autograd engine runs backward functions on its own
-    # device threads. One backward runs at a time per process (the runtime loop is single-threaded).
-    stash: WeightStash | None = None
-
-
-_state = _State()
-
-
-class WeightStash(list):
-    """``(layer, x, grad_y)`` records of one (stage, microbatch) whose weight gradients are deferred."""
-
-    def __enter__(self) -> WeightStash:
-        _state.stash = self
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        _state.stash = None
-
-    def weight_grads(self) -> dict[nn.Parameter, torch.Tensor]:
-        """Replay the stash: ``grad_W = grad_y^T x`` per recorded layer (the W task)."""
-        out: dict[nn.Parameter, torch.Tensor] = {}
-        for layer, x, gy in self:
-            if layer.weight in out:
-                raise RuntimeError(f"layer {layer.name!r} recorded twice in one backward")
-            out[layer.weight] = weight_grad(x, gy)
-        self.clear()
-        return out
-
-
 def weight_grad(x: torch.Tensor, gy: torch.Tensor) -> torch.Tensor:
     """grad of ``y = x W^T`` w.r.t. W: (out, in) from x (..., in) and grad_y (..., out)."""
     return gy.reshape(-1, gy.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
@@ -75,18 +43,12 @@ class _LinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         gx = gy.matmul(weight) if ctx.needs_input_grad[0] else None
         gb = gy.reshape(-1, gy.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        gw = None
-        if ctx.needs_input_grad[1]:
-            stash = _state.stash
-            if stash is None:
-                gw = weight_grad(x, gy)
-            else:
-                stash.append((ctx.layer, x, gy))
+        gw = weight_grad(x, gy) if ctx.needs_input_grad[1] else None
         return gx, gw, gb, None
 
 
 class DeferredLinear(nn.Module):
-    """``y = x W^T + b`` whose weight gradient can be deferred to a W task (see module docstring)."""
+    """``y = x W^T + b``, each gradient computed only when asked for (see module docstring)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, name: str = "") -> None:
         super().__init__()

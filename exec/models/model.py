@@ -165,11 +165,6 @@ class Stage(nn.Module):
             h = blk(h)
         return self.head(h, mb, self.scale) if self.head is not None else h
 
-    def input_phase_params(self) -> list[nn.Parameter]:
-        """Parameters whose gradients the I task computes: all but deferred weight matrices."""
-        deferred = {id(m.weight) for m in self.modules() if isinstance(m, DeferredLinear)}
-        return [p for p in self.parameters() if id(p) not in deferred]
-
 
 def partition(layers: int, num_stages: int) -> list[tuple[int, int]]:
     """[first, last) block range per stage: an even split, earlier stages take the remainder."""
@@ -184,6 +179,23 @@ def partition(layers: int, num_stages: int) -> list[tuple[int, int]]:
         out.append((start, start + n))
         start += n
     return out
+
+
+class StageModule(nn.Module):
+    """A :class:`Stage` as torch's pipelining calls a stage module -- ``forward(x=None, *, tokens, labels,
+    images=None)``, the previous stage's output positional (none on stage 0) and the microbatch as keyword
+    arguments -- so rrfp-run's trials run it as a ``PipelineStage`` through the library's compute
+    (rrfp.exec.pipelining.compute). The stage's parameters are its own (``self.stage``)."""
+
+    def __init__(self, stage: Stage) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(
+        self, x: torch.Tensor | None = None, *, tokens: torch.Tensor, labels: torch.Tensor,
+        images: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        return self.stage(x, Microbatch(tokens, labels, images))
 
 
 def build_stage(

@@ -63,7 +63,8 @@ class Injector:
 
 
 class SyntheticRunner:
-    """Stands in for :class:`~rrfp.exec.models.stage.StageRunner`: tasks sleep their sampled durations."""
+    """Stands in for :class:`~rrfp.exec.pipelining.compute.StageCompute`: tasks sleep their sampled
+    durations."""
 
     def __init__(
         self,

@@ -18,6 +18,12 @@ a task start; it returns the messages the task produces as ``(consumer task, pay
   (W does nothing) from then on, saying so once with ``warnings.warn``.
 * Outputs that do not require grad (an integer mask passed through) get a None gradient; a None
   gradient skips its output in the backward.
+
+rrfp-run drives its trials with this compute too, with three settings the library's ``step()`` does not
+use: ``ordered`` (parameter gradients summed in microbatch order, rrfp.exec.pipelining.accumulate: the same
+bits under every policy), ``raw`` (messages are the single tensor itself, not packed: Megatron's P2P
+calls send fixed-shape tensors) and ``count_saved`` (each forward's autograd-saved bytes into
+:attr:`StageCompute.saved`).
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
+from rrfp.exec.models.memory import SavedBytes
+from rrfp.exec.pipelining.accumulate import Ordered
 from rrfp.exec.pipelining.codec import forward_only, pack, unpack
-from rrfp.exec.pipelining.errors import LossError, MicrobatchError, StageIOError
+from rrfp.exec.pipelining.errors import LossError, MicrobatchError, StageIOError, StageLayoutError
 from rrfp.exec.pipelining.memory import ForwardBytes
 from rrfp.exec.pipelining.wrapped import fsdp_groups
 from rrfp.plan.spec import PipelineSpec
@@ -55,9 +63,20 @@ class StageCompute:
     """One rank's ``PipelineStage`` objects (``{stage index: stage}``) and one step's compute state."""
 
     def __init__(
-        self, stages: dict[int, Any], spec: PipelineSpec, pp_rank: int, loss_fn: Any, fork_rng: bool
-    ) -> None:
+        self, stages: dict[int, Any], spec: PipelineSpec, pp_rank: int, loss_fn: Any, fork_rng: bool,
+        *, ordered: bool = False, raw: bool = False, count_saved: bool = False,
+    ) -> None:  # fmt: skip
+        """``ordered``, ``raw``, ``count_saved``: rrfp-run's settings (module docstring)."""
         self.stages, self.spec, self.pp_rank = stages, spec, pp_rank
+        self.raw = raw
+        self._ordered: Ordered | None = None
+        if ordered:
+            if any(fsdp_groups(st.submod)[0] or hasattr(st.submod, "no_sync") for st in stages.values()):
+                raise StageLayoutError("ordered gradient sums need plain stage modules, not DDP or FSDP")
+            self._ordered = Ordered({s: list(st.submod.parameters()) for s, st in stages.items()})
+        self._saved = {s: SavedBytes(st.submod) for s, st in stages.items()} if count_saved else None
+        self.saved: list[tuple[int, int, int]] = []
+        """``count_saved``: (stage, microbatch, bytes autograd saved) of each forward of the step."""
         self.last = spec.num_stages - 1
         self.loss_fn, self.fork_rng = loss_fn, fork_rng
         self.forks = _Forks()
@@ -97,6 +116,9 @@ class StageCompute:
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
         self._done: dict[tuple[int, Op], int] = {}  # backward tasks finished per (stage, op)
+        self.saved = []
+        if self._ordered is not None and training:
+            self._ordered.begin()
 
     # -- the Runner protocol --------------------------------------------------------------------
     def run(self, task: Task) -> list[tuple[Task, Any]]:
@@ -108,8 +130,12 @@ class StageCompute:
             return [self._message(Task(task.stage - 1, task.op, task.mb), None)]
         if task.op is Op.W:
             self._weight(task)
-            return []
-        return self._backward(task)
+            out: list[tuple[Task, Any]] = []
+        else:
+            out = self._backward(task)
+        if self._ordered is not None:  # I leaves its microbatch open until its W
+            self._ordered.take(task.stage, task.mb, final=task.op is not Op.I)
+        return out
 
     def end(self) -> None:
         """After a step, whether it finished or failed: the user's RNG states back (the forwards ran
@@ -119,6 +145,13 @@ class StageCompute:
     def finish(self) -> None:
         left = len(self.held) + len(self.w_state)
         assert left == 0, f"{left} microbatches never finished their backward"
+        if self._ordered is not None and self.training:
+            self._ordered.write()
+
+    @property
+    def loss(self) -> float:
+        """This rank's share of the step's loss: the sum of its last stage's microbatch losses."""
+        return sum(float(self.losses[m]) for m in sorted(self.losses))
 
     def held_tasks(self) -> list[str]:
         return [f"{s}F{m}" for s, m in self.held] + [f"{s}I{m} (W pending)" for s, m in self.w_state]
@@ -131,7 +164,9 @@ class StageCompute:
             args = self.arg_mbs[m]
         else:
             got = self.inputs.pop(task)
-            if isinstance(got, torch.Tensor):
+            if isinstance(got, torch.Tensor) and self.raw:
+                got = (got,)
+            elif isinstance(got, torch.Tensor):
                 got, training = unpack(got)
                 if training != self.training:
                     raise MicrobatchError(_disagree(s - 1, s, m, training))
@@ -144,6 +179,10 @@ class StageCompute:
                 with self.bytes.counters[s].counting() as counter:
                     out = stage.forward_maybe_with_nosync(*args, **kwargs)
                 self.bytes.record(s, self.sizes[m], counter.total)
+            elif self._saved is not None and self.training:
+                with self._saved[s].counting() as counter:
+                    out = stage.forward_maybe_with_nosync(*args, **kwargs)
+                self.saved.append((s, m, counter.total))
             else:
                 out = stage.forward_maybe_with_nosync(*args, **kwargs)
         outs = _as_tuple(out, s)
@@ -169,6 +208,10 @@ class StageCompute:
         """A payload for ``consumer``: packed for another rank, the tuple itself for this one."""
         if self.spec.rank_of(consumer.stage) == self.pp_rank:
             return consumer, values
+        if self.raw:
+            if values is None or len(values) != 1 or not isinstance(values[0], torch.Tensor):
+                raise StageIOError(f"a raw message to {consumer} must be one tensor")
+            return consumer, values[0]
         if values is None:
             return consumer, forward_only(next(iter(self.stages.values())).device)
         return consumer, pack(values, self.training)
@@ -181,7 +224,10 @@ class StageCompute:
         if s == self.last:
             return args, [outs], None
         got = self.inputs.pop(task)
-        grads = unpack(got)[0] if isinstance(got, torch.Tensor) else got
+        if isinstance(got, torch.Tensor):
+            grads = (got,) if self.raw else unpack(got)[0]
+        else:
+            grads = got
         if grads is None:
             raise MicrobatchError(_disagree(s + 1, s, m, False))
         if len(grads) != len(outs):
