@@ -88,6 +88,16 @@ def test_rrfp_run_computes_with_the_library_and_nothing_else() -> None:
     assert "StageCompute(" in text and "PipelineStage(" in text
 
 
+def test_channels_are_built_in_one_place() -> None:
+    """One channel builder: only the library's ReadinessPipeline makes channel groups (the groups that
+    never time out) and a Transport over them; rrfp-run's worker builds a ReadinessPipeline."""
+    makers = sorted(m for m, path in modules().items() if "timeout=CHANNEL_TIMEOUT" in path.read_text())
+    assert makers == ["rrfp.exec.pipelining.channels"], makers
+    builders = sorted(m for m, path in modules().items() if "Transport(" in path.read_text())
+    assert builders == ["rrfp.exec.pipelining.channels"], builders
+    assert "ReadinessPipeline(" in modules()["rrfp.exec.jobs.worker"].read_text()
+
+
 def test_the_engine_check_fails_on_a_planted_compute_side(tmp_path: Path) -> None:
     broken = tmp_path / "mine.py"
     broken.write_text(

@@ -11,14 +11,17 @@ Groups:
   gloo twin for the scheduling agreement (a tiny CPU all-gather, also with NCCL).
 * ``dp``       -- the DP group (backend of the run) for the gradient all-reduce after the flush.
 * ``pp``       -- this rank's pipeline (fixed tp, dp): only torch's baseline schedules use it.
-* ``channels`` -- one group per directed pipeline channel (src pp rank -> dst pp rank) of this rank's
-  pipeline, so a receive pending on one channel never blocks traffic on another (docs/design.md §5).
+
+The pipeline's channels -- one group per directed channel (src pp rank -> dst pp rank), so a receive
+pending on one channel never blocks traffic on another (docs/design.md §5) -- are the library's
+(rrfp.exec.pipelining.channels.ReadinessPipeline, :data:`CHANNEL_TIMEOUT`), built by rrfp-run's worker
+as a user's schedule builds them.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -92,8 +95,6 @@ class Groups:
     tp_ctrl: Any = None
     dp: Any = None
     pp: Any = None
-    channels: dict[tuple[int, int], Any] = field(default_factory=dict)
-    """(src pp rank, dst pp rank) -> group, only channels this rank takes part in."""
 
 
 def pick_backend(requested: str) -> str:
@@ -143,16 +144,10 @@ def build_groups(topo: Topology, backend: str, timeout_s: float) -> Groups:
 
 
 def _pipeline_groups(topo: Topology, groups: Groups, wait: timedelta, backend: str) -> None:
-    pp_r, tp_r, dp_r = topo.coords()
+    _, tp_r, dp_r = topo.coords()
     for d in range(topo.dp):
         for t in range(topo.tp):
-            mine = (t, d) == (tp_r, dp_r)
             ranks = [topo.global_rank(p, t, d) for p in range(topo.pp)]
             g = dist.new_group(ranks, timeout=wait, backend=backend) if topo.pp > 1 else None
-            if mine:
+            if (t, d) == (tp_r, dp_r):
                 groups.pp = g
-            for src, dst in ring_channels(topo.pp):
-                pair = [topo.global_rank(src, t, d), topo.global_rank(dst, t, d)]
-                ch = dist.new_group(sorted(pair), timeout=CHANNEL_TIMEOUT, backend=backend)
-                if mine and pp_r in (src, dst):
-                    groups.channels[(src, dst)] = ch

@@ -32,7 +32,6 @@ from rrfp.exec.comm import liveness
 from rrfp.exec.comm.board import open_board
 from rrfp.exec.comm.topology import CTRL_MIN_TIMEOUT_S, Topology, build_groups, pick_backend, pick_device
 from rrfp.exec.comm.topology import topology_from_env as _topology_from_env
-from rrfp.exec.comm.transport import Transport
 from rrfp.exec.config import RunConfig, clocked_policy, switch_interval
 from rrfp.exec.jobs import stores
 from rrfp.exec.jobs.trials import RrfpTrial, TrialContext, TrialOutcome
@@ -113,15 +112,14 @@ class Worker:
         """Process groups, channels, clocks and the start board (collectives over every rank)."""
         cfg = self.cfg
         self.groups = build_groups(self.topo, self.backend, cfg.timeout)
-        self.transport = None
-        if cfg.study.pp > 1:
-            to_global = self.topo.global_rank
-            self.transport = Transport(self.groups.channels, self.topo.pp_rank, to_global, self.device)
+        # The library's pipeline builds this rank's channels, transport and control groups, as a user's
+        # ScheduleReadiness does (one channel builder); every trial's schedule runs on it.
+        self.pipeline = ReadinessPipeline(pipeline_ranks(self.topo, cfg.timeout), self.device, cfg.timeout)
+        self.transport = self.pipeline.transport
         hosts = host_names(self.groups.ctrl)
         self.offset = 0.0 if len(set(hosts)) == 1 else _ping_pong(self.groups.ctrl, 8)
         if self.transport is not None:
             self.transport.offset = self.offset  # times on the wire are on rank 0's clock
-        self.pipeline_ctrl = pipeline_ctrl(self.topo, cfg.timeout)
         self.announce = resolve_announce(cfg, hosts)
         self.board, self.board_base, self.board_running = None, 0, -1
         if self.announce == "board":
@@ -189,12 +187,9 @@ class Worker:
         loop = RankContext(
             t.rank, t.pp_rank, t.global_rank, self.transport, self.groups.tp_ctrl, self.cfg.timeout,
             origin=origin, board=self.board, board_base=self.board_base, board_running=self.board_running,
+            early=self.pipeline.early,
         )  # fmt: skip
-        ranks = [t.global_rank(p) for p in range(t.pp)]
-        pipe = ReadinessPipeline.over(
-            self.transport, ranks, self.pipeline_ctrl, self.device, self.cfg.timeout, early=loop.early
-        )
-        return TrialContext(self.cfg, t, self.groups, self.device, loop, self.announce, pipe)
+        return TrialContext(self.cfg, t, self.groups, self.device, loop, self.announce, self.pipeline)
 
     @staticmethod
     def _make(ctx: TrialContext, index: int, trial: TrialId) -> Any:
@@ -207,8 +202,7 @@ class Worker:
     def close(self) -> None:
         with liveness.waiting("every rank to close its channels", setup=True):
             dist.barrier(group=self.groups.ctrl)
-            if self.transport is not None:
-                self.transport.close(self.cfg.timeout)
+            self.pipeline.close()  # its channels: every peer's close taken, then the groups freed
             dist.barrier(group=self.groups.ctrl)
         if self.board is not None:
             self.board.close()
@@ -346,10 +340,10 @@ def progress_bar(cfg: RunConfig, total: int, rank0: bool) -> Any:
     return tqdm(total=total, disable=not enabled, file=stream, desc="rrfp-run", unit="it", leave=False)
 
 
-def pipeline_ctrl(topo: Topology, timeout_s: float) -> Any:
-    """A gloo group over this rank's pipeline (same tp and dp ranks), where the trials' schedules agree
-    on their set-up (rrfp.exec.pipelining.channels.ReadinessPipeline.over); every pipeline's is created,
-    in one order on every rank (new_group is collective)."""
+def pipeline_ranks(topo: Topology, timeout_s: float) -> Any:
+    """A gloo group over this rank's pipeline (same tp and dp ranks): what ReadinessPipeline reads the
+    pipeline's ranks from (a pipeline of one rank too); every pipeline's is created, in one order on every
+    rank (new_group is collective)."""
     wait = timedelta(seconds=max(timeout_s, CTRL_MIN_TIMEOUT_S))
     _, tp_rank, dp_rank = topo.coords()
     mine = None

@@ -135,9 +135,8 @@ class ReadinessPipeline:
         """A pipeline on channels its caller already has (not collective): ``transport`` between this
         pipeline's ranks (None: one rank), their global ``ranks`` in pipeline order, ``ctrl`` a gloo group
         of exactly those ranks (set-up agreement), ``early`` the mailbox shared with the caller's other
-        loops on the same transport, ``group`` the stages' process group (None: ``ctrl``). rrfp-run's
-        worker builds one over its own transport, shared by every trial. :meth:`close` leaves the
-        transport and groups to their owner."""
+        loops on the same transport, ``group`` the stages' process group (None: ``ctrl``), for a driver
+        that owns its channels. :meth:`close` leaves the transport and groups to their owner."""
         self = cls.__new__(cls)
         self.device, self.ranks, self.rank = torch.device(device), list(ranks), dist.get_rank()
         if self.rank not in self.ranks:

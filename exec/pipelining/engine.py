@@ -1,12 +1,14 @@
-"""Extension points of :class:`~rrfp.exec.pipelining.schedule.ScheduleReadiness` for a driver that brings
-its own compute -- rrfp-run's trials (rrfp.exec.jobs.trials) are one.
+"""Extension points of :class:`~rrfp.exec.pipelining.schedule.ScheduleReadiness` for a driver that runs
+its own iteration loop -- rrfp-run's trials (rrfp.exec.jobs.trials) are one.
 
-A torch user hands the schedule ``PipelineStage`` objects and it computes them itself
-(rrfp.exec.pipelining.compute). A driver with a compute of its own (anything with the runtime loop's
-``Runner`` protocol, rrfp.exec.loop.runtime: run a task, return its messages) passes it in
-:class:`DriverHooks` instead, together with what its loop needs around the dispatch::
+A torch user hands the schedule ``PipelineStage`` objects and ``step()`` computes them
+(rrfp.exec.pipelining.compute). A driver that feeds its own data, jitter and records each iteration
+passes the compute in :class:`DriverHooks` instead (anything with the runtime loop's ``Runner`` protocol,
+rrfp.exec.loop.runtime: run a task, return its messages; rrfp-run passes the library's own
+``StageCompute`` over its ``PipelineStage`` objects), together with what its loop needs around the
+dispatch::
 
-    pipe = ReadinessPipeline.over(transport, ranks, ctrl, device, timeout, early)   # once, every rank
+    pipe = ReadinessPipeline(group, device, timeout)   # once, every rank (or .over() channels you own)
     stages = driver_stages(pipe, spec.stages_of(pp_rank), spec.num_stages)
     hooks = DriverHooks(compute=runner, loop=ctx, number=index, ...)
     schedule = ScheduleReadiness.with_options(stages, m, hint=..., policy=..., memory_budget=...,
