@@ -113,7 +113,7 @@ def _cli(args: list[str]) -> dict[str, Any]:
 
 PROFILES = ((1, "loop", "profile.parquet"), (2, "loop", "profile-v2.parquet"),
             (2, "v", "profile-v2v.parquet"))  # fmt: skip
-"""(v, placement, file) of every profile the first launch measures."""
+"""(v, placement, file) of every profile each launch measures."""
 
 
 def launch_dir(out: Path, k: int) -> Path:

@@ -240,10 +240,10 @@ class RuntimeCosts:
     """Seconds every iteration spends outside the dispatch loop, charged at its flush."""
     split: float = 0.0
     split_extra: tuple[tuple[float, float], ...] = ()
-    replay: float = 0.0
-    """Seconds ``auto`` adds after each iteration it replays (sim.auto.AutoModel charges it)."""
     """Per profiled stage: seconds an I and a W task take beyond their share of the measured B (a split
     backward walks the graph twice: I + W > B), charged on split hints only."""
+    replay: float = 0.0
+    """Seconds ``auto`` adds after each iteration it replays (sim.auto.AutoModel charges it)."""
 
     def per_task(self, clocked: bool, split: bool = False) -> float:
         """Overhead seconds per task of a policy that ticks a clock (``clocked``) or not, on a split

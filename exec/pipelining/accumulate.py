@@ -19,10 +19,9 @@ Grads = dict[Any, torch.Tensor]
 
 
 class Accumulator:
-    """Sum of per-microbatch gradients of one stage, in completion or in microbatch order."""
+    """Sum of per-microbatch gradients of one stage, in microbatch order."""
 
-    def __init__(self, ordered: bool) -> None:
-        self.ordered = ordered
+    def __init__(self) -> None:
         self.total: Grads = {}
         self._partial: dict[int, Grads] = {}  # mb -> grads so far (I done, W not yet)
         self._ready: dict[int, Grads] = {}  # complete microbatches waiting for an earlier one
@@ -30,9 +29,6 @@ class Accumulator:
 
     def add(self, mb: int, grads: Grads, final: bool) -> None:
         """``grads`` of microbatch ``mb`` (a part of them when not ``final``: I before W)."""
-        if not self.ordered:
-            self._sum(grads)
-            return
         part = self._partial.setdefault(mb, {})
         for p, g in grads.items():  # I and W of one microbatch may both give a parameter's gradient
             part[p] = g if p not in part else part[p] + g
@@ -68,11 +64,11 @@ class Ordered:
 
     def __init__(self, params: dict[int, list[torch.nn.Parameter]]) -> None:
         self.params = params
-        self.acc = {s: Accumulator(True) for s in params}
+        self.acc = {s: Accumulator() for s in params}
 
     def begin(self) -> None:
         """A step starts: no gradient in ``.grad`` (each task's own is taken out as it ends)."""
-        self.acc = {s: Accumulator(True) for s in self.params}
+        self.acc = {s: Accumulator() for s in self.params}
         for params in self.params.values():
             for p in params:
                 p.grad = None

@@ -40,7 +40,7 @@ from rrfp.exec.pipelining.accumulate import Ordered
 from rrfp.exec.pipelining.codec import forward_only, pack, unpack
 from rrfp.exec.pipelining.errors import LossError, MicrobatchError, StageIOError, StageLayoutError
 from rrfp.exec.pipelining.memory import ForwardBytes
-from rrfp.exec.pipelining.wrapped import fsdp_groups
+from rrfp.exec.pipelining.wrapped import ddp_stages, fsdp_groups
 from rrfp.plan.spec import PipelineSpec
 from rrfp.plan.task import Op, Task
 
@@ -71,7 +71,7 @@ class StageCompute:
         self.raw = raw
         self._ordered: Ordered | None = None
         if ordered:
-            if any(fsdp_groups(st.submod)[0] or hasattr(st.submod, "no_sync") for st in stages.values()):
+            if ddp_stages(list(stages.values())) or any(fsdp_groups(st.submod)[0] for st in stages.values()):
                 raise StageLayoutError("ordered gradient sums need plain stage modules, not DDP or FSDP")
             self._ordered = Ordered({s: list(st.submod.parameters()) for s, st in stages.items()})
         self._saved = {s: SavedBytes(st.submod) for s, st in stages.items()} if count_saved else None
