@@ -28,11 +28,10 @@ def free_port() -> int:
 @pytest.mark.parametrize(("world", "timeout", "stopped"), [(2, 10, 1), (2, 30, 0), (4, 10, 1), (4, 30, 2)])
 def test_a_stopped_rank_ends_the_others_within_the_timeout(world: int, timeout: int, stopped: int) -> None:
     """Each other rank raises one StageFailed line within timeout + 10 s of the start of the step that
-    failed, and its process has ended within timeout + 12 s of the moment the rank stopped (the
-    processes share CLOCK_MONOTONIC: the stopped rank prints when it stops). A rank that waited in vain
-    on the stopped one does not wait for that channel's close at its exit (it never comes): it ends
-    ~1 s after its raise. A rank told by another waits up to 2 s at exit for its channels' closes
-    (measured: 16-18 s after the stop at timeout 10, one rank at 20.1 s of 4)."""
+    failed, and its process has ended within timeout + 15 s of the moment the rank stopped (the
+    processes share CLOCK_MONOTONIC: the stopped rank prints when it stops). The exit takes ~2.5 s
+    after the raise: the channels' exit-time end waits up to 2 s for the neighbours (measured: 18-20 s
+    after the stop at timeout 10)."""
     port, env = str(free_port()), {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = {
         r: subprocess.Popen(
@@ -74,8 +73,7 @@ def test_a_stopped_rank_ends_the_others_within_the_timeout(world: int, timeout: 
         assert seconds <= timeout + 10, f"rank {r} raised after {seconds} s (timeout {timeout}): {text}"
         assert "terminate called" not in log, log[-2000:]
     (stop,) = [float(m) for m in re.findall(r"rank \d+ stops at ([\d.]+)", stops)]
-    print("ended after the stop (s):", {r: round(t - stop, 1) for r, t in ended.items()})
-    late = {r: round(t - stop, 1) for r, t in ended.items() if t - stop > timeout + 12}
+    late = {r: round(t - stop, 1) for r, t in ended.items() if t - stop > timeout + 15}
     assert not late, f"ranks ended this many s after the stop (timeout {timeout}): {late}"
 
 

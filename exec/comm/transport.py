@@ -278,11 +278,6 @@ class Transport:
         self._join(deadline)
         return [peer for peer, t in zip(self._thread_peers, self._threads, strict=True) if t.is_alive()]
 
-    @property
-    def thread_peers(self) -> list[int]:
-        """The global rank each receiver thread reads from."""
-        return list(self._thread_peers)
-
     def shutdown(self, timeout: float) -> bool:
         """End this rank's side without a collective and without raising (a process that ends without
         ``close()``): flush, tell every peer that is still there that this rank sends nothing more, and

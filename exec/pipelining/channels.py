@@ -122,8 +122,6 @@ class ReadinessPipeline:
         self.closed = False
         self.broken: str | None = None
         """Why the channels carry nothing more (a step failed), or None."""
-        self.hung: set[int] = set()
-        """Global ranks a failed step waited for in vain (alive, not sending): their channels never close."""
         if owned and self.transport is not None:
             endings.track(self)  # ended at destroy_process_group or exit if never closed
 
@@ -240,13 +238,8 @@ class ReadinessPipeline:
         endings.untrack(self)
         if self.transport is None or not self._owned:
             return
-        # After a failed step a peer may be hung for good: its channel never closes, so wait briefly --
-        # not at all when this rank's failed step waited in vain on a neighbour: its receiver thread
-        # stays in gloo, so the groups cannot be destroyed whatever the wait (the closes are still sent).
-        wait = self.timeout if self.broken is None else ABORT_WAIT
-        if self.hung & set(self.transport.thread_peers):
-            wait = 0.0
-        if self.transport.shutdown(wait):
+        # After a failed step a peer may be hung for good: its channel never closes, so wait briefly.
+        if self.transport.shutdown(self.timeout if self.broken is None else ABORT_WAIT):
             for g in self._groups:
                 try:
                     dist.destroy_process_group(g)

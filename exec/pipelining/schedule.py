@@ -667,8 +667,6 @@ class ScheduleReadiness(DriverSteps, PipelineScheduleMulti):
         StageFailed naming that rank and the type."""
         pipe = self.pipeline
         pipe.abort(one_line(e))
-        if isinstance(e, WaitTimeoutError):  # their channels never close: the exit-time end skips them
-            pipe.hung.update(e.suspects)
         follower = isinstance(e, (LostPeerError, WaitTimeoutError))
         me = (pipe.rank, not follower, type(e).__name__, one_line(e))
         views: list[Any] = [None] * pipe.pp
